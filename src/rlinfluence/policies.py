@@ -1,0 +1,198 @@
+"""Actor-critic networks with categorical and diagonal-Gaussian heads.
+
+The networks follow Stable-Baselines3's ``ActorCriticPolicy`` defaults, which the paper's
+baseline used: separate 64-64 tanh MLPs for the actor and the critic, orthogonal init with gain
+sqrt(2) for hidden layers, 0.01 for the action head and 1 for the value head, zero biases, and a
+state-independent ``log_std`` (init 0) for continuous actions. For image observations
+(MiniGrid) a small CNN encoder is *shared* by actor and critic, as in the authors' MiniGrid run.
+
+Every policy exposes the contract that attribution relies on:
+
+- ``log_prob(obs, actions) -> Tensor[N]``: log pi_theta(a|s), differentiable;
+- ``policy_parameters()``: every parameter ``log_prob`` depends on (encoder, actor, action
+  head, ``log_std``) and nothing that only the value function uses.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch import nn
+
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+def orthogonal_init(module: nn.Module, gain: float) -> None:
+    """Orthogonal weights with ``gain`` and zero biases for every Linear/Conv2d in ``module``."""
+    for layer in module.modules():
+        if isinstance(layer, (nn.Linear, nn.Conv2d)):
+            nn.init.orthogonal_(layer.weight, gain=gain)
+            nn.init.zeros_(layer.bias)
+
+
+def mlp(in_dim: int, hidden_sizes: Sequence[int], activation: type[nn.Module] = nn.Tanh) -> nn.Sequential:
+    """``Linear -> activation`` blocks; an empty ``hidden_sizes`` gives the identity."""
+    layers: list[nn.Module] = []
+    for size in hidden_sizes:
+        layers += [nn.Linear(in_dim, size), activation()]
+        in_dim = size
+    return nn.Sequential(*layers)
+
+
+class FlattenEncoder(nn.Module):
+    """Flattens vector observations to ``[N, prod(obs_shape)]`` floats (no parameters)."""
+
+    def __init__(self, obs_shape: Sequence[int]):
+        super().__init__()
+        self.out_dim = int(np.prod(obs_shape))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return obs.reshape(obs.shape[0], -1).float()
+
+
+class MiniGridCNN(nn.Module):
+    """The authors' MiniGrid feature extractor for 7x7x3 (HWC, uint8) image observations.
+
+    conv 3->16 k3, ReLU, conv 16->32 k3, ReLU, flatten, linear -> 64, ReLU. Inputs are divided
+    by 255 and transposed to CHW, as SB3 preprocesses image spaces.
+    """
+
+    def __init__(self, obs_shape: Sequence[int], features_dim: int = 64):
+        super().__init__()
+        height, width, channels = obs_shape
+        self.convs = nn.Sequential(
+            nn.Conv2d(channels, 16, kernel_size=3), nn.ReLU(),
+            nn.Conv2d(16, 32, kernel_size=3), nn.ReLU(),
+            nn.Flatten(),
+        )
+        n_flat = 32 * (height - 4) * (width - 4)
+        self.linear = nn.Sequential(nn.Linear(n_flat, features_dim), nn.ReLU())
+        self.out_dim = features_dim
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        x = obs.float().permute(0, 3, 1, 2) / 255.0
+        return self.linear(self.convs(x))
+
+
+class ActorCritic(nn.Module):
+    """Actor-critic: ``encoder`` (shared) -> separate actor / critic MLPs -> heads.
+
+    Discrete actions: logits = action_head(actor(h)), pi = softmax(logits).
+    Continuous actions: mean = action_head(actor(h)), pi = N(mean, diag(exp(log_std))^2).
+    """
+
+    def __init__(
+        self,
+        observation_space: gym.spaces.Box,
+        action_space: gym.spaces.Space,
+        hidden_sizes: Sequence[int] = (64, 64),
+        encoder: str = "flatten",
+    ):
+        super().__init__()
+        obs_shape = observation_space.shape
+        if encoder == "cnn":
+            self.encoder: nn.Module = MiniGridCNN(obs_shape)
+        elif encoder == "flatten":
+            self.encoder = FlattenEncoder(obs_shape)
+        else:
+            raise ValueError(f"unknown encoder {encoder!r} (expected 'flatten' or 'cnn')")
+        feat_dim = self.encoder.out_dim
+        latent_dim = hidden_sizes[-1] if hidden_sizes else feat_dim
+        self.actor = mlp(feat_dim, hidden_sizes)
+        self.critic = mlp(feat_dim, hidden_sizes)
+
+        self.continuous = isinstance(action_space, gym.spaces.Box)
+        if self.continuous:
+            act_dim = int(np.prod(action_space.shape))
+            self.action_head = nn.Linear(latent_dim, act_dim)
+            self.log_std = nn.Parameter(torch.zeros(act_dim))
+        elif isinstance(action_space, gym.spaces.Discrete):
+            self.action_head = nn.Linear(latent_dim, int(action_space.n))
+        else:
+            raise ValueError(f"unsupported action space {action_space} (Discrete or Box only)")
+        self.value_head = nn.Linear(latent_dim, 1)
+
+        orthogonal_init(self.encoder, math.sqrt(2))
+        orthogonal_init(self.actor, math.sqrt(2))
+        orthogonal_init(self.critic, math.sqrt(2))
+        orthogonal_init(self.action_head, 0.01)
+        orthogonal_init(self.value_head, 1.0)
+
+    # -- distribution -------------------------------------------------------------------
+    def _dist_params(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features h, actor output): logits, or the Gaussian mean."""
+        h = self.encoder(obs)
+        return h, self.action_head(self.actor(h))
+
+    def _log_prob_entropy(self, out: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.continuous:
+            # log N(a; mu, sigma) = sum_d [ -(a-mu)^2 / (2 sigma^2) - log sigma - log sqrt(2 pi) ]
+            log_std = self.log_std.expand_as(out)
+            z = (actions - out) * torch.exp(-log_std)
+            logp = (-0.5 * z.pow(2) - log_std - _LOG_SQRT_2PI).sum(-1)
+            entropy = (0.5 + _LOG_SQRT_2PI + log_std).sum(-1)
+        else:
+            log_probs = torch.log_softmax(out, dim=-1)
+            logp = log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+        return logp, entropy
+
+    def log_prob(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """log pi_theta(a|s) for each row, shape [N]."""
+        _, out = self._dist_params(obs)
+        return self._log_prob_entropy(out, actions)[0]
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        """V(s), shape [N]."""
+        return self.value_head(self.critic(self.encoder(obs))).squeeze(-1)
+
+    def evaluate_actions(
+        self, obs: torch.Tensor, actions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log pi(a|s), entropy of pi(.|s), V(s)), each of shape [N], one encoder pass."""
+        h, out = self._dist_params(obs)
+        logp, entropy = self._log_prob_entropy(out, actions)
+        return logp, entropy, self.value_head(self.critic(h)).squeeze(-1)
+
+    @torch.no_grad()
+    def act(
+        self, obs: torch.Tensor, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample a ~ pi(.|s) with ``generator``; returns (actions, log pi(a|s), V(s))."""
+        h, out = self._dist_params(obs)
+        if self.continuous:
+            noise = torch.randn(out.shape, generator=generator, dtype=out.dtype)
+            actions = out + noise * torch.exp(self.log_std)
+        else:
+            probs = torch.softmax(out, dim=-1)
+            actions = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        logp, _ = self._log_prob_entropy(out, actions)
+        return actions, logp, self.value_head(self.critic(h)).squeeze(-1)
+
+    def policy_parameters(self) -> list[nn.Parameter]:
+        """Every parameter that ``log_prob`` depends on (value-only parameters excluded)."""
+        params = [*self.encoder.parameters(), *self.actor.parameters(), *self.action_head.parameters()]
+        if self.continuous:
+            params.append(self.log_std)
+        return params
+
+
+def make_policy(
+    observation_space: gym.spaces.Space,
+    action_space: gym.spaces.Space,
+    hidden_sizes: Sequence[int] = (64, 64),
+    encoder: str = "auto",
+) -> ActorCritic:
+    """Build the actor-critic for a space pair; ``encoder='auto'`` picks the CNN for HWC uint8 images."""
+    if not isinstance(observation_space, gym.spaces.Box):
+        raise ValueError(
+            f"observation space {observation_space} is not a Box; wrap the env (see rlinfluence.envs)"
+        )
+    if encoder == "auto":
+        is_image = observation_space.dtype == np.uint8 and len(observation_space.shape) == 3
+        encoder = "cnn" if is_image else "flatten"
+    return ActorCritic(observation_space, action_space, hidden_sizes, encoder)
