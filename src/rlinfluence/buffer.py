@@ -110,7 +110,7 @@ class RolloutBuffer:
         te = (n_steps, n_envs)
         return cls(
             round=round,
-            obs=torch.zeros(te + obs_shape, dtype=obs_dtype),
+            obs=torch.zeros(te + tuple(obs_shape), dtype=obs_dtype),
             actions=torch.zeros(te + action_shape, dtype=action_dtype),
             rewards=torch.zeros(te),
             terminated=torch.zeros(te, dtype=torch.bool),

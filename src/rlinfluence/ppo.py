@@ -1,0 +1,511 @@
+"""PPO with an attribution-ready rollout buffer (Stable-Baselines3 semantics, CleanRL layout).
+
+One round k:
+
+    1. collect     n_steps * n_envs records with pi_theta(k); episodes continue across rounds
+    2. advantages  GAE(gamma, lambda), bootstrapping time-limit truncations with V(final obs)
+    3. filter      keep = filter(buffer)          (standard PPO keeps every record)
+    4. optimise    n_epochs x floor(|kept| / batch_size) minibatch steps on kept records,
+                   a fresh permutation each epoch, the remainder dropped (spec 5.2 step 7)
+    5. evaluate    the stochastic policy on separate envs (not counted in train_seconds)
+
+``PPOConfig`` holds every hyperparameter and is also the CLI of ``rlinfluence train``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from rlinfluence.buffer import MinibatchStep, RolloutBuffer
+from rlinfluence.envs import PRESETS, check_env_id, make_env, make_vec_env
+from rlinfluence.errors import UserError
+from rlinfluence.evaluation import Evaluator
+from rlinfluence.filters import Filter, FilterContext, KeepAll
+from rlinfluence.losses import ppo_loss
+from rlinfluence.policies import ActorCritic, make_policy, rollout_actor
+from rlinfluence.rundir import RunDirectory, load_checkpoint
+
+
+@dataclass
+class PPOConfig:
+    """PPO hyperparameters. Defaults are Stable-Baselines3's; ``PPOConfig.for_env`` applies the
+    paper's preset for its six environments (SGD 5e-3, no gradient clipping, ...)."""
+
+    env: str = "CartPole-v1"
+    """gymnasium env id (presets: FrozenLake-v1, Acrobot-v1, MiniGrid-Empty-8x8-v0, highway-v0,
+    LunarLander-v3, BipedalWalker-v3)"""
+    seed: int = 1
+    """seed of python, numpy, torch (initial policy, sampling, minibatches) and the envs"""
+    total_timesteps: int = 100_000
+    """environment steps to train for; rounds = ceil(total_timesteps / (n_steps * n_envs))"""
+    n_envs: int = 1
+    """parallel environments (gymnasium SyncVectorEnv)"""
+    n_steps: int = 2048
+    """steps per environment per round"""
+    batch_size: int = 64
+    """minibatch size; must divide n_steps * n_envs"""
+    n_epochs: int = 10
+    """passes over the kept records per round"""
+    learning_rate: float = 3e-4
+    """constant learning rate"""
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """adam (eps adam_eps) or plain sgd (no momentum); state is carried across rounds"""
+    adam_eps: float = 1e-5
+    """Adam's epsilon (SB3's default)"""
+    gamma: float = 0.99
+    """discount factor"""
+    gae_lambda: float = 0.95
+    """GAE lambda"""
+    clip_range: float = 0.2
+    """PPO ratio clip epsilon"""
+    clip_range_vf: float | None = None
+    """value clip around the old value; None = no value clipping"""
+    normalize_advantage: bool = True
+    """normalise advantages within each minibatch"""
+    ent_coef: float = 0.0
+    """entropy bonus coefficient"""
+    vf_coef: float = 0.5
+    """value loss coefficient"""
+    max_grad_norm: float | None = 0.5
+    """global gradient-norm clip; None = no clipping (as the paper's code ran)"""
+    target_kl: float | None = None
+    """stop the round's update once approx_kl > 1.5 * target_kl (SB3); None = never"""
+    hidden_sizes: tuple[int, ...] = (64, 64)
+    """hidden layers of the actor and of the critic MLP"""
+    encoder: Literal["auto", "flatten", "cnn"] = "auto"
+    """observation encoder; auto = CNN for HWC uint8 images, else flatten"""
+    eval_episodes: int = 50
+    """stochastic-policy evaluation episodes per round (0 = no evaluation)"""
+    eval_envs: int = 16
+    """evaluation environments stepped in one batch"""
+    eval_seed: int = 100_000
+    """episode e of every evaluation is reset with seed eval_seed + e (shared by all methods)"""
+    torch_threads: int = 1
+    """torch CPU threads (small networks run fastest on one)"""
+    run_root: str = "runs"
+    """parent folder of run directories"""
+    method: str = "ppo"
+    """method label in the run directory name"""
+    save_checkpoints: bool = True
+    """write checkpoints/round_XXXX.pt after every round (needed for --resume)"""
+    save_buffers: bool = False
+    """also save every round's buffer and minibatch schedule (for attribution and analyses)"""
+    record_minibatches: bool = False
+    """keep, for every optimiser step, its minibatch record indices and lr (full TracIn)"""
+    tensorboard: bool = True
+    """write TensorBoard event files"""
+    progress: bool = True
+    """show a progress bar"""
+
+    @classmethod
+    def for_env(cls, env: str, **overrides: Any) -> PPOConfig:
+        """The paper's preset for ``env`` (if it has one), then ``overrides``."""
+        preset = PRESETS.get(env)
+        return cls(env=env, **{**(preset.config_overrides() if preset else {}), **overrides})
+
+    @property
+    def rollout_size(self) -> int:
+        return self.n_steps * self.n_envs
+
+    @property
+    def rounds(self) -> int:
+        return math.ceil(self.total_timesteps / self.rollout_size)
+
+    def validate(self) -> None:
+        """Raise ``UserError`` naming the first invalid value."""
+        positive_ints = ("total_timesteps", "n_envs", "n_steps", "batch_size", "n_epochs",
+                         "eval_envs", "torch_threads")
+        for name in positive_ints:
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.learning_rate > 0:
+            raise UserError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.batch_size > self.rollout_size or self.rollout_size % self.batch_size:
+            raise UserError(
+                f"batch_size {self.batch_size} must divide n_steps * n_envs = "
+                f"{self.n_steps} * {self.n_envs} = {self.rollout_size}"
+            )
+        for name in ("gamma", "gae_lambda"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise UserError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("clip_range", "clip_range_vf", "max_grad_norm", "target_kl"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise UserError(f"{name} must be > 0 (or None), got {value}")
+        if self.eval_episodes < 0:
+            raise UserError(f"eval_episodes must be >= 0, got {self.eval_episodes}")
+        check_env_id(self.env)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PPOConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise UserError(f"unknown config keys {unknown}")
+        data = dict(data)
+        if "hidden_sizes" in data:
+            data["hidden_sizes"] = tuple(data["hidden_sizes"])
+        return cls(**data)
+
+
+RoundCallback = Callable[["PPO", dict[str, Any]], "bool | None"]
+
+
+class PPO:
+    """The PPO trainer. ``PPO(config).learn()`` trains and writes the run directory.
+
+    ``filter`` decides each round which records the update uses (default: all). Set
+    ``run_dir=False`` to train without writing anything (library use, tests).
+    """
+
+    def __init__(
+        self,
+        config: PPOConfig,
+        filter: Filter | None = None,
+        run_dir: str | Path | RunDirectory | None | Literal[False] = None,
+    ):
+        config.validate()
+        self.config = config
+        self.filter = filter if filter is not None else KeepAll()
+
+        # Seeding: once, everything, before anything random is built (CleanRL).
+        random.seed(config.seed)
+        np.random.seed(config.seed)
+        torch.manual_seed(config.seed)
+        torch.set_num_threads(config.torch_threads)
+        self.generator = torch.Generator().manual_seed(config.seed)
+
+        self.env = make_vec_env(config.env, config.n_envs)
+        self.env.action_space.seed(config.seed)
+        self.policy: ActorCritic = make_policy(
+            self.env.single_observation_space, self.env.single_action_space,
+            config.hidden_sizes, config.encoder,
+        )
+        if config.optimizer == "sgd":
+            self.optimizer: torch.optim.Optimizer = torch.optim.SGD(self.policy.parameters(), lr=config.learning_rate)
+        else:
+            self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.learning_rate, eps=config.adam_eps)
+
+        self.round = 0  # completed rounds
+        self.env_steps = 0
+        self.train_seconds = 0.0
+        self.schedule: list[MinibatchStep] = []  # last round's optimiser steps (record_minibatches)
+        self._reset_envs(config.seed)
+        self._evaluator: Evaluator | None = None
+        self.run: RunDirectory | None = None
+        if run_dir is not False:
+            self.run = (
+                run_dir if isinstance(run_dir, RunDirectory)
+                else RunDirectory.create(config.run_root, config.env, config.method, config.seed, config.tensorboard)
+                if run_dir is None else RunDirectory(run_dir, config.tensorboard)
+            )
+            self.run.write_config(config.to_dict())
+
+    # -- the loop -----------------------------------------------------------------------
+    def learn(self, total_timesteps: int | None = None, callback: RoundCallback | None = None) -> PPO:
+        """Train until ``total_timesteps`` env steps (default: the config's) have been collected.
+
+        ``callback(trainer, metrics)`` runs after every round; returning False stops training.
+        """
+        cfg = self.config
+        n_rounds = math.ceil((total_timesteps or cfg.total_timesteps) / cfg.rollout_size)
+        with _progress(cfg.progress, self.round, n_rounds, cfg.env) as advance:
+            while self.round < n_rounds:
+                metrics = self.train_round()
+                advance(metrics)
+                if callback is not None and callback(self, metrics) is False:
+                    break
+        if self.run is not None:
+            self.run.close()
+        return self
+
+    def train_round(self) -> dict[str, Any]:
+        """One round: collect -> advantages -> filter -> update -> evaluate -> log."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        buffer = self.collect()
+        buffer.compute_advantages(cfg.gamma, cfg.gae_lambda)
+        t1 = time.perf_counter()
+        context = FilterContext(self.policy, self.round, cfg.batch_size)
+        keep = self.filter(buffer, context)
+        t2 = time.perf_counter()
+        update_stats = self.update(buffer, keep)
+        t3 = time.perf_counter()
+        self.train_seconds += t3 - t0
+
+        eval_returns = self.evaluate()
+        t4 = time.perf_counter()
+        self.round += 1
+        metrics = {
+            "round": self.round - 1,
+            "env_steps": self.env_steps,
+            "train_seconds": self.train_seconds,
+            "collect_seconds": t1 - t0,
+            "filter_seconds": t2 - t1,
+            "update_seconds": t3 - t2,
+            "eval_seconds": t4 - t3,
+            "steps_per_second": len(buffer) / (t3 - t0),
+            "eval_return_mean": float(eval_returns.mean()) if eval_returns.size else float("nan"),
+            "eval_return_std": float(eval_returns.std()) if eval_returns.size else float("nan"),
+            "train_return_mean": float(np.mean(self._finished_returns)) if self._finished_returns else float("nan"),
+            "train_episodes": len(self._finished_returns),
+            **update_stats,
+            **context.stats,
+        }
+        if self.run is not None:
+            self.run.log_round(metrics)
+            if cfg.save_buffers:
+                self.run.save_buffer(buffer.round, self._buffer_tensors(buffer, keep))
+            if cfg.save_checkpoints:
+                self.run.save_checkpoint(self.round, self.state_dict())
+        self.last_buffer = buffer
+        return metrics
+
+    # -- 1. collect ---------------------------------------------------------------------
+    def _reset_envs(self, seed: int) -> None:
+        obs, _ = self.env.reset(seed=seed)
+        self._obs = obs
+        self._episode_ids = np.arange(self.config.n_envs, dtype=np.int64)
+        self._next_episode_id = self.config.n_envs
+        self._episode_returns = np.zeros(self.config.n_envs)
+
+    @torch.no_grad()
+    def collect(self) -> RolloutBuffer:
+        """Roll out pi_theta(k) for n_steps in every env; returns the round's buffer."""
+        cfg, env = self.config, self.env
+        space = env.single_action_space
+        continuous = self.policy.continuous
+        buf = RolloutBuffer.empty(
+            self.round, cfg.n_steps, cfg.n_envs, self._obs.shape[1:], torch.from_numpy(self._obs).dtype,
+            tuple(space.shape) if continuous else (), torch.float32 if continuous else torch.int64,
+        )
+        # numpy views of the buffer: per-step writes into numpy are far cheaper than into torch
+        b_obs, b_act, b_logp, b_val, b_rew, b_term, b_trunc, b_ep = (
+            getattr(buf, name).numpy() for name in
+            ("obs", "actions", "logp", "values", "rewards", "terminated", "truncated", "episode_ids")
+        )
+        act = rollout_actor(self.policy)
+        noise = self.policy.noise((cfg.n_steps, cfg.n_envs), self.generator).numpy()
+        self._finished_returns: list[float] = []
+        obs = self._obs
+        for t in range(cfg.n_steps):
+            actions, logp, values = act(obs, noise[t])
+            env_actions = np.clip(actions, space.low, space.high) if continuous else actions
+            next_obs, rewards, terminated, truncated, infos = env.step(env_actions)
+            b_obs[t] = obs
+            b_act[t] = actions  # the sampled action, not the clipped one (SB3)
+            b_logp[t] = logp
+            b_val[t] = values
+            b_rew[t] = rewards
+            b_term[t] = terminated
+            # a time-limit end is bootstrapped with V(final obs); a true termination is not
+            time_limit = truncated & ~terminated
+            b_trunc[t] = time_limit
+            b_ep[t] = self._episode_ids
+            if time_limit.any():
+                idx = np.flatnonzero(time_limit)
+                final_obs = torch.as_tensor(np.stack([infos["final_obs"][i] for i in idx]))
+                buf.final_values[t, torch.as_tensor(idx)] = self.policy.value(final_obs)
+            self._track_episodes(rewards, terminated | truncated)
+            obs = next_obs
+        self._obs = obs
+        buf.last_values = self.policy.value(torch.as_tensor(obs))
+        self.env_steps += len(buf)
+        return buf
+
+    def _track_episodes(self, rewards: np.ndarray, dones: np.ndarray) -> None:
+        self._episode_returns += rewards
+        for i in np.flatnonzero(dones):
+            self._finished_returns.append(float(self._episode_returns[i]))
+            self._episode_returns[i] = 0.0
+            self._episode_ids[i] = self._next_episode_id
+            self._next_episode_id += 1
+
+    # -- 4. optimise --------------------------------------------------------------------
+    def update(self, buffer: RolloutBuffer, keep: torch.Tensor) -> dict[str, float]:
+        """PPO epochs on the kept records: full minibatches of a fresh permutation per epoch."""
+        cfg = self.config
+        keep = torch.as_tensor(keep, dtype=torch.bool)
+        if keep.shape != (len(buffer),):
+            raise ValueError(f"filter returned a keep mask of shape {tuple(keep.shape)}, expected ({len(buffer)},)")
+        kept = keep.nonzero().squeeze(1)
+        if len(kept) < cfg.batch_size:
+            raise UserError(
+                f"round {buffer.round}: filter kept {len(kept)} records, fewer than one minibatch "
+                f"(batch_size {cfg.batch_size})"
+            )
+        if not torch.isfinite(buffer.advantages).all():
+            raise UserError(f"round {buffer.round}: non-finite advantages (check the env's rewards)")
+        obs, actions, old_logp, old_values, advantages, returns = (
+            buffer.flat(name) for name in ("obs", "actions", "logp", "values", "advantages", "returns")
+        )
+        n_minibatches = len(kept) // cfg.batch_size
+        self.schedule = []
+        totals = {"policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0}
+        n_updates = 0
+        stop = False
+        for epoch in range(cfg.n_epochs):
+            perm = kept[torch.randperm(len(kept), generator=self.generator)]
+            for m in range(n_minibatches):
+                idx = perm[m * cfg.batch_size : (m + 1) * cfg.batch_size]
+                out = ppo_loss(
+                    self.policy, obs[idx], actions[idx], old_logp[idx], advantages[idx],
+                    returns[idx], old_values[idx], clip_range=cfg.clip_range,
+                    clip_range_vf=cfg.clip_range_vf, vf_coef=cfg.vf_coef, ent_coef=cfg.ent_coef,
+                    normalize_advantage=cfg.normalize_advantage,
+                )
+                if cfg.target_kl is not None and out.approx_kl > 1.5 * cfg.target_kl:
+                    stop = True
+                    break
+                self.optimizer.zero_grad(set_to_none=True)
+                out.loss.backward()
+                if cfg.max_grad_norm is not None:
+                    nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
+                self.optimizer.step()
+                if cfg.record_minibatches or cfg.save_buffers:
+                    self.schedule.append(MinibatchStep(epoch, idx, self.optimizer.param_groups[0]["lr"]))
+                for key in totals:
+                    totals[key] += getattr(out, key)
+                n_updates += 1
+            if stop:
+                break
+        stats = {key: value / max(n_updates, 1) for key, value in totals.items()}
+        with torch.no_grad():
+            var_returns = returns.var()
+            stats["explained_variance"] = float(1 - (returns - old_values).var() / var_returns) if var_returns > 0 else float("nan")
+        stats["kept_fraction"] = len(kept) / len(buffer)
+        stats["n_updates"] = n_updates
+        return stats
+
+    # -- 5. evaluate --------------------------------------------------------------------
+    def evaluate(self, n_episodes: int | None = None) -> np.ndarray:
+        """Returns of the stochastic policy; the sampling generator depends only on (seed, round)."""
+        n_episodes = self.config.eval_episodes if n_episodes is None else n_episodes
+        if n_episodes == 0:
+            return np.zeros(0)
+        if self._evaluator is None:
+            self._evaluator = Evaluator(lambda: make_env(self.config.env), self.config.eval_envs, self.config.eval_seed)
+        generator = torch.Generator().manual_seed(_derived_seed(self.config.seed, self.round, 1))
+        return self._evaluator.evaluate(self.policy, n_episodes, generator)
+
+    # -- state --------------------------------------------------------------------------
+    def _buffer_tensors(self, buffer: RolloutBuffer, keep: torch.Tensor) -> dict[str, torch.Tensor]:
+        tensors = buffer.tensors()
+        tensors["keep"] = torch.as_tensor(keep, dtype=torch.bool)
+        if self.schedule:
+            tensors["schedule_indices"] = torch.stack([s.indices for s in self.schedule])
+            tensors["schedule_epochs"] = torch.tensor([s.epoch for s in self.schedule])
+            tensors["schedule_lr"] = torch.tensor([s.lr for s in self.schedule], dtype=torch.float64)
+        return tensors
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue training; loadable with ``torch.load(weights_only=True)``."""
+        return {
+            "format": "rlinfluence-ppo-v1",
+            "env": self.config.env,
+            "round": self.round,
+            "env_steps": self.env_steps,
+            "train_seconds": self.train_seconds,
+            "policy": self.policy.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "generator": self.generator.get_state(),
+            "filter": self.filter.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], source: str = "checkpoint") -> None:
+        """Restore a ``state_dict``; ``UserError`` if it belongs to another env or network.
+
+        The environments are reset (episodes cannot be restored) with a seed derived from
+        (seed, round), so a resumed run is itself reproducible.
+        """
+        if state.get("env") != self.config.env:
+            raise UserError(f"{source} is for env {state.get('env')!r}, not {self.config.env!r}")
+        expected = {k: tuple(v.shape) for k, v in self.policy.state_dict().items()}
+        found = {k: tuple(v.shape) for k, v in state["policy"].items()}
+        if expected != found:
+            diff = sorted(set(expected.items()) ^ set(found.items()))[0][0]
+            raise UserError(f"{source} does not match the configured network (parameter {diff!r} differs)")
+        try:
+            self.policy.load_state_dict(state["policy"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, RuntimeError, KeyError) as exc:
+            raise UserError(f"{source} does not match the configured optimizer: {exc}") from None
+        self.generator.set_state(state["generator"])
+        self.filter.load_state_dict(state.get("filter", {}))
+        self.round = int(state["round"])
+        self.env_steps = int(state["env_steps"])
+        self.train_seconds = float(state["train_seconds"])
+        self._reset_envs(_derived_seed(self.config.seed, self.round, 0))
+
+    def save(self, path: str | Path) -> None:
+        """Save config + state to one file (``PPO.load`` reads it back)."""
+        torch.save({**self.state_dict(), "config": self.config.to_dict()}, path)
+
+    @classmethod
+    def load(cls, path: str | Path, filter: Filter | None = None, **config_overrides: Any) -> PPO:
+        """A trainer restored from ``PPO.save``, writing no run directory."""
+        state = load_checkpoint(path)
+        if "config" not in state:
+            raise UserError(f"{str(path)!r} has no config (it is a run checkpoint: use PPO.resume)")
+        config = dataclasses.replace(PPOConfig.from_dict(state["config"]), **config_overrides)
+        trainer = cls(config, filter=filter, run_dir=False)
+        trainer.load_state_dict(state, source=repr(str(path)))
+        return trainer
+
+    @classmethod
+    def resume(cls, run_dir: str | Path, filter: Filter | None = None) -> PPO:
+        """Continue a run from its last completed round (same config, same directory)."""
+        run = RunDirectory.open_existing(run_dir)
+        config = PPOConfig.from_dict(run.read_config())
+        checkpoint = run.latest_checkpoint()
+        state = load_checkpoint(checkpoint)
+        trainer = cls(config, filter=filter, run_dir=run)
+        trainer.load_state_dict(state, source=repr(str(checkpoint)))
+        run.truncate(trainer.round)
+        return trainer
+
+
+def _derived_seed(seed: int, round_index: int, stream: int) -> int:
+    """An independent seed for (seed, round, stream), e.g. evaluation or env resets."""
+    return int(np.random.SeedSequence([seed, round_index, stream]).generate_state(1)[0])
+
+
+class _progress:
+    """A rich progress bar over rounds showing the latest eval return (or nothing if disabled)."""
+
+    def __init__(self, enabled: bool, start: int, total: int, label: str):
+        self.enabled, self.start, self.total, self.label = enabled, start, total, label
+
+    def __enter__(self) -> Callable[[dict[str, Any]], None]:
+        if not self.enabled:
+            return lambda metrics: None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+        self.bar.start()
+        task = self.bar.add_task(self.label, total=self.total, completed=self.start, info="")
+
+        def advance(metrics: dict[str, Any]) -> None:
+            info = f"eval {metrics['eval_return_mean']:.2f}  kept {metrics['kept_fraction']:.2f}"
+            self.bar.update(task, advance=1, info=info)
+
+        return advance
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self.bar.stop()
