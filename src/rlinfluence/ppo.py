@@ -493,7 +493,13 @@ class _progress:
     def __enter__(self) -> Callable[[dict[str, Any]], None]:
         if not self.enabled:
             return lambda metrics: None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeRemainingColumn(), TextColumn("{task.fields[info]}"))

@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny configs that train in a second or two."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from rlinfluence.ppo import PPOConfig
+
+
+class CountingChain(gym.Env):
+    """Deterministic chain: obs = [t / 10], reward 1 every step, never terminates.
+
+    Registered with a time limit, so every episode ends by truncation after ``max_episode_steps``.
+    """
+
+    observation_space = gym.spaces.Box(0.0, 10.0, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.array([0.0], np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.array([self.t / 10], np.float32), 1.0, False, False, {}
+
+
+gym.register("CountingChain-v0", entry_point=CountingChain, max_episode_steps=3)
+
+
+def tiny_config(**overrides) -> PPOConfig:
+    """CartPole, 128-step rounds, 2 rounds, 2 evaluation episodes, no progress bar."""
+    base = dict(total_timesteps=256, n_steps=128, batch_size=32, n_epochs=2,
+                eval_episodes=2, eval_envs=2, progress=False, tensorboard=False)
+    return PPOConfig.for_env(overrides.pop("env", "CartPole-v1"), **{**base, **overrides})
+
+
+@pytest.fixture
+def run_root(tmp_path):
+    return tmp_path / "runs"

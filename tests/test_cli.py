@@ -1,0 +1,109 @@
+"""The command line, run as a user runs it: a subprocess of the installed console script."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+TINY = ["--total-timesteps", "256", "--n-steps", "128", "--batch-size", "32", "--n-epochs", "2",
+        "--eval-episodes", "2", "--eval-envs", "2", "--no-progress"]
+
+
+def rlinfluence(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "rlinfluence.cli", *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def _run_dir(root):
+    (path,) = list(root.iterdir())
+    return path
+
+
+@pytest.mark.parametrize("env", ["CartPole-v1", "Acrobot-v1"])
+def test_train_writes_a_complete_run_directory(env, tmp_path):
+    out = rlinfluence("train", "--env", env, *TINY, "--run-root", tmp_path)
+    assert out.returncode == 0, out.stderr
+    run = _run_dir(tmp_path)
+    assert run.name.startswith(f"{env}__ppo__1__")
+    config = json.loads((run / "config.json").read_text())
+    assert config["env"] == env and config["total_timesteps"] == 256
+    if env == "Acrobot-v1":  # preset values unless a flag overrides them
+        assert config["optimizer"] == "sgd" and config["max_grad_norm"] is None
+    header, *rows = (run / "metrics.csv").read_text().splitlines()
+    for column in ("round", "env_steps", "train_seconds", "eval_return_mean", "eval_return_std",
+                   "policy_loss", "value_loss", "approx_kl", "clip_fraction", "kept_fraction"):
+        assert column in header.split(",")
+    assert len(rows) == 2
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["round_0001.pt", "round_0002.pt"]
+    assert list(run.glob("events.out.tfevents.*"))
+    assert not list(run.rglob(".*.tmp"))
+
+
+def test_resume_from_the_cli(tmp_path):
+    assert rlinfluence("train", *TINY, "--run-root", tmp_path).returncode == 0
+    run = _run_dir(tmp_path)
+    (run / "checkpoints" / "round_0002.pt").unlink()  # as if killed during round 2
+    out = rlinfluence("train", "--resume", run)
+    assert out.returncode == 0, out.stderr
+    assert len((run / "metrics.csv").read_text().splitlines()) == 3  # header + 2 rounds
+
+
+def _assert_one_line_error(out, *fragments):
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--env", "NoSuchEnv-v9"], ["unknown env id 'NoSuchEnv-v9'"]),
+        (["--batch-size", "100"], ["batch_size 100", "2048"]),
+        (["--n-steps", "16", "--batch-size", "64"], ["batch_size 64", "16"]),
+        (["--learning-rate", "0"], ["learning_rate", "0.0"]),
+        (["--learning-rate", "-0.001"], ["learning_rate", "-0.001"]),
+    ],
+)
+def test_bad_config_is_one_error_line_and_writes_nothing(args, fragments, tmp_path):
+    out = rlinfluence("train", *args, "--run-root", tmp_path / "runs")
+    _assert_one_line_error(out, *fragments)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unwritable_run_root(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = rlinfluence("train", *TINY, "--run-root", blocker / "runs")
+    _assert_one_line_error(out, "cannot create run directory", str(blocker))
+
+
+def test_resume_with_corrupt_or_mismatched_checkpoint(tmp_path):
+    assert rlinfluence("train", *TINY, "--run-root", tmp_path / "runs").returncode == 0
+    run = _run_dir(tmp_path / "runs")
+    before = (run / "metrics.csv").read_text()
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(run, corrupt)
+    (corrupt / "checkpoints" / "round_0002.pt").write_bytes(b"\x00garbage")
+    _assert_one_line_error(rlinfluence("train", "--resume", corrupt), "cannot load checkpoint", "round_0002.pt")
+
+    mismatched = tmp_path / "mismatched"
+    shutil.copytree(run, mismatched)
+    config = json.loads((mismatched / "config.json").read_text())
+    config["hidden_sizes"] = [32]
+    (mismatched / "config.json").write_text(json.dumps(config))
+    _assert_one_line_error(rlinfluence("train", "--resume", mismatched), "does not match", "round_0002.pt")
+    assert (mismatched / "metrics.csv").read_text() == before
+
+    _assert_one_line_error(rlinfluence("train", "--resume", tmp_path), "not a run directory")
+    _assert_one_line_error(rlinfluence("train", "--resume", run, "--seed", "3"), "--resume")
+
+
+def test_unknown_command():
+    out = rlinfluence("fly")
+    assert out.returncode == 2 and "unknown command 'fly'" in out.stderr
