@@ -18,7 +18,7 @@ run: setup
 	$(VENV)/bin/rlinfluence train --env FrozenLake-v1
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check
 
 test: setup lint
 	$(VENV)/bin/pytest -q

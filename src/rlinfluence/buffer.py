@@ -161,8 +161,37 @@ class RolloutBuffer:
 
     def flat(self, name: str) -> torch.Tensor:
         """Field ``name`` flattened to ``[N, ...]`` in env-major order (i = env * T + step)."""
-        x = getattr(self, name)
+        return self.flatten(getattr(self, name))
+
+    def flatten(self, x: torch.Tensor) -> torch.Tensor:
+        """A ``[T, E, ...]`` tensor flattened to ``[N, ...]`` in env-major order."""
         return x.transpose(0, 1).reshape(len(self), *x.shape[2:])
+
+    def monte_carlo_advantages(self, gamma: float) -> torch.Tensor:
+        """A_bar(s, a) = Q_bar(s, a) - V_bar(s) per record, flat order (method-spec 8.1).
+
+        Q_bar(s, a) is the mean discounted return-to-go over the occurrences of (s, a) in the
+        buffer's *complete* episodes, V_bar(s) the mean over all visits of s in them; no extra
+        environment sampling. States are identified by their exact observation, so this is
+        meaningful for small discrete state spaces (FrozenLake, MiniGrid). NaN where (s, a) never
+        occurs in a complete episode.
+        """
+        if self.actions.is_floating_point():
+            raise ValueError("Monte-Carlo advantages need discrete actions")
+        g, complete = self.monte_carlo_returns(gamma)
+        g, weight = self.flatten(g).numpy(), self.flatten(complete).numpy().astype(np.float64)
+        _, state = np.unique(self.flat("obs").reshape(len(self), -1).numpy(), axis=0, return_inverse=True)
+        state = state.reshape(-1)
+        action = self.flat("actions").numpy().astype(np.int64)
+        pair = state * (int(action.max()) + 1) + action
+
+        def mean_by(key: np.ndarray) -> np.ndarray:
+            total = np.bincount(key, weights=g * weight)
+            count = np.bincount(key, weights=weight)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                return np.where(count > 0, total / np.maximum(count, 1e-300), np.nan)[key]
+
+        return torch.from_numpy(mean_by(pair) - mean_by(state))
 
     def record_ids(self) -> torch.Tensor:
         """``[N, 3]`` int64 ids ``(round, env, step)`` in flat order."""

@@ -18,6 +18,9 @@ commands:
   train      train PPO on a gymnasium env (paper presets for its six environments)
              rlinfluence train --env LunarLander-v3 [--seed 3] [--total-timesteps N] ...
              rlinfluence train --resume RUN_DIR   (continue from the last completed round)
+             rlinfluence train --env Acrobot-v1 --filter iif --drop-pct 50
+  compare    multi-seed comparison with standard PPO: SE_ave, SE_peak, RT_peak, curves.png
+             rlinfluence compare --env LunarLander-v3 --methods ppo,iif,random --seeds 5
 
 run `rlinfluence <command> --help` for the flags of a command."""
 
@@ -63,7 +66,19 @@ def train(args: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": train}
+def compare(args: list[str]) -> int:
+    """Multi-seed comparison of methods against standard PPO; prints the summary table."""
+    from rlinfluence.experiments import CompareConfig
+    from rlinfluence.experiments import compare as run_compare
+
+    config = tyro.cli(CompareConfig, args=args, prog="rlinfluence compare")
+    out = run_compare(config)
+    print((out / "summary.md").read_text())
+    print(f"curves: {out / 'curves.png'}")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": train, "compare": compare}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

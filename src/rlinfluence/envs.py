@@ -42,7 +42,7 @@ class EnvPreset:
     def config_overrides(self) -> dict[str, Any]:
         rollout = _PAPER_PPO["n_steps"] * _PAPER_PPO["n_envs"]
         return {**_PAPER_PPO, "total_timesteps": self.rounds * rollout,
-                "eval_episodes": self.eval_episodes, **self.ppo}
+                "eval_episodes": self.eval_episodes, "drop_pct": self.drop_pct, **self.ppo}
 
 
 HIGHWAY_CONFIG = {

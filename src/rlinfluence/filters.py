@@ -2,29 +2,42 @@
 
 A filter is any callable ``filter(buffer, context) -> keep`` returning a boolean mask of shape
 ``[len(buffer)]`` in the buffer's flat (env-major) order; the update then trains only on kept
-records. Filters own their random state; they may report per-round statistics by writing
+records. A filter may instead (or also) set ``context.sample_weights``: the update then draws
+its minibatches from the kept records with probability proportional to the weights. Filters own
+their random state (``state_dict`` for resume) and report per-round statistics by writing
 numbers into ``context.stats`` (logged to metrics.csv and TensorBoard under ``filter/``).
+
+Filters here: ``none`` (standard PPO), ``iif`` (the paper's influence-based filtering, spec 5),
+and the baselines of spec 8.3: ``random``, ``advantage`` (H1/H2), ``td-error``,
+``reward-extremes``.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
 from rlinfluence.buffer import RolloutBuffer
+from rlinfluence.errors import UserError
+from rlinfluence.influence import ReturnTarget, snapshot_influence
 
 
 @dataclass
 class FilterContext:
-    """What a filter may look at besides the buffer."""
+    """What a filter may look at besides the buffer, and where it reports."""
 
     policy: torch.nn.Module
     """The policy theta(k) that collected the buffer (not yet updated)."""
     round: int
     batch_size: int
+    gamma: float = 0.99
     stats: dict[str, float] = field(default_factory=dict)
+    sample_weights: torch.Tensor | None = None
+    """Optional [N] non-negative minibatch sampling weights (set by prioritising filters)."""
 
 
 class Filter(Protocol):
@@ -50,3 +63,225 @@ class KeepAll:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+def check_drop_pct(drop_pct: float) -> None:
+    if not (isinstance(drop_pct, (int, float)) and 0 < drop_pct <= 100):
+        raise UserError(f"drop_pct must be in (0, 100], got {drop_pct}")
+
+
+def drop_lowest(scores: torch.Tensor, n_drop: int) -> torch.Tensor:
+    """Keep mask dropping exactly the ``n_drop`` lowest scores (stable sort: ties by index)."""
+    keep = torch.ones(len(scores), dtype=torch.bool)
+    keep[torch.sort(scores, stable=True).indices[:n_drop]] = False
+    return keep
+
+
+def guard_minibatch(keep: torch.Tensor, scores: torch.Tensor, context: FilterContext) -> torch.Tensor:
+    """Keep at least one full minibatch: if fewer survive, keep the ``batch_size`` best scores."""
+    guarded = int(keep.sum()) < context.batch_size
+    context.stats["minibatch_guard"] = float(guarded)
+    if guarded:
+        keep = torch.zeros_like(keep)
+        keep[torch.sort(scores, descending=True, stable=True).indices[: context.batch_size]] = True
+    return keep
+
+
+class _Seeded:
+    """A filter's own random stream (saved with checkpoints so resumed runs stay reproducible)."""
+
+    def __init__(self, seed: int):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "generator" in state:
+            self.generator.set_state(state["generator"])
+
+
+class InfluenceScorer(_Seeded):
+    """Snapshot ``return`` influence of every record at theta(k) (spec 4.2).
+
+    ``advantage_norm="chunk"`` normalises advantages within chunks of ``batch_size`` records
+    formed by a random permutation (the authors' first-epoch minibatches); ``"batch"`` over the
+    whole buffer; ``"none"`` uses raw advantages.
+    """
+
+    def __init__(self, advantage_norm: Literal["chunk", "batch", "none"] = "chunk", seed: int = 0):
+        super().__init__(seed)
+        self.advantage_norm = advantage_norm
+
+    def scores(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
+        start = time.perf_counter()
+        order = torch.randperm(len(buffer), generator=self.generator)
+        obs, actions, advantages = (buffer.flat(name)[order] for name in ("obs", "actions", "advantages"))
+        shuffled = snapshot_influence(
+            context.policy, obs, actions, advantages, target=ReturnTarget(),
+            advantage_norm=self.advantage_norm, chunk_size=context.batch_size,
+        )
+        scores = torch.empty_like(shuffled)
+        scores[order] = shuffled
+        context.stats.update(
+            n_negative=float((scores < 0).sum()), score_mean=float(scores.mean()),
+            score_std=float(scores.std()), scoring_seconds=time.perf_counter() - start,
+        )
+        return scores
+
+
+DropMode = Literal["neg-bottom", "bottom", "neg"]
+
+
+def iif_drop_count(scores: torch.Tensor, drop_pct: float, drop_mode: DropMode) -> int:
+    """How many records IIF drops: floor(p * N_neg) (neg-bottom), floor(p * N) (bottom), N_neg (neg)."""
+    n_negative = int((scores < 0).sum())
+    if drop_mode == "neg-bottom":
+        return math.floor(drop_pct / 100 * n_negative)
+    if drop_mode == "bottom":
+        return math.floor(drop_pct / 100 * len(scores))
+    if drop_mode == "neg":
+        return n_negative
+    raise UserError(f"unknown drop_mode {drop_mode!r} (neg-bottom, bottom or neg)")
+
+
+class IIFFilter(InfluenceScorer):
+    """Iterative influence-based filtering (spec 5.1): drop the most harmful records.
+
+    ``neg-bottom`` (default) drops the floor(p * N_neg) lowest-scoring records, all of them
+    negative; ``bottom`` the lowest p% of all records; ``neg`` every negative record.
+    """
+
+    name = "iif"
+
+    def __init__(self, drop_pct: float, drop_mode: DropMode = "neg-bottom",
+                 advantage_norm: Literal["chunk", "batch", "none"] = "chunk", seed: int = 0):
+        check_drop_pct(drop_pct)
+        iif_drop_count(torch.zeros(1), drop_pct, drop_mode)  # validates drop_mode
+        super().__init__(advantage_norm, seed)
+        self.drop_pct, self.drop_mode = drop_pct, drop_mode
+
+    def __call__(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
+        scores = self.scores(buffer, context)
+        keep = drop_lowest(scores, iif_drop_count(scores, self.drop_pct, self.drop_mode))
+        return guard_minibatch(keep, scores, context)
+
+
+class RandomFilter(InfluenceScorer):
+    """Control: drop a uniformly random subset, of exactly IIF's size (``match="iif"``: the
+    scores are computed only to count) or of floor(p * N) records (``match="pct"``)."""
+
+    name = "random"
+
+    def __init__(self, drop_pct: float, match: Literal["iif", "pct"] = "iif",
+                 drop_mode: DropMode = "neg-bottom", advantage_norm: Literal["chunk", "batch", "none"] = "chunk",
+                 seed: int = 0):
+        check_drop_pct(drop_pct)
+        super().__init__(advantage_norm, seed)
+        self.drop_pct, self.match, self.drop_mode = drop_pct, match, drop_mode
+
+    def __call__(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
+        if self.match == "iif":
+            n_drop = iif_drop_count(self.scores(buffer, context), self.drop_pct, self.drop_mode)
+        else:
+            n_drop = math.floor(self.drop_pct / 100 * len(buffer))
+        random_scores = torch.rand(len(buffer), generator=self.generator)
+        return guard_minibatch(drop_lowest(random_scores, n_drop), random_scores, context)
+
+
+class AdvantageFilter(_Seeded):
+    """Monte-Carlo advantage heuristics (spec 8.3, discrete small state spaces).
+
+    Among records whose estimated advantage A_hat and Monte-Carlo advantage A_bar disagree in
+    sign, drop p% of them: ``H1`` those with the largest |A_bar - A_hat|, ``H2`` those with the
+    smallest A_bar * A_hat.
+    """
+
+    name = "advantage"
+
+    def __init__(self, drop_pct: float, heuristic: Literal["H1", "H2"] = "H1", seed: int = 0):
+        check_drop_pct(drop_pct)
+        if heuristic not in ("H1", "H2"):
+            raise UserError(f"unknown heuristic {heuristic!r} (H1 or H2)")
+        super().__init__(seed)
+        self.drop_pct, self.heuristic = drop_pct, heuristic
+
+    def __call__(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
+        a_hat = buffer.flat("advantages").double()
+        a_bar = buffer.monte_carlo_advantages(context.gamma)
+        mismatched = torch.isfinite(a_bar) & (torch.sign(a_bar) != torch.sign(a_hat))
+        # badness: higher = dropped first; records that are not mismatched are never dropped
+        badness = (a_bar - a_hat).abs() if self.heuristic == "H1" else -(a_bar * a_hat)
+        badness = torch.where(mismatched, badness, torch.tensor(-math.inf, dtype=torch.float64))
+        n_drop = math.floor(self.drop_pct / 100 * int(mismatched.sum()))
+        context.stats.update(n_mismatched=float(mismatched.sum()), mc_coverage=float(torch.isfinite(a_bar).float().mean()))
+        return guard_minibatch(drop_lowest(-badness, n_drop), -badness, context)
+
+
+class TDErrorFilter(_Seeded):
+    """TD-error prioritisation (spec 8.3): keep every record, sample minibatches with weights
+    P_i^alpha / sum_j P_j^alpha, P_i = 1 / rank(|delta_i|), delta_i = r_i + gamma V(s'_i) - V(s_i)."""
+
+    name = "td-error"
+
+    def __init__(self, alpha: float = 0.6, seed: int = 0):
+        super().__init__(seed)
+        self.alpha = alpha
+
+    def __call__(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
+        gamma = context.gamma
+        next_values = torch.cat([buffer.values[1:], buffer.last_values[None]], dim=0)
+        delta = buffer.gae_rewards(gamma) + gamma * next_values * (~buffer.dones) - buffer.values
+        delta = buffer.flatten(delta)
+        rank = torch.empty(len(delta))
+        rank[torch.sort(delta.abs(), descending=True, stable=True).indices] = torch.arange(1, len(delta) + 1, dtype=torch.float32)
+        weights = rank.reciprocal().pow(self.alpha)
+        context.sample_weights = weights / weights.sum()
+        context.stats["td_abs_mean"] = float(delta.abs().mean())
+        return torch.ones(len(buffer), dtype=torch.bool)
+
+
+class RewardExtremesFilter(_Seeded):
+    """Difficulty heuristic (spec 8.3): drop the p/2 % highest- and p/2 % lowest-reward records."""
+
+    name = "reward-extremes"
+
+    def __init__(self, drop_pct: float, seed: int = 0):
+        check_drop_pct(drop_pct)
+        super().__init__(seed)
+        self.drop_pct = drop_pct
+
+    def __call__(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
+        rewards = buffer.flat("rewards")
+        n_side = math.floor(self.drop_pct / 200 * len(rewards))
+        keep = drop_lowest(rewards, n_side) & drop_lowest(-rewards, n_side)
+        return guard_minibatch(keep, torch.zeros(len(rewards)), context)
+
+
+FILTER_NAMES = ("none", "iif", "random", "advantage", "td-error", "reward-extremes")
+
+
+def make_filter(
+    name: str,
+    *,
+    drop_pct: float = 50.0,
+    seed: int = 0,
+    drop_mode: DropMode = "neg-bottom",
+    advantage_norm: Literal["chunk", "batch", "none"] = "chunk",
+    random_match: Literal["iif", "pct"] = "iif",
+    heuristic: Literal["H1", "H2"] = "H1",
+) -> Filter:
+    """Build a filter by name (``none`` = standard PPO), passing each the options it uses."""
+    if name == "none":
+        return KeepAll()
+    if name == "iif":
+        return IIFFilter(drop_pct, drop_mode, advantage_norm, seed)
+    if name == "random":
+        return RandomFilter(drop_pct, random_match, drop_mode, advantage_norm, seed)
+    if name == "advantage":
+        return AdvantageFilter(drop_pct, heuristic, seed)
+    if name == "td-error":
+        return TDErrorFilter(seed=seed)
+    if name == "reward-extremes":
+        return RewardExtremesFilter(drop_pct, seed)
+    raise UserError(f"unknown filter {name!r} (choose from {', '.join(FILTER_NAMES)})")

@@ -31,9 +31,10 @@ from rlinfluence.buffer import MinibatchStep, RolloutBuffer
 from rlinfluence.envs import PRESETS, check_env_id, make_env, make_vec_env
 from rlinfluence.errors import UserError
 from rlinfluence.evaluation import Evaluator
-from rlinfluence.filters import Filter, FilterContext, KeepAll
+from rlinfluence.filters import Filter, FilterContext, check_drop_pct, make_filter
 from rlinfluence.losses import ppo_loss
 from rlinfluence.policies import ActorCritic, make_policy, rollout_actor
+from rlinfluence.progress import progress_bar
 from rlinfluence.rundir import RunDirectory, load_checkpoint
 
 
@@ -81,6 +82,18 @@ class PPOConfig:
     """global gradient-norm clip; None = no clipping (as the paper's code ran)"""
     target_kl: float | None = None
     """stop the round's update once approx_kl > 1.5 * target_kl (SB3); None = never"""
+    filter: Literal["none", "iif", "random", "advantage", "td-error", "reward-extremes"] = "none"
+    """records to drop before each update: none = standard PPO; iif = influence-based filtering"""
+    drop_pct: float = 50.0
+    """p in (0, 100]: iif drops p% of the negative records (neg-bottom); baselines p% of records"""
+    drop_mode: Literal["neg-bottom", "bottom", "neg"] = "neg-bottom"
+    """iif: neg-bottom = the floor(p N_neg) lowest negatives; bottom = lowest p%; neg = all negatives"""
+    advantage_norm: Literal["chunk", "batch", "none"] = "chunk"
+    """iif scoring: advantages normalised in random chunks of batch_size, the whole buffer, or not"""
+    random_match: Literal["iif", "pct"] = "iif"
+    """random: drop as many records as iif would (iif) or p% of all records (pct)"""
+    heuristic: Literal["H1", "H2"] = "H1"
+    """advantage: H1 = largest |A_bar - A_hat|, H2 = smallest A_bar * A_hat among sign mismatches"""
     hidden_sizes: tuple[int, ...] = (64, 64)
     """hidden layers of the actor and of the critic MLP"""
     encoder: Literal["auto", "flatten", "cnn"] = "auto"
@@ -95,8 +108,8 @@ class PPOConfig:
     """torch CPU threads (small networks run fastest on one)"""
     run_root: str = "runs"
     """parent folder of run directories"""
-    method: str = "ppo"
-    """method label in the run directory name"""
+    method: str | None = None
+    """method label in the run directory name (default: ppo, or the filter's name)"""
     save_checkpoints: bool = True
     """write checkpoints/round_XXXX.pt after every round (needed for --resume)"""
     save_buffers: bool = False
@@ -113,6 +126,10 @@ class PPOConfig:
         """The paper's preset for ``env`` (if it has one), then ``overrides``."""
         preset = PRESETS.get(env)
         return cls(env=env, **{**(preset.config_overrides() if preset else {}), **overrides})
+
+    @property
+    def method_label(self) -> str:
+        return self.method or ("ppo" if self.filter == "none" else self.filter)
 
     @property
     def rollout_size(self) -> int:
@@ -143,6 +160,7 @@ class PPOConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise UserError(f"{name} must be > 0 (or None), got {value}")
+        check_drop_pct(self.drop_pct)
         if self.eval_episodes < 0:
             raise UserError(f"eval_episodes must be >= 0, got {self.eval_episodes}")
         check_env_id(self.env)
@@ -180,7 +198,11 @@ class PPO:
     ):
         config.validate()
         self.config = config
-        self.filter = filter if filter is not None else KeepAll()
+        self.filter = filter if filter is not None else make_filter(
+            config.filter, drop_pct=config.drop_pct, seed=_derived_seed(config.seed, 0, 2),
+            drop_mode=config.drop_mode, advantage_norm=config.advantage_norm,
+            random_match=config.random_match, heuristic=config.heuristic,
+        )
 
         # Seeding: once, everything, before anything random is built (CleanRL).
         random.seed(config.seed)
@@ -210,8 +232,8 @@ class PPO:
         if run_dir is not False:
             self.run = (
                 run_dir if isinstance(run_dir, RunDirectory)
-                else RunDirectory.create(config.run_root, config.env, config.method, config.seed, config.tensorboard)
-                if run_dir is None else RunDirectory(run_dir, config.tensorboard)
+                else RunDirectory.create(config.run_root, config.env, config.method_label, config.seed, config.tensorboard)
+                if run_dir is None else RunDirectory.at(run_dir, config.tensorboard)
             )
             self.run.write_config(config.to_dict())
 
@@ -223,10 +245,10 @@ class PPO:
         """
         cfg = self.config
         n_rounds = math.ceil((total_timesteps or cfg.total_timesteps) / cfg.rollout_size)
-        with _progress(cfg.progress, self.round, n_rounds, cfg.env) as advance:
+        with progress_bar(cfg.progress, cfg.env, n_rounds, self.round) as advance:
             while self.round < n_rounds:
                 metrics = self.train_round()
-                advance(metrics)
+                advance(f"eval {metrics['eval_return_mean']:.3g}  kept {metrics['kept_fraction']:.2f}")
                 if callback is not None and callback(self, metrics) is False:
                     break
         if self.run is not None:
@@ -240,10 +262,10 @@ class PPO:
         buffer = self.collect()
         buffer.compute_advantages(cfg.gamma, cfg.gae_lambda)
         t1 = time.perf_counter()
-        context = FilterContext(self.policy, self.round, cfg.batch_size)
+        context = FilterContext(self.policy, self.round, cfg.batch_size, cfg.gamma)
         keep = self.filter(buffer, context)
         t2 = time.perf_counter()
-        update_stats = self.update(buffer, keep)
+        update_stats = self.update(buffer, keep, context.sample_weights)
         t3 = time.perf_counter()
         self.train_seconds += t3 - t0
 
@@ -336,8 +358,14 @@ class PPO:
             self._next_episode_id += 1
 
     # -- 4. optimise --------------------------------------------------------------------
-    def update(self, buffer: RolloutBuffer, keep: torch.Tensor) -> dict[str, float]:
-        """PPO epochs on the kept records: full minibatches of a fresh permutation per epoch."""
+    def update(
+        self, buffer: RolloutBuffer, keep: torch.Tensor, sample_weights: torch.Tensor | None = None
+    ) -> dict[str, float]:
+        """PPO epochs on the kept records: full minibatches of a fresh permutation per epoch.
+
+        With ``sample_weights`` each epoch instead draws |kept| records with replacement,
+        with probability proportional to their weights (prioritised minibatches).
+        """
         cfg = self.config
         keep = torch.as_tensor(keep, dtype=torch.bool)
         if keep.shape != (len(buffer),):
@@ -359,7 +387,11 @@ class PPO:
         n_updates = 0
         stop = False
         for epoch in range(cfg.n_epochs):
-            perm = kept[torch.randperm(len(kept), generator=self.generator)]
+            if sample_weights is None:
+                perm = kept[torch.randperm(len(kept), generator=self.generator)]
+            else:
+                draw = torch.multinomial(sample_weights[kept], len(kept), replacement=True, generator=self.generator)
+                perm = kept[draw]
             for m in range(n_minibatches):
                 idx = perm[m * cfg.batch_size : (m + 1) * cfg.batch_size]
                 out = ppo_loss(
@@ -482,36 +514,3 @@ class PPO:
 def _derived_seed(seed: int, round_index: int, stream: int) -> int:
     """An independent seed for (seed, round, stream), e.g. evaluation or env resets."""
     return int(np.random.SeedSequence([seed, round_index, stream]).generate_state(1)[0])
-
-
-class _progress:
-    """A rich progress bar over rounds showing the latest eval return (or nothing if disabled)."""
-
-    def __init__(self, enabled: bool, start: int, total: int, label: str):
-        self.enabled, self.start, self.total, self.label = enabled, start, total, label
-
-    def __enter__(self) -> Callable[[dict[str, Any]], None]:
-        if not self.enabled:
-            return lambda metrics: None
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-        )
-
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
-        self.bar.start()
-        task = self.bar.add_task(self.label, total=self.total, completed=self.start, info="")
-
-        def advance(metrics: dict[str, Any]) -> None:
-            info = f"eval {metrics['eval_return_mean']:.2f}  kept {metrics['kept_fraction']:.2f}"
-            self.bar.update(task, advance=1, info=info)
-
-        return advance
-
-    def __exit__(self, *exc: object) -> None:
-        if self.enabled:
-            self.bar.stop()

@@ -77,6 +77,15 @@ class RunDirectory:
         return cls(path, tensorboard)
 
     @classmethod
+    def at(cls, path: str | Path, tensorboard: bool = True) -> RunDirectory:
+        """Use ``path`` (created if needed) as a new run's directory; ``UserError`` if unwritable."""
+        try:
+            (Path(path) / "checkpoints").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot create run directory {str(path)!r}: {exc.strerror}") from None
+        return cls(path, tensorboard)
+
+    @classmethod
     def open_existing(cls, path: str | Path, tensorboard: bool = True) -> RunDirectory:
         """An existing run directory (for resume/analysis); ``UserError`` if it is not one."""
         run = cls(path, tensorboard)

@@ -1,0 +1,43 @@
+"""Local data attribution for a PPO round (method spec sections 2-4).
+
+Scorers (what is computed) and targets (what influence is measured on) are independent:
+
+- ``snapshot_influence``: score_i = A_norm_i <grad log pi(a_i|s_i), grad f> at theta(k) (IIF's
+  fast scores, ghost dot products);
+- ``tracin_influence``: full local TracIn over the round's recorded optimiser steps;
+- targets ``ActionTarget`` (mean log pi(a*|s*)) and ``ReturnTarget`` ((1/n) sum_j A_j log pi(a_j|s_j));
+- ``score_buffer`` scores a ``RolloutBuffer``; ``top_records`` picks proponents / opponents.
+
+Positive scores are helpful (training on the record increases f), negative harmful.
+"""
+
+from rlinfluence.influence.api import TopRecords, score_buffer, top_records
+from rlinfluence.influence.ghost import GhostPlan, per_record_dots, plan_ghost
+from rlinfluence.influence.snapshot import normalize_for_attribution, snapshot_influence
+from rlinfluence.influence.targets import (
+    ActionTarget,
+    LogProbTarget,
+    Records,
+    ReturnTarget,
+    Target,
+    target_gradient,
+)
+from rlinfluence.influence.tracin import tracin_influence
+
+__all__ = [
+    "ActionTarget",
+    "GhostPlan",
+    "LogProbTarget",
+    "Records",
+    "ReturnTarget",
+    "Target",
+    "TopRecords",
+    "normalize_for_attribution",
+    "per_record_dots",
+    "plan_ghost",
+    "score_buffer",
+    "snapshot_influence",
+    "target_gradient",
+    "top_records",
+    "tracin_influence",
+]

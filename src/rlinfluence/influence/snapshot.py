@@ -1,0 +1,112 @@
+"""Snapshot influence (spec 4.2, what IIF uses): every record's influence on a target at theta(k).
+
+    score_i = < grad l_i(theta), grad L_f(theta) >,   L_f = -f,   evaluated once at theta = theta(k)
+
+with the record's training loss at ratio 1 (the clipped PPO objective has the same value and
+gradient there), summed over records rather than averaged (spec 2.2):
+
+    l_i = -(A_norm_i log pi(a_i|s_i) + c_ent H[pi(.|s_i)])
+    =>  score_i = A_norm_i <grad log pi(a_i|s_i), grad f> + c_ent <grad H[pi(.|s_i)], grad f>
+
+Positive = training on record i increases f (helpful), negative = harmful.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+from torch import nn
+
+from rlinfluence.influence.ghost import (
+    attributed_parameters,
+    check_policy,
+    per_record_dots,
+    plan_ghost,
+    probe_indices,
+)
+from rlinfluence.influence.targets import (
+    Records,
+    ReturnTarget,
+    Target,
+    check_positive_int,
+    target_gradient,
+)
+from rlinfluence.losses import normalize_advantages
+
+ADVANTAGE_NORMS = ("chunk", "batch", "none")
+
+
+def normalize_for_attribution(advantages: torch.Tensor, mode: str, chunk_size: int) -> torch.Tensor:
+    """The training side's A_norm (unbiased std + 1e-8, as ``rlinfluence.losses.normalize_advantages``).
+
+    - ``"chunk"``: normalised within consecutive chunks of ``chunk_size`` records in the given
+      order (the authors' grouping; the last chunk may be shorter, a 1-record chunk is unchanged);
+    - ``"batch"``: normalised over all records;
+    - ``"none"``: raw advantages.
+    """
+    if mode not in ADVANTAGE_NORMS:
+        raise ValueError(f"advantage_norm must be one of {ADVANTAGE_NORMS}, got {mode!r}")
+    check_positive_int("chunk_size", chunk_size)
+    if mode == "chunk":
+        k = len(advantages) // chunk_size * chunk_size
+        full = [torch.vmap(normalize_advantages)(advantages[:k].view(-1, chunk_size)).flatten()] if k else []
+        return torch.cat([*full, normalize_advantages(advantages[k:])])
+    return normalize_advantages(advantages) if mode == "batch" else advantages
+
+
+def _snapshot_gain(
+    policy: nn.Module, obs: torch.Tensor, actions: torch.Tensor, weights: torch.Tensor, *, ent_coef: float
+) -> torch.Tensor:
+    """u_i = -l_i = w_i log pi(a_i|s_i) + c_ent H[pi(.|s_i)]."""
+    if ent_coef == 0:
+        logp = policy.log_prob(obs, actions)
+        return weights.to(logp.dtype) * logp
+    logp, entropy, _ = policy.evaluate_actions(obs, actions)
+    return weights.to(logp.dtype) * logp + ent_coef * entropy
+
+
+def snapshot_influence(
+    policy: nn.Module,
+    obs: torch.Tensor,
+    actions: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    target: Target | None = None,
+    advantage_norm: str = "chunk",
+    chunk_size: int = 64,
+    ent_coef: float = 0.0,
+    params: Sequence[nn.Parameter] | None = None,
+    records_per_pass: int = 4096,
+    accumulate_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Snapshot influence of each record on ``target`` (default ``ReturnTarget()``), shape ``[N]``.
+
+        score_i = A_norm_i <grad log pi(a_i|s_i), grad f> + ent_coef <grad H[pi(.|s_i)], grad f>
+
+    at the policy's current parameters, gradients w.r.t. the attributed parameters ``params``
+    (default: ``policy.policy_parameters()`` if defined, else every trainable parameter that
+    ``log_prob`` reaches). ``advantages`` are raw; A_norm follows ``advantage_norm``
+    (see ``normalize_for_attribution``). ``ent_coef != 0`` needs ``policy.evaluate_actions``
+    returning (log-prob, entropy, value).
+
+    Cost: one forward+backward for grad f, one forward+backward of the summed training loss with
+    ghost contractions per ``records_per_pass`` records (plus one forward-mode pass when
+    parameters outside Linear/Conv2d are attributed), and a small probe. ``accumulate_dtype``
+    (e.g. ``torch.float64``) sets the dtype of contractions and scores.
+    """
+    check_policy(policy)
+    check_positive_int("records_per_pass", records_per_pass)
+    records = Records(obs, actions, advantages)
+    weights = normalize_for_attribution(advantages, advantage_norm, chunk_size)
+    if ent_coef != 0 and not callable(getattr(policy, "evaluate_actions", None)):
+        raise ValueError(f"ent_coef={ent_coef} needs policy.evaluate_actions(obs, actions) -> (logp, entropy, value)")
+    rows = probe_indices(len(records))
+    attributed = attributed_parameters(policy, params, obs[rows], actions[rows])
+    direction = target_gradient(target or ReturnTarget(), policy, attributed, records, records_per_pass)
+    record_fn = partial(_snapshot_gain, ent_coef=ent_coef)
+    plan = plan_ghost(policy, attributed, record_fn, (obs[rows], actions[rows], torch.ones(len(rows))))
+    return per_record_dots(
+        policy, plan, record_fn, (obs, actions, weights), direction, records_per_pass, accumulate_dtype
+    )

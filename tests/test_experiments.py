@@ -1,0 +1,106 @@
+import csv
+
+import numpy as np
+import pytest
+
+from rlinfluence.errors import UserError
+from rlinfluence.experiments import (
+    CompareConfig,
+    Curve,
+    ci95,
+    compare,
+    first_reach,
+    pair_metrics,
+    parse_overrides,
+    reduction,
+    running_max_levels,
+    se_ave,
+    time_reduction,
+)
+
+STANDARD = [0.0, 0.2, 0.1, 0.5, 0.5, 0.8, 0.7, 0.9]
+
+
+def test_first_reach_counts_rounds_from_one():
+    assert first_reach(STANDARD, 0.0) == 1
+    assert first_reach(STANDARD, 0.5) == 4
+    assert first_reach(STANDARD, 0.95) is None
+
+
+def test_se_levels_are_the_successive_new_maxima():
+    assert running_max_levels(STANDARD) == [0.0, 0.2, 0.5, 0.8, 0.9]
+
+
+def test_se_metrics_on_hand_made_curves():
+    faster = [0.0, 0.5, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]
+    # levels 0, .2, .5, .8, .9 reached at 1, 2, 4, 6, 8 by standard and 1, 2, 2, 3, 3 by faster
+    expected = [0, 0, 50, 50, 62.5]
+    value, unreached = se_ave(STANDARD, faster)
+    assert value == pytest.approx(sum(expected) / 5) and unreached == 0
+    assert reduction(STANDARD, faster, 0.9) == pytest.approx(62.5)
+    seconds = [float(i + 1) for i in range(8)]
+    half_time = [0.5 * s for s in seconds]
+    assert time_reduction(STANDARD, seconds, faster, half_time, 0.9) == pytest.approx(100 * (1 - 1.5 / 8))
+
+
+def test_never_reached_and_round_zero_cases():
+    never = [0.0] * 8
+    assert reduction(STANDARD, never, 0.9) is None
+    value, unreached = se_ave(STANDARD, never)
+    assert value == pytest.approx(0.0) and unreached == 4  # only the round-1 level is reached
+    seconds = np.arange(1.0, 9.0)
+    metrics = pair_metrics(Curve(np.array(STANDARD), seconds), Curve(np.array(never), seconds))
+    assert metrics["se_peak"] is None and metrics["rt_peak"] is None
+    # a level reached at the very first round by both curves is a 0% reduction, not a division by zero
+    assert reduction([1.0, 1.0], [1.0, 1.0], 1.0) == 0.0
+
+
+def test_ci95_uses_the_t_quantile():
+    mean, lo, hi = ci95([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert mean == 3.0 and hi - mean == pytest.approx(2.776 * (2.5 ** 0.5) / 5 ** 0.5, rel=1e-3)
+
+
+def test_overrides_parse_and_reject_unknown_keys():
+    assert parse_overrides(["optimizer=adam", "learning_rate=1e-3", "max_grad_norm=null"]) == {
+        "optimizer": "adam", "learning_rate": 1e-3, "max_grad_norm": None}
+    with pytest.raises(UserError, match="bad override 'colour=red'"):
+        parse_overrides(["colour=red"])
+    with pytest.raises(UserError, match="must include ppo"):
+        CompareConfig(methods="iif,random").method_list()
+
+
+def _tiny_compare(out, **kw):
+    return CompareConfig(env="CartPole-v1", methods="ppo,iif,random", seeds=2, rounds=2, eval_episodes=2,
+                         set=("n_steps=128", "batch_size=32", "n_epochs=2", "eval_envs=2", "tensorboard=false"),
+                         out=str(out), progress=False, **kw)
+
+
+def _summary(out):
+    with (out / "summary.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_compare_end_to_end_is_deterministic_and_resumes(tmp_path):
+    out = compare(_tiny_compare(tmp_path / "a", workers=1))
+    for name in ("summary.md", "summary.csv", "curves.png"):
+        assert (out / name).stat().st_size > 0
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [
+        f"{m}__seed{s}" for m in ("iif", "ppo", "random") for s in (1, 2)]
+    again = compare(_tiny_compare(tmp_path / "b", workers=2))  # other executor, same numbers
+    strip = lambda rows: [{k: v for k, v in r.items() if "second" not in k and "rt_" not in k} for r in rows]  # noqa: E731
+    assert strip(_summary(out)) == strip(_summary(again))
+    before = (out / "ppo__seed1" / "metrics.csv").read_text()
+    compare(_tiny_compare(tmp_path / "a", workers=1))  # finished pairs are skipped
+    assert (out / "ppo__seed1" / "metrics.csv").read_text() == before
+
+
+def test_compare_with_ray(tmp_path):
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        out = compare(_tiny_compare(tmp_path / "ray", ray_address="local"))
+        local = compare(_tiny_compare(tmp_path / "local", workers=1))
+    finally:
+        ray.shutdown()
+    strip = lambda rows: [{k: v for k, v in r.items() if "second" not in k and "rt_" not in k} for r in rows]  # noqa: E731
+    assert strip(_summary(out)) == strip(_summary(local))

@@ -1,0 +1,145 @@
+import pytest
+import torch
+
+from rlinfluence.buffer import RolloutBuffer
+from rlinfluence.errors import UserError
+from rlinfluence.filters import (
+    AdvantageFilter,
+    FilterContext,
+    IIFFilter,
+    RandomFilter,
+    RewardExtremesFilter,
+    TDErrorFilter,
+    drop_lowest,
+    iif_drop_count,
+    make_filter,
+)
+from rlinfluence.ppo import PPO
+
+from .conftest import tiny_config
+
+
+def _buffer(n=8, rewards=None):
+    buf = RolloutBuffer.empty(0, n, 1, (1,), torch.float32, (), torch.int64)
+    if rewards is not None:
+        buf.rewards[:, 0] = torch.as_tensor(rewards, dtype=torch.float32)
+    buf.last_values = torch.zeros(1)
+    buf.compute_advantages(0.99, 0.95)
+    return buf
+
+
+def _iif_with_scores(scores, **kwargs):
+    """An IIF filter whose influence scores are the given hand-made ones."""
+    f = IIFFilter(**kwargs)
+    f.scores = lambda buffer, context: torch.as_tensor(scores, dtype=torch.float32)
+    return f
+
+
+def _ctx(batch_size=1):
+    return FilterContext(policy=None, round=0, batch_size=batch_size)
+
+
+SCORES = [0.5, -3.0, -1.0, 2.0, -2.0, -0.5, 1.0, -4.0]  # 5 negatives
+
+
+@pytest.mark.parametrize(
+    "mode, pct, dropped",
+    [
+        ("neg-bottom", 50, {7, 1}),  # floor(0.5 * 5) = 2 lowest: -4, -3
+        ("neg-bottom", 100, {7, 1, 4, 2, 5}),  # every negative, never a positive
+        ("neg-bottom", 10, set()),  # floor(0.1 * 5) = 0
+        ("bottom", 25, {7, 1}),  # floor(0.25 * 8) = 2 lowest of all
+        ("neg", 12.5, {7, 1, 4, 2, 5}),
+    ],
+)
+def test_iif_masks_on_hand_made_scores(mode, pct, dropped):
+    keep = _iif_with_scores(SCORES, drop_pct=pct, drop_mode=mode)(_buffer(), _ctx())
+    assert set(torch.nonzero(~keep).squeeze(1).tolist()) == dropped
+
+
+def test_all_negative_scores_with_p_100_drops_everything_but_keeps_one_minibatch():
+    scores = [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0, -8.0]
+    assert iif_drop_count(torch.tensor(scores), 100, "neg-bottom") == 8
+    ctx = _ctx(batch_size=3)
+    keep = _iif_with_scores(scores, drop_pct=100)(_buffer(), ctx)
+    assert keep.tolist() == [True, True, True, False, False, False, False, False]  # the 3 best
+    assert ctx.stats["minibatch_guard"] == 1.0
+
+
+def test_ties_at_the_threshold_are_broken_by_index():
+    keep = drop_lowest(torch.tensor([-1.0, -2.0, -2.0, -2.0, 3.0]), 2)
+    assert keep.tolist() == [True, False, False, True, True]
+
+
+def test_bad_drop_pct_and_mode():
+    for p in (0, -5, 100.5):
+        with pytest.raises(UserError, match=f"drop_pct must be in \\(0, 100\\], got {p}"):
+            IIFFilter(drop_pct=p)
+    with pytest.raises(UserError, match="unknown drop_mode 'top'"):
+        IIFFilter(drop_pct=50, drop_mode="top")
+    with pytest.raises(UserError, match="unknown filter 'magic'"):
+        make_filter("magic")
+
+
+def test_random_filter_drops_exactly_iifs_count_with_its_own_seed():
+    buf, counts = _buffer(), []
+    for seed in (0, 0, 1):
+        f = RandomFilter(drop_pct=50, seed=seed)
+        f.scores = lambda buffer, context: torch.tensor(SCORES)
+        counts.append(f(buf, _ctx()))
+    assert int((~counts[0]).sum()) == 2
+    assert torch.equal(counts[0], counts[1])
+    pct = RandomFilter(drop_pct=25, match="pct")(buf, _ctx())
+    assert int((~pct).sum()) == 2
+
+
+def test_reward_extremes_drops_both_tails():
+    buf = _buffer(rewards=[0, 5, -5, 1, 2, 3, -1, 4])
+    keep = RewardExtremesFilter(drop_pct=25)(buf, _ctx())  # 12.5% = 1 record each side
+    assert set(torch.nonzero(~keep).squeeze(1).tolist()) == {1, 2}
+
+
+def test_td_error_sets_rank_based_sampling_weights():
+    buf = _buffer(rewards=[0, 0, 3, 0, -1, 0, 0, 0])
+    ctx = _ctx()
+    keep = TDErrorFilter(alpha=1.0)(buf, ctx)
+    assert keep.all()
+    w = ctx.sample_weights
+    assert w.sum().item() == pytest.approx(1.0) and w.argmax().item() == 2  # largest |delta|
+
+
+def test_advantage_heuristics_drop_only_sign_mismatched_records():
+    # a deterministic 2-state chain: state A (obs 0) -> action 1 gives reward 1 and ends,
+    # action 0 gives 0 and ends. Estimated advantages are set by hand with wrong signs.
+    buf = RolloutBuffer.empty(0, 6, 1, (1,), torch.float32, (), torch.int64)
+    buf.actions[:, 0] = torch.tensor([1, 0, 1, 0, 1, 0])
+    buf.rewards[:, 0] = torch.tensor([1.0, 0, 1, 0, 1, 0])
+    buf.terminated[:] = True
+    buf.last_values = torch.zeros(1)
+    buf.advantages = torch.tensor([[-0.5], [0.2], [0.5], [-0.2], [0.1], [0.4]])
+    a_bar = buf.monte_carlo_advantages(0.99)
+    torch.testing.assert_close(a_bar, torch.tensor([0.5, -0.5, 0.5, -0.5, 0.5, -0.5], dtype=torch.float64))
+    keep = AdvantageFilter(drop_pct=50, heuristic="H1")(buf, _ctx())
+    # mismatched: 0 (|diff| 1.0), 1 (0.7), 5 (0.9); floor(0.5 * 3) = 1 -> drop record 0
+    assert torch.nonzero(~keep).squeeze(1).tolist() == [0]
+    keep = AdvantageFilter(drop_pct=100, heuristic="H2")(buf, _ctx())
+    assert set(torch.nonzero(~keep).squeeze(1).tolist()) == {0, 1, 5}
+
+
+def test_iif_in_the_trainer_drops_the_expected_count_and_logs():
+    trainer = PPO(tiny_config(filter="iif", drop_pct=50, n_steps=256, total_timesteps=256), run_dir=False)
+    metrics = trainer.train_round()
+    n_neg = int(metrics["n_negative"])
+    expected_kept = 256 - n_neg // 2
+    assert metrics["kept_fraction"] == pytest.approx(expected_kept / 256)
+    assert metrics["n_updates"] == trainer.config.n_epochs * (expected_kept // 32)
+    for key in ("score_mean", "score_std", "scoring_seconds", "minibatch_guard"):
+        assert key in metrics
+
+
+def test_filtered_runs_are_reproducible_and_resumable(tmp_path):
+    cfg = tiny_config(filter="random", drop_pct=50, run_root=str(tmp_path), total_timesteps=384)
+    a = PPO(cfg, run_dir=tmp_path / "a").learn()
+    b = PPO(cfg, run_dir=tmp_path / "b").learn()
+    torch.testing.assert_close(a.policy.state_dict(), b.policy.state_dict())
+    assert (tmp_path / "a").name and a.filter.state_dict()["generator"].equal(b.filter.state_dict()["generator"])
