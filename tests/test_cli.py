@@ -36,7 +36,7 @@ def test_train_writes_a_complete_run_directory(env, tmp_path):
                    "policy_loss", "value_loss", "approx_kl", "clip_fraction", "kept_fraction"):
         assert column in header.split(",")
     assert len(rows) == 2
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["round_0001.pt", "round_0002.pt"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["round_0000.pt", "round_0001.pt", "round_0002.pt"]
     assert list(run.glob("events.out.tfevents.*"))
     assert not list(run.rglob(".*.tmp"))
 
@@ -107,3 +107,22 @@ def test_resume_with_corrupt_or_mismatched_checkpoint(tmp_path):
 def test_unknown_command():
     out = rlinfluence("fly")
     assert out.returncode == 2 and "unknown command 'fly'" in out.stderr
+
+
+def test_attribute_a_saved_round(tmp_path):
+    import pandas as pd
+
+    assert rlinfluence("train", *TINY, "--save-buffers", "--run-root", tmp_path).returncode == 0
+    run = _run_dir(tmp_path)
+    out = rlinfluence("attribute", run, "--round", "1", "--top", "3")
+    assert out.returncode == 0, out.stderr
+    assert "most harmful" in out.stdout
+    table = pd.read_parquet(run / "attribution_round_1.parquet")
+    assert len(table) == 128 and sorted(table["rank"]) == list(range(1, 129))
+    assert {"round", "env", "step", "obs", "action", "advantage", "score"} <= set(table.columns)
+    out = rlinfluence("attribute", run, "--round", "0", "--mode", "full", "--target", "action",
+                      "--state-index", "3", "--out", tmp_path / "full.parquet")
+    assert out.returncode == 0, out.stderr
+    assert pd.read_parquet(tmp_path / "full.parquet")["score"].abs().sum() > 0
+    _assert_one_line_error(rlinfluence("attribute", run, "--round", "9"), "no saved buffer for round 9", "0..1")
+    _assert_one_line_error(rlinfluence("attribute", run, "--round", "1", "--target", "action"), "--state-index")

@@ -199,6 +199,19 @@ class RolloutBuffer:
         step = torch.arange(self.n_steps).repeat(self.n_envs)
         return torch.stack([torch.full_like(env, self.round), env, step], dim=1)
 
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> RolloutBuffer:
+        """Rebuild a buffer from ``tensors()`` output (e.g. a saved round's safetensors file)."""
+        ids = tensors["record_ids"]
+        n_envs, n_steps = int(ids[:, 1].max()) + 1, int(ids[:, 2].max()) + 1
+
+        def unflatten(x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(n_envs, n_steps, *x.shape[1:]).transpose(0, 1).contiguous()
+
+        names = [f.name for f in fields(cls) if f.name not in ("round", "last_values")]
+        return cls(round=int(ids[0, 0]), last_values=tensors["last_values"],
+                   **{name: unflatten(tensors[name]) for name in names if name in tensors})
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """All per-record fields, flat (for saving with safetensors or building tables)."""
         names = [f.name for f in fields(self) if f.name not in ("round", "last_values")]

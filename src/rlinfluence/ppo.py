@@ -245,6 +245,8 @@ class PPO:
         """
         cfg = self.config
         n_rounds = math.ceil((total_timesteps or cfg.total_timesteps) / cfg.rollout_size)
+        if self.run is not None and cfg.save_checkpoints and self.round == 0:
+            self.run.save_checkpoint(0, self.state_dict())  # theta(0): attribution of round 0 needs it
         with progress_bar(cfg.progress, cfg.env, n_rounds, self.round) as advance:
             while self.round < n_rounds:
                 metrics = self.train_round()
@@ -509,6 +511,34 @@ class PPO:
         trainer.load_state_dict(state, source=repr(str(checkpoint)))
         run.truncate(trainer.round)
         return trainer
+
+
+@dataclass
+class SavedRound:
+    """A saved round k of a run: the trainer at theta(k) and the round's records."""
+
+    trainer: PPO
+    buffer: RolloutBuffer
+    keep: torch.Tensor
+    schedule: list[MinibatchStep]
+
+
+def load_round(run_dir: str | Path, round_index: int) -> SavedRound:
+    """Round ``round_index`` of a run trained with ``save_buffers``: the trainer restored to
+    theta(k) (policy and optimiser state before the round's update) and the saved buffer."""
+    run = RunDirectory.open_existing(run_dir, tensorboard=False)
+    config = dataclasses.replace(PPOConfig.from_dict(run.read_config()), progress=False)
+    tensors = run.load_buffer(round_index)
+    checkpoint = run.checkpoint_path(round_index)
+    if not checkpoint.is_file():
+        raise UserError(f"no checkpoint for theta({round_index}) ({str(checkpoint)!r})")
+    trainer = PPO(config, run_dir=False)
+    trainer.load_state_dict(load_checkpoint(checkpoint), source=repr(str(checkpoint)))
+    schedule = []
+    if "schedule_indices" in tensors:
+        schedule = [MinibatchStep(int(e), idx, float(lr)) for e, idx, lr in zip(
+            tensors["schedule_epochs"], tensors["schedule_indices"], tensors["schedule_lr"], strict=True)]
+    return SavedRound(trainer, RolloutBuffer.from_tensors(tensors), tensors["keep"], schedule)
 
 
 def _derived_seed(seed: int, round_index: int, stream: int) -> int:

@@ -6,7 +6,8 @@ Layout of ``runs/<env>__<method>__<seed>__<time>/``::
     config.json                     the PPOConfig of the run
     metrics.csv                     one row per completed round
     events.out.tfevents.*           TensorBoard scalars (charts/, losses/, time/, filter/)
-    checkpoints/round_0003.pt       state after round 3 (torch.load(weights_only=True))
+    checkpoints/round_0003.pt       theta(3): the state after 3 completed rounds (round_0000 =
+                                    the initial policy); torch.load(weights_only=True)
     buffers/round_0003.safetensors  round 3's records and update schedule (``save_buffers``)
 
 Every file is written to a temporary name in the same folder and renamed into place, so a
@@ -176,7 +177,9 @@ class RunDirectory:
 
         path = self.buffer_path(round_index)
         if not path.is_file():
-            raise UserError(f"no saved buffer for round {round_index} ({str(path)!r}); train with --save-buffers")
+            saved = sorted(int(p.stem.split("_")[1]) for p in (self.path / "buffers").glob("round_*.safetensors"))
+            hint = f"saved rounds: {saved[0]}..{saved[-1]}" if saved else "train with --save-buffers"
+            raise UserError(f"no saved buffer for round {round_index} in {str(self.path)!r} ({hint})")
         return load_file(str(path))
 
 

@@ -38,6 +38,7 @@ independently and in order (no BatchNorm in training mode, no cross-record atten
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -51,6 +52,8 @@ from rlinfluence.influence.targets import check_positive_int
 
 RecordFn = Callable[..., torch.Tensor]
 """``record_fn(policy, *record_tensors) -> Tensor[n]``; row i must depend on record i only."""
+Direction = Sequence[torch.Tensor] | Callable[[torch.Tensor], Sequence[torch.Tensor]]
+"""One tensor per attributed parameter, or a function of the pass's output u returning them."""
 
 
 def check_policy(policy: object) -> None:
@@ -253,7 +256,9 @@ def _jvp_dots(
     keys = [f"policy.{names[s]}" for s in slots]
     primals = {k: plan_params[s].detach() for k, s in zip(keys, slots, strict=True)}
     tangents = {k: direction[s].to(plan_params[s].dtype) for k, s in zip(keys, slots, strict=True)}
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # torch's own forward-AD decompositions still call the deprecated torch.jit.script on first use
+        warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", DeprecationWarning)
         u, dots = jvp(lambda p: functional_call(bound, p, tuple(records)), (primals,), (tangents,))
     _check_output(u, len(records[0]))
     return dots
@@ -265,8 +270,11 @@ def _agree(ghost: torch.Tensor, exact: torch.Tensor) -> bool:
     return bool((ghost - exact).abs().max() <= torch.finfo(exact.dtype).eps ** 0.5 * scale)
 
 
-def probe_indices(n: int, size: int = 4) -> torch.Tensor:
-    """``size`` record indices spread over ``range(n)`` (all of them if n <= size)."""
+def probe_indices(n: int, size: int = 3) -> torch.Tensor:
+    """``size`` record indices spread over ``range(n)`` (all of them if n <= size).
+
+    Three by default: an odd count, unlikely to equal a time or frame dimension that a policy
+    might put in front of the records (the row check would then be fooled)."""
     return torch.linspace(0, n - 1, min(n, size)).round().long().unique()
 
 
@@ -332,31 +340,42 @@ def per_record_dots(
     plan: GhostPlan,
     record_fn: RecordFn,
     records: Sequence[torch.Tensor],
-    direction: Sequence[torch.Tensor],
+    direction: Direction,
     records_per_pass: int = 4096,
     accumulate_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """d_i = <grad_theta u_i, v> for every record, u = record_fn(policy, *records), v = ``direction``.
 
-    ``direction`` is aligned with ``plan.params``. Records are processed ``records_per_pass`` at a
-    time (one forward + one backward each, plus one forward-mode pass if the plan has forward-mode
-    parameters). Contractions and the result use ``accumulate_dtype`` (default: the direction's).
+    ``direction`` is aligned with ``plan.params``: tensors, or a function of the pass's output u
+    returning them, evaluated on the same forward graph (it must keep the graph, e.g.
+    ``autograd.grad(..., retain_graph=True)``); the latter needs all records in one pass.
+    Records are processed ``records_per_pass`` at a time (one forward + one backward each, plus
+    one forward-mode pass if the plan has forward-mode parameters). Contractions and the result
+    use ``accumulate_dtype`` (default: the direction's dtype).
     """
     check_positive_int("records_per_pass", records_per_pass)
     n = len(records[0])
-    dtype = accumulate_dtype or direction[0].dtype
-    direction_acc = [d.to(dtype) for d in direction]
-    dots = torch.zeros(n, dtype=dtype)
+    if callable(direction) and n > records_per_pass:
+        raise ValueError(f"a direction computed from the pass needs one pass: {n} records > records_per_pass={records_per_pass}")
+    dots = torch.zeros(0)
     for start in range(0, n, records_per_pass):
         chunk = tuple(r[start : start + records_per_pass] for r in records)
-        part = dots[start : start + len(chunk[0])]
-        if plan.layers:
+        m = len(chunk[0])
+        if plan.layers or callable(direction):
             u, calls = _run_captured(policy, plan.layers, record_fn, chunk)
             for call in calls:
                 layer = plan.layers[call.layer]
-                if not _rows_are_records(layer.module, call.x, call.out, len(part)):
+                if not _rows_are_records(layer.module, call.x, call.out, m):
                     shape = tuple(call.x.shape) if isinstance(call.x, torch.Tensor) else None
-                    raise ValueError(f"layer {layer.name!r} got input {shape} in a pass of {len(part)} records: rows are not records")
+                    raise ValueError(f"layer {layer.name!r} got input {shape} in a pass of {m} records: rows are not records")
+            if callable(direction):
+                direction = list(direction(u))
+        if start == 0:
+            dtype = accumulate_dtype or direction[0].dtype
+            direction_acc = [d.to(dtype) for d in direction]
+            dots = torch.zeros(n, dtype=dtype)
+        part = dots[start : start + m]
+        if plan.layers:
             for _, term in _ghost_terms(plan.layers, calls, u, direction_acc, dtype):
                 part += term
         if plan.jvp_slots:

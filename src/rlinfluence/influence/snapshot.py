@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from rlinfluence.influence.ghost import (
+    RecordFn,
     attributed_parameters,
     check_policy,
     per_record_dots,
@@ -27,10 +28,12 @@ from rlinfluence.influence.ghost import (
     probe_indices,
 )
 from rlinfluence.influence.targets import (
+    LogProbTarget,
     Records,
     ReturnTarget,
     Target,
     check_positive_int,
+    require_nonzero,
     target_gradient,
 )
 from rlinfluence.losses import normalize_advantages
@@ -56,15 +59,29 @@ def normalize_for_attribution(advantages: torch.Tensor, mode: str, chunk_size: i
     return normalize_advantages(advantages) if mode == "batch" else advantages
 
 
-def _snapshot_gain(
-    policy: nn.Module, obs: torch.Tensor, actions: torch.Tensor, weights: torch.Tensor, *, ent_coef: float
-) -> torch.Tensor:
-    """u_i = -l_i = w_i log pi(a_i|s_i) + c_ent H[pi(.|s_i)]."""
-    if ent_coef == 0:
-        logp = policy.log_prob(obs, actions)
-        return weights.to(logp.dtype) * logp
-    logp, entropy, _ = policy.evaluate_actions(obs, actions)
-    return weights.to(logp.dtype) * logp + ent_coef * entropy
+def _log_prob(policy: nn.Module, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+    return policy.log_prob(obs, actions)
+
+
+def _entropy(policy: nn.Module, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+    return policy.evaluate_actions(obs, actions)[1]
+
+
+def _weights_on_scored_pairs(target: Target, records: Records) -> torch.Tensor | None:
+    """The target's weights w if f = sum_i w_i log pi(a_i|s_i) over the scored pairs themselves."""
+    if not isinstance(target, LogProbTarget):
+        return None
+    obs, actions, weights = target.weighted_pairs(records)
+    return weights if obs is records.obs and actions is records.actions else None
+
+
+def _gradient_from_log_probs(
+    logp: torch.Tensor, *, weights: torch.Tensor, params: Sequence[nn.Parameter], target: Target
+) -> list[torch.Tensor]:
+    """grad f for f = sum_i w_i logp_i, from the scoring pass's own log-probs (graph kept)."""
+    f = (weights.to(logp.dtype) * logp).sum()
+    grads = torch.autograd.grad(f, params, retain_graph=True, allow_unused=True) if f.requires_grad else [None] * len(params)
+    return require_nonzero(target, [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)])
 
 
 def snapshot_influence(
@@ -91,10 +108,12 @@ def snapshot_influence(
     (see ``normalize_for_attribution``). ``ent_coef != 0`` needs ``policy.evaluate_actions``
     returning (log-prob, entropy, value).
 
-    Cost: one forward+backward for grad f, one forward+backward of the summed training loss with
-    ghost contractions per ``records_per_pass`` records (plus one forward-mode pass when
-    parameters outside Linear/Conv2d are attributed), and a small probe. ``accumulate_dtype``
-    (e.g. ``torch.float64``) sets the dtype of contractions and scores.
+    Cost: a small probe (``plan_ghost``), one forward+backward for grad f, one forward+backward
+    with ghost contractions per ``records_per_pass`` records, plus one forward-mode pass when
+    parameters outside Linear/Conv2d are attributed. When f is a log-prob target on the scored
+    pairs themselves (``ReturnTarget()``), ``ent_coef == 0`` and the records fit in one pass, both
+    sides share one forward. ``accumulate_dtype`` (e.g. ``torch.float64``) sets the dtype of
+    contractions and scores.
     """
     check_policy(policy)
     check_positive_int("records_per_pass", records_per_pass)
@@ -102,11 +121,21 @@ def snapshot_influence(
     weights = normalize_for_attribution(advantages, advantage_norm, chunk_size)
     if ent_coef != 0 and not callable(getattr(policy, "evaluate_actions", None)):
         raise ValueError(f"ent_coef={ent_coef} needs policy.evaluate_actions(obs, actions) -> (logp, entropy, value)")
+    target = target or ReturnTarget()
     rows = probe_indices(len(records))
     attributed = attributed_parameters(policy, params, obs[rows], actions[rows])
-    direction = target_gradient(target or ReturnTarget(), policy, attributed, records, records_per_pass)
-    record_fn = partial(_snapshot_gain, ent_coef=ent_coef)
-    plan = plan_ghost(policy, attributed, record_fn, (obs[rows], actions[rows], torch.ones(len(rows))))
-    return per_record_dots(
-        policy, plan, record_fn, (obs, actions, weights), direction, records_per_pass, accumulate_dtype
-    )
+    target_weights = _weights_on_scored_pairs(target, records)
+    if ent_coef == 0 and target_weights is not None and len(records) <= records_per_pass:
+        direction = partial(_gradient_from_log_probs, weights=target_weights, params=attributed, target=target)
+    else:
+        direction = target_gradient(target, policy, attributed, records, records_per_pass)
+
+    def dots(record_fn: RecordFn) -> torch.Tensor:
+        plan = plan_ghost(policy, attributed, record_fn, (obs[rows], actions[rows]))
+        return per_record_dots(policy, plan, record_fn, (obs, actions), direction, records_per_pass, accumulate_dtype)
+
+    scores = dots(_log_prob)
+    scores *= weights.to(scores.dtype)
+    if ent_coef != 0:
+        scores += ent_coef * dots(_entropy)
+    return scores

@@ -184,7 +184,7 @@ def target_gradient(
     """grad_theta f at the current parameters, one tensor per entry of ``params``.
 
     Accumulated over ``target.pieces``. Raises ValueError when the gradient is exactly zero
-    (e.g. a constant target, or all-zero advantages): every score would be zero.
+    (e.g. a constant target, or all-zero advantages).
     """
     grads = [torch.zeros_like(p) for p in params]
     with torch.enable_grad():
@@ -194,6 +194,11 @@ def target_gradient(
             for acc, g in zip(grads, torch.autograd.grad(piece, params, allow_unused=True), strict=True):
                 if g is not None:
                     acc += g
+    return require_nonzero(target, grads)
+
+
+def require_nonzero(target: Target, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``grads`` (a target's gradient); ValueError if exactly zero, since every score would be zero."""
     if not any(g.any() for g in grads):
-        raise ValueError(f"target {target!r} has zero gradient w.r.t. the {len(params)} attributed parameters")
+        raise ValueError(f"target {target!r} has zero gradient w.r.t. the {len(grads)} attributed parameters")
     return grads

@@ -89,10 +89,12 @@ def _replay_optimizer(
     """The optimiser for the replica: plain SGD on every trainable parameter, or a copy of ``optimizer``."""
     if optimizer is None:
         return torch.optim.SGD([p for p in replica.parameters() if p.requires_grad], lr=0.0)
+    names = {id(p): name for name, p in policy.named_parameters()}
+    if any(id(p) not in names for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError("optimizer holds parameters that are not the policy's: deep-copy them together, copy.deepcopy((policy, optimizer))")
     replica_params = dict(replica.named_parameters())
     groups = [
-        {**{k: v for k, v in group.items() if k != "params"},
-         "params": [replica_params[name] for name in parameter_names(policy, group["params"])]}
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [replica_params[names[id(p)]] for p in group["params"]]}
         for group in optimizer.param_groups
     ]
     replay = type(optimizer)(groups)
@@ -137,9 +139,9 @@ def tracin_influence(
     Records are flat buffer fields (``RolloutBuffer.flat``); ``advantages`` raw; ``schedule`` the
     round's optimiser steps in order. The PPO settings must be the trainer's. ``optimizer``:
     ``None`` replays plain SGD (theta -= eta_j * grad of the full minibatch loss, including
-    value/entropy terms, over every trainable parameter); otherwise an optimiser whose state is the
-    one at theta(k) (e.g. a deep copy taken before the round), copied and stepped with each step's
-    lr. ``max_grad_norm`` clips as the trainer does. ``target`` defaults to ``ReturnTarget()``;
+    value/entropy terms, over every trainable parameter); otherwise an optimiser over ``policy``'s
+    parameters whose state is the one at theta(k) (e.g. ``copy.deepcopy((policy, optimizer))``
+    taken before the round), copied and stepped with each step's lr. ``max_grad_norm`` clips as the trainer does. ``target`` defaults to ``ReturnTarget()``;
     attributed ``params`` as in ``snapshot_influence``.
 
     Cost per step: one target gradient over the target's records, one forward+backward for the

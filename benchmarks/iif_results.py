@@ -1,0 +1,58 @@
+"""IIF vs PPO vs random on the paper's environments (issue 4): the runs behind docs/results.md.
+
+    python benchmarks/iif_results.py --envs FrozenLake-v1,Acrobot-v1 --seeds 5 --out bench_out/results
+
+Each environment is one ``rlinfluence compare`` folder under ``--out``; re-running the same
+command skips finished (method, seed) pairs and resumes unfinished ones, so the script can be
+killed and restarted. Evaluation episodes per round are below the paper's 1000 to fit 2 cores;
+the defaults per env are in EVAL_EPISODES and are printed with the results. Ends with one
+summary line per figure: ``<env>/<method>/<metric>: mean +/- se (n/N seeds)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+from rlinfluence.experiments import CompareConfig, compare
+
+# Evaluation episodes per round (paper: 1000; 100 for highway and BipedalWalker).
+EVAL_EPISODES = {"FrozenLake-v1": 100, "Acrobot-v1": 100, "MiniGrid-Empty-8x8-v0": 100,
+                 "LunarLander-v3": 50, "highway-v0": 20, "BipedalWalker-v3": 20}
+METRICS = ("se_ave", "se_peak", "rt_peak", "se_80pct", "rt_80pct")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--envs", default="FrozenLake-v1,Acrobot-v1,MiniGrid-Empty-8x8-v0,LunarLander-v3")
+    parser.add_argument("--methods", default="ppo,iif,random")
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=None, help="default: each preset's round count")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", default="bench_out/results")
+    parser.add_argument("--tag", default="", help="suffix of the per-env folder (variants: adam, p25, ...)")
+    parser.add_argument("--set", nargs="*", default=[], help="PPOConfig overrides key=value for every run")
+    args = parser.parse_args()
+
+    for env in args.envs.split(","):
+        folder = Path(args.out) / (env + (f"__{args.tag}" if args.tag else ""))
+        config = CompareConfig(
+            env=env, methods=args.methods, seeds=args.seeds, rounds=args.rounds,
+            eval_episodes=EVAL_EPISODES.get(env), set=("eval_envs=32", *args.set), out=str(folder),
+            workers=args.workers, progress=False,
+        )
+        print(f"== {env}: {args.seeds} seeds, eval {config.eval_episodes} episodes/round -> {folder}", flush=True)
+        compare(config)
+        with (folder / "summary.csv").open() as f:
+            for row in csv.DictReader(f):
+                if row["method"] == "ppo":
+                    continue
+                for metric in METRICS:
+                    mean, se, n = row[f"{metric}_mean"], row[f"{metric}_se"], row[f"{metric}_n"]
+                    value = f"{float(mean):.1f} +/- {float(se):.1f}" if mean else "undefined"
+                    print(f"{folder.name}/{row['method']}/{metric}: {value} ({n}/{row['seeds']} seeds)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

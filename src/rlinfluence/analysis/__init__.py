@@ -1,0 +1,1 @@
+"""Analyses on top of attribution: per-record tables, diagnosis, formation timeline, intervention."""
