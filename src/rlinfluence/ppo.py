@@ -226,6 +226,8 @@ class PPO:
         self.env_steps = 0
         self.train_seconds = 0.0
         self.schedule: list[MinibatchStep] = []  # last round's optimiser steps (record_minibatches)
+        self.last_buffer: RolloutBuffer | None = None
+        self._finished_returns: list[float] = []  # returns of the episodes that ended this round
         self._reset_envs(config.seed)
         self._evaluator: Evaluator | None = None
         self.run: RunDirectory | None = None
@@ -324,7 +326,7 @@ class PPO:
         )
         act = rollout_actor(self.policy)
         noise = self.policy.noise((cfg.n_steps, cfg.n_envs), self.generator).numpy()
-        self._finished_returns: list[float] = []
+        self._finished_returns = []
         obs = self._obs
         for t in range(cfg.n_steps):
             actions, logp, values = act(obs, noise[t])

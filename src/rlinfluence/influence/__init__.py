@@ -6,13 +6,15 @@ Scorers (what is computed) and targets (what influence is measured on) are indep
   fast scores, ghost dot products);
 - ``tracin_influence``: full local TracIn over the round's recorded optimiser steps;
 - targets ``ActionTarget`` (mean log pi(a*|s*)) and ``ReturnTarget`` ((1/n) sum_j A_j log pi(a_j|s_j));
-- ``score_buffer`` scores a ``RolloutBuffer``; ``top_records`` picks proponents / opponents.
+- ``score_buffer`` scores a ``RolloutBuffer``; ``top_records`` picks proponents / opponents;
+- the engine, for new scorers: ``plan_ghost``, ``per_record_dots`` (d_i = <grad u_i, v> for any
+  row-separable u), ``self_target_dots`` (v = grad of a weighted sum of the same u).
 
 Positive scores are helpful (training on the record increases f), negative harmful.
 """
 
 from rlinfluence.influence.api import TopRecords, score_buffer, top_records
-from rlinfluence.influence.ghost import GhostPlan, per_record_dots, plan_ghost
+from rlinfluence.influence.ghost import GhostPlan, per_record_dots, plan_ghost, self_target_dots
 from rlinfluence.influence.snapshot import normalize_for_attribution, snapshot_influence
 from rlinfluence.influence.targets import (
     ActionTarget,
@@ -36,6 +38,7 @@ __all__ = [
     "per_record_dots",
     "plan_ghost",
     "score_buffer",
+    "self_target_dots",
     "snapshot_influence",
     "target_gradient",
     "top_records",

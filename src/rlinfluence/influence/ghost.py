@@ -25,12 +25,15 @@ computed in two parts that are added:
   gradient memory and runs functions that ``vmap`` rejects, such as ``ppo_loss``, whose
   diagnostics call ``.item()``.)
 
-Which parameters take which path is decided once per policy by ``plan_ghost``. A Linear/Conv2d
-parameter is ghosted only if, on a few probe records and a random direction, the ghost terms
-agree per record with autograd gradients of each u_i; otherwise -- the parameter is also used
-outside its layer (tied weights), the layer's output is modified in place, rows are not records,
-a subclass or a user hook changes the computation -- it goes to the forward-mode path, so
-unknown structure costs speed, never correctness.
+Every pass verifies its ghost terms: the same backward also returns autograd's gradient G of
+sum_i u_i for each ghosted parameter, which must equal the gradient rebuilt from the captured
+pairs, R = sum_i g_i x_i^T (bias: sum_i g_i) -- compared on a random rank-1 projection,
+a^T R b = sum_i (a . g_i)(b . x_i), which costs two matrix-vector products -- and every call of
+a hooked layer must have one row per record. A parameter failing either check -- used outside its layer too (tied weights), its
+layer's output modified in place, a time or token axis in front of the records, a user hook
+changing the output -- is demoted to the forward-mode path in that pass and every later one, so
+unknown structure costs speed, never correctness. (Not caught: a row permutation inside the
+policy that keeps the batch size; missed per-record parts that cancel exactly in the sum.)
 
 Assumption, as for any per-record gradient: the policy processes the rows of a batch
 independently and in order (no BatchNorm in training mode, no cross-record attention).
@@ -40,7 +43,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -52,8 +55,6 @@ from rlinfluence.influence.targets import check_positive_int
 
 RecordFn = Callable[..., torch.Tensor]
 """``record_fn(policy, *record_tensors) -> Tensor[n]``; row i must depend on record i only."""
-Direction = Sequence[torch.Tensor] | Callable[[torch.Tensor], Sequence[torch.Tensor]]
-"""One tensor per attributed parameter, or a function of the pass's output u returning them."""
 
 
 def check_policy(policy: object) -> None:
@@ -108,7 +109,7 @@ def parameter_names(policy: nn.Module, params: Sequence[nn.Parameter]) -> tuple[
     return tuple(names[id(p)] for p in params)
 
 
-# -- ghost contractions, per layer kind: (weight term, bias term) --------------------------------
+# -- per layer kind: ghost contractions with a direction (P, q), and batch gradients -------------
 def _linear_weight(module: nn.Linear, x: torch.Tensor, g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return ((g @ p) * x).sum(-1).reshape(len(x), -1).sum(1)
 
@@ -117,18 +118,48 @@ def _linear_bias(module: nn.Linear, x: torch.Tensor, g: torch.Tensor, q: torch.T
     return (g @ q).reshape(len(x), -1).sum(1)
 
 
+def _linear_rank1(module: nn.Linear, x: torch.Tensor, g: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return ((g @ a) * (x @ b)).reshape(len(x), -1).sum(1)
+
+
+def _linear_grads(module: nn.Linear, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    g, x = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+    return g.T @ x, g.sum(0)
+
+
+def _conv2d_patches(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    return F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)
+
+
 def _conv2d_weight(module: nn.Conv2d, x: torch.Tensor, g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    patches = F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)
-    return (g.flatten(2) * (p.flatten(1) @ patches)).sum((1, 2))
+    return (g.flatten(2) * (p.flatten(1) @ _conv2d_patches(module, x))).sum((1, 2))
 
 
 def _conv2d_bias(module: nn.Conv2d, x: torch.Tensor, g: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return g.flatten(2).sum(2) @ q
 
 
-_CONTRACTIONS = {
-    nn.Linear: (_linear_weight, _linear_bias),
-    nn.Conv2d: (_conv2d_weight, _conv2d_bias),
+def _conv2d_rank1(module: nn.Conv2d, x: torch.Tensor, g: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (torch.einsum("nol,o->nl", g.flatten(2), a) * torch.einsum("nkl,k->nl", _conv2d_patches(module, x), b)).sum(1)
+
+
+def _conv2d_grads(module: nn.Conv2d, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    g = g.flatten(2)
+    weight = torch.einsum("nol,nkl->ok", g, _conv2d_patches(module, x))
+    return weight.view_as(module.weight), g.sum((0, 2))
+
+
+@dataclass(frozen=True)
+class _Kind:
+    weight_dot: Callable  # (module, X, G, P) -> [n]: <grad_W u_i, P>
+    bias_dot: Callable  # (module, X, G, q) -> [n]: <grad_b u_i, q>
+    weight_rank1: Callable  # (module, X, G, a, b) -> [n]: <grad_W u_i, a b^T> (W as [out, rest])
+    grads: Callable  # (module, X, G) -> (grad_W, grad_b) of sum_i u_i
+
+
+_KINDS = {
+    nn.Linear: _Kind(_linear_weight, _linear_bias, _linear_rank1, _linear_grads),
+    nn.Conv2d: _Kind(_conv2d_weight, _conv2d_bias, _conv2d_rank1, _conv2d_grads),
 }
 
 
@@ -146,37 +177,67 @@ def _rows_are_records(module: nn.Module, x: torch.Tensor | None, out: torch.Tens
     return dims_ok and x.shape[0] == n and out.shape[0] == n
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Layer:
     name: str
     module: nn.Module
     weight: int | None  # slot of module.weight in GhostPlan.params, None: not ghosted
     bias: int | None
 
+    def slots(self) -> list[int]:
+        return [s for s in (self.weight, self.bias) if s is not None]
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, eq=False)
 class _Call:
-    layer: int
+    layer: _Layer
     x: torch.Tensor | None
     out: torch.Tensor
 
 
-@dataclass(frozen=True)
+@dataclass
 class GhostPlan:
-    """How ``per_record_dots`` treats each attributed parameter of one policy instance."""
+    """Which attributed parameters ``per_record_dots`` ghosts and which take forward mode.
+
+    Built by ``plan_ghost``; ``per_record_dots`` demotes ghosted parameters that fail its checks.
+    """
 
     params: tuple[nn.Parameter, ...]
     names: tuple[str, ...]  # each parameter's name in the policy
-    layers: tuple[_Layer, ...]  # hooked layers, with the slots they ghost
-    jvp_slots: tuple[int, ...]  # parameters handled by forward mode
+    layers: list[_Layer]  # hooked layers, with the slots they ghost
+    jvp_slots: list[int] = field(default_factory=list)  # parameters handled by forward mode
+
+    def demote(self, slots: set[int]) -> None:
+        """Move ``slots`` from the ghost path to forward mode."""
+        if not slots:
+            return
+        kept = [_Layer(c.name, c.module, *(None if s in slots else s for s in (c.weight, c.bias))) for c in self.layers]
+        self.layers = [c for c in kept if c.slots()]
+        self.jvp_slots = sorted({*self.jvp_slots, *slots})
 
     @property
     def ghost_parameter_names(self) -> tuple[str, ...]:
-        return tuple(self.names[s] for layer in self.layers for s in (layer.weight, layer.bias) if s is not None)
+        return tuple(self.names[s] for layer in self.layers for s in layer.slots())
 
     @property
     def jvp_parameter_names(self) -> tuple[str, ...]:
         return tuple(self.names[s] for s in self.jvp_slots)
+
+
+def plan_ghost(policy: nn.Module, params: Sequence[nn.Parameter]) -> GhostPlan:
+    """Ghost the weights/biases in ``params`` of exact ``nn.Linear`` and supported ``nn.Conv2d``
+    layers; everything else takes forward mode."""
+    names = parameter_names(policy, params)
+    slot_of = {id(p): s for s, p in enumerate(params)}
+    layers = []
+    for name, module in policy.named_modules():
+        if _ghostable(module):
+            bias = slot_of.get(id(module.bias)) if module.bias is not None else None
+            layer = _Layer(name, module, slot_of.get(id(module.weight)), bias)
+            if layer.slots():
+                layers.append(layer)
+    ghosted = {s for layer in layers for s in layer.slots()}
+    return GhostPlan(tuple(params), names, layers, [s for s in range(len(params)) if s not in ghosted])
 
 
 def _check_output(u: object, n: int) -> None:
@@ -191,10 +252,10 @@ def _run_captured(
     """u = record_fn(policy, *records) with every call of the hooked layers captured."""
     calls: list[_Call] = []
 
-    def capture(k: int, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-        calls.append(_Call(k, args[0] if args else None, out))
+    def capture(layer: _Layer, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        calls.append(_Call(layer, args[0] if args else None, out))
 
-    handles = [layer.module.register_forward_hook(partial(capture, k)) for k, layer in enumerate(layers)]
+    handles = [layer.module.register_forward_hook(partial(capture, layer)) for layer in layers]
     try:
         with torch.enable_grad():
             u = record_fn(policy, *records)
@@ -205,29 +266,90 @@ def _run_captured(
     return u, calls
 
 
-def _ghost_terms(
-    layers: Sequence[_Layer],
-    calls: Sequence[_Call],
-    u: torch.Tensor,
-    direction: Sequence[torch.Tensor],
-    dtype: torch.dtype,
-) -> list[tuple[int, torch.Tensor]]:
-    """(slot, [n] contribution) for every ghosted slot of every captured call, one backward."""
-    live = [call for call in calls if call.out.requires_grad]
-    if not live or not u.requires_grad:
-        return []
-    grads = torch.autograd.grad(u.sum(), [call.out for call in live], allow_unused=True)
-    terms = []
+def _backward(
+    plan: GhostPlan, u: torch.Tensor, calls: Sequence[_Call], retain_graph: bool
+) -> tuple[list[tuple[_Call, torch.Tensor]], set[int], dict[int, torch.Tensor | None]]:
+    """One backward of sum_i u_i: (call, output-gradient) pairs, the slots whose layer had a call
+    without one row per record, and autograd's gradient of sum_i u_i for every other slot."""
+    n = len(u)
+    broken = {c.layer for c in calls if not _rows_are_records(c.layer.module, c.x, c.out, n)}
+    failed = {s for layer in broken for s in layer.slots()}
+    slots = [s for layer in plan.layers for s in layer.slots() if s not in failed]
+    live = [c for c in calls if c.layer not in broken and c.out.requires_grad]
+    if not (slots and u.requires_grad):
+        return [], failed, {}
+    inputs = [c.out for c in live] + [plan.params[s] for s in slots]
+    grads = torch.autograd.grad(u.sum(), inputs, retain_graph=retain_graph, allow_unused=True)
+    pairs = [(c, g) for c, g in zip(live, grads[: len(live)], strict=True) if g is not None]
+    return pairs, failed, dict(zip(slots, grads[len(live) :], strict=True))
+
+
+def _unverified(
+    pairs: Sequence[tuple[_Call, torch.Tensor]],
+    exact: dict[int, torch.Tensor | None],
+    params: Sequence[nn.Parameter],
+    n: int,
+) -> set[int]:
+    """Slots whose batch gradient rebuilt from the pairs, R = sum_i g_i x_i^T (bias: sum_i g_i),
+    differs from autograd's G, compared on a random rank-1 projection a^T R b vs a^T G b (bias:
+    c . R vs c . G) to relative sqrt(eps) of sum_i |term_i|."""
+    if not exact:
+        return set()
+    shapes = {s: [params[s].shape[0], params[s][0].numel()] if params[s].dim() > 1 else [params[s].numel()] for s in exact}
+    draws = torch.randn(sum(map(sum, shapes.values())), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    draws = iter(draws.split([k for shape in shapes.values() for k in shape]))
+    probes = {s: tuple(next(draws).to(params[s].dtype) for _ in shape) for s, shape in shapes.items()}
+    totals = []
     with torch.no_grad():
-        for call, g in zip(live, grads, strict=True):
-            if g is None:
-                continue
-            layer = layers[call.layer]
+        for s, grad in exact.items():
+            grad = torch.zeros_like(params[s]) if grad is None else grad
+            probe = probes[s]  # weight: a^T G b with G as [out, rest]; bias: G . c
+            totals.append(probe[0] @ grad.reshape(len(probe[0]), -1) @ probe[1] if len(probe) == 2 else grad @ probe[0])
+        terms = {s: torch.zeros(n, dtype=params[s].dtype) for s in exact}  # per record, summed over calls
+        for call, g in pairs:
+            layer, kind = call.layer, _KINDS[type(call.layer.module)]
+            for s, project in ((layer.weight, kind.weight_rank1), (layer.bias, kind.bias_dot)):
+                if s in terms:
+                    terms[s] += project(layer.module, call.x.to(g.dtype), g, *probes[s])
+        stacked = torch.stack([t.double() for t in terms.values()])
+        total = torch.stack(totals).double()
+        tol = max(torch.finfo(params[s].dtype).eps for s in exact) ** 0.5
+        bad = (stacked.sum(1) - total).abs() > tol * (stacked.abs().sum(1) + total.abs())
+    return {s for s, b in zip(exact, bad.tolist(), strict=True) if b}
+
+
+def _ghost_dots(
+    pairs: Sequence[tuple[_Call, torch.Tensor]],
+    failed: set[int],
+    direction: Sequence[torch.Tensor],
+    n: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The ghost terms <grad u_i, v> summed over the captured calls and the slots not failed, [n]."""
+    dots = torch.zeros(n, dtype=dtype)
+    with torch.no_grad():
+        for call, g in pairs:
+            layer, kind = call.layer, _KINDS[type(call.layer.module)]
             x, g = call.x.to(dtype), g.to(dtype)
-            for slot, contract in zip((layer.weight, layer.bias), _CONTRACTIONS[type(layer.module)], strict=True):
-                if slot is not None:
-                    terms.append((slot, contract(layer.module, x, g, direction[slot])))
-    return terms
+            for s, contract in ((layer.weight, kind.weight_dot), (layer.bias, kind.bias_dot)):
+                if s is not None and s not in failed:
+                    dots += contract(layer.module, x, g, direction[s].to(dtype))
+    return dots
+
+
+def _batch_gradients(
+    pairs: Sequence[tuple[_Call, torch.Tensor]], slots: Sequence[int], params: Sequence[nn.Parameter], row_weights: torch.Tensor
+) -> dict[int, torch.Tensor]:
+    """grad of sum_i c_i u_i for each slot, rebuilt from the captured pairs (c = ``row_weights``)."""
+    grads = {s: torch.zeros_like(params[s]) for s in slots}
+    with torch.no_grad():
+        for call, g in pairs:
+            layer = call.layer
+            g = g * row_weights.to(g.dtype).view(-1, *[1] * (g.dim() - 1))
+            for s, grad in zip((layer.weight, layer.bias), _KINDS[type(layer.module)].grads(layer.module, call.x, g), strict=True):
+                if s in grads:
+                    grads[s] += grad
+    return grads
 
 
 class _Bound(nn.Module):
@@ -243,8 +365,7 @@ class _Bound(nn.Module):
 
 
 def _jvp_dots(
-    plan_params: Sequence[nn.Parameter],
-    names: Sequence[str],
+    plan: GhostPlan,
     slots: Sequence[int],
     policy: nn.Module,
     record_fn: RecordFn,
@@ -253,9 +374,9 @@ def _jvp_dots(
 ) -> torch.Tensor:
     """d_i = <grad_{slots} u_i, v_{slots}> for all i: one forward-mode pass."""
     bound = _Bound(policy, record_fn)
-    keys = [f"policy.{names[s]}" for s in slots]
-    primals = {k: plan_params[s].detach() for k, s in zip(keys, slots, strict=True)}
-    tangents = {k: direction[s].to(plan_params[s].dtype) for k, s in zip(keys, slots, strict=True)}
+    keys = [f"policy.{plan.names[s]}" for s in slots]
+    primals = {k: plan.params[s].detach() for k, s in zip(keys, slots, strict=True)}
+    tangents = {k: direction[s].to(plan.params[s].dtype) for k, s in zip(keys, slots, strict=True)}
     with torch.no_grad(), warnings.catch_warnings():
         # torch's own forward-AD decompositions still call the deprecated torch.jit.script on first use
         warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", DeprecationWarning)
@@ -264,120 +385,70 @@ def _jvp_dots(
     return dots
 
 
-def _agree(ghost: torch.Tensor, exact: torch.Tensor) -> bool:
-    """Per-record agreement up to sqrt(machine eps) of the larger magnitude."""
-    scale = torch.maximum(ghost.abs().max(), exact.abs().max())
-    return bool((ghost - exact).abs().max() <= torch.finfo(exact.dtype).eps ** 0.5 * scale)
-
-
-def probe_indices(n: int, size: int = 3) -> torch.Tensor:
-    """``size`` record indices spread over ``range(n)`` (all of them if n <= size).
-
-    Three by default: an odd count, unlikely to equal a time or frame dimension that a policy
-    might put in front of the records (the row check would then be fooled)."""
-    return torch.linspace(0, n - 1, min(n, size)).round().long().unique()
-
-
-def plan_ghost(
-    policy: nn.Module,
-    params: Sequence[nn.Parameter],
-    record_fn: RecordFn,
-    probe_records: Sequence[torch.Tensor],
-) -> GhostPlan:
-    """Decide, for ``record_fn`` on ``policy``, which parameters are ghosted and which use forward mode.
-
-    Candidates are the weights/biases in ``params`` of exact ``nn.Linear`` and supported
-    ``nn.Conv2d`` layers. A candidate is kept only if, on the probe records and a random
-    direction, every call's rows are records and its ghost terms from one batched pass equal
-    autograd on each probe record alone. Pass probe records whose u_i has a non-degenerate
-    gradient (e.g. unit weights instead of advantages).
-    """
-    names = parameter_names(policy, params)
-    slot_of = {id(p): s for s, p in enumerate(params)}
-    candidates = []
-    for name, module in policy.named_modules():
-        if not _ghostable(module):
-            continue
-        weight = slot_of.get(id(module.weight))
-        bias = slot_of.get(id(module.bias)) if module.bias is not None else None
-        if weight is not None or bias is not None:
-            candidates.append(_Layer(name, module, weight, bias))
-    slots = [s for layer in candidates for s in (layer.weight, layer.bias) if s is not None]
-
-    generator = torch.Generator().manual_seed(0)
-    direction = [torch.randn(p.shape, generator=generator, dtype=p.dtype) for p in params]
-    n = len(probe_records[0])
-    u, calls = _run_captured(policy, candidates, record_fn, probe_records)
-    exact = {s: torch.zeros(n, dtype=u.dtype) for s in slots}
-    for i in range(n) if slots and u.requires_grad else ():
-        grads = torch.autograd.grad(u[i], [params[s] for s in slots], retain_graph=True, allow_unused=True)
-        for s, g in zip(slots, grads, strict=True):
-            if g is not None:
-                exact[s][i] = (g * direction[s]).sum()
-    broken = {c.layer for c in calls if not _rows_are_records(candidates[c.layer].module, c.x, c.out, n)}
-    calls = [c for c in calls if c.layer not in broken]
-    ghost = {s: torch.zeros(n, dtype=u.dtype) for s in slots}
-    for slot, term in _ghost_terms(candidates, calls, u, [d.to(u.dtype) for d in direction], u.dtype):
-        ghost[slot] += term
-    rejected = {s for k in broken for s in (candidates[k].weight, candidates[k].bias) if s is not None}
-    rejected |= {s for s in slots if not _agree(ghost[s], exact[s])}
-
-    def keep(slot: int | None) -> int | None:
-        return None if slot in rejected else slot
-
-    layers = tuple(
-        _Layer(c.name, c.module, keep(c.weight), keep(c.bias))
-        for c in candidates
-        if keep(c.weight) is not None or keep(c.bias) is not None
-    )
-    ghosted = {s for layer in layers for s in (layer.weight, layer.bias) if s is not None}
-    jvp_slots = tuple(s for s in range(len(params)) if s not in ghosted)
-    return GhostPlan(tuple(params), names, layers, jvp_slots)
-
-
 def per_record_dots(
     policy: nn.Module,
     plan: GhostPlan,
     record_fn: RecordFn,
     records: Sequence[torch.Tensor],
-    direction: Direction,
+    direction: Sequence[torch.Tensor],
     records_per_pass: int = 4096,
     accumulate_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """d_i = <grad_theta u_i, v> for every record, u = record_fn(policy, *records), v = ``direction``.
 
-    ``direction`` is aligned with ``plan.params``: tensors, or a function of the pass's output u
-    returning them, evaluated on the same forward graph (it must keep the graph, e.g.
-    ``autograd.grad(..., retain_graph=True)``); the latter needs all records in one pass.
-    Records are processed ``records_per_pass`` at a time (one forward + one backward each, plus
-    one forward-mode pass if the plan has forward-mode parameters). Contractions and the result
-    use ``accumulate_dtype`` (default: the direction's dtype).
+    ``direction`` is aligned with ``plan.params``. Records are processed ``records_per_pass`` at
+    a time: one forward + one backward each, plus one forward-mode pass when the plan has
+    forward-mode parameters. Ghosted parameters failing verification are demoted in ``plan`` (see
+    the module docstring). Contractions and the result use ``accumulate_dtype`` (default: the
+    direction's dtype).
     """
     check_positive_int("records_per_pass", records_per_pass)
     n = len(records[0])
-    if callable(direction) and n > records_per_pass:
-        raise ValueError(f"a direction computed from the pass needs one pass: {n} records > records_per_pass={records_per_pass}")
-    dots = torch.zeros(0)
+    dtype = accumulate_dtype or direction[0].dtype
+    dots = torch.zeros(n, dtype=dtype)
     for start in range(0, n, records_per_pass):
         chunk = tuple(r[start : start + records_per_pass] for r in records)
-        m = len(chunk[0])
-        if plan.layers or callable(direction):
-            u, calls = _run_captured(policy, plan.layers, record_fn, chunk)
-            for call in calls:
-                layer = plan.layers[call.layer]
-                if not _rows_are_records(layer.module, call.x, call.out, m):
-                    shape = tuple(call.x.shape) if isinstance(call.x, torch.Tensor) else None
-                    raise ValueError(f"layer {layer.name!r} got input {shape} in a pass of {m} records: rows are not records")
-            if callable(direction):
-                direction = list(direction(u))
-        if start == 0:
-            dtype = accumulate_dtype or direction[0].dtype
-            direction_acc = [d.to(dtype) for d in direction]
-            dots = torch.zeros(n, dtype=dtype)
-        part = dots[start : start + m]
+        part = dots[start : start + len(chunk[0])]
         if plan.layers:
-            for _, term in _ghost_terms(plan.layers, calls, u, direction_acc, dtype):
-                part += term
+            u, calls = _run_captured(policy, plan.layers, record_fn, chunk)
+            pairs, failed, exact = _backward(plan, u, calls, retain_graph=False)
+            failed |= _unverified(pairs, exact, plan.params, len(part))
+            part += _ghost_dots(pairs, failed, direction, len(part), dtype)
+            plan.demote(failed)
         if plan.jvp_slots:
-            part += _jvp_dots(plan.params, plan.names, plan.jvp_slots, policy, record_fn, chunk, direction).to(dtype)
+            part += _jvp_dots(plan, plan.jvp_slots, policy, record_fn, chunk, direction).to(dtype)
     return dots
+
+
+def self_target_dots(
+    policy: nn.Module,
+    plan: GhostPlan,
+    record_fn: RecordFn,
+    records: Sequence[torch.Tensor],
+    weights: torch.Tensor,
+    accumulate_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(d, v) with v = grad F, F = sum_j weights_j u_j over the same records, d_i = <grad u_i, v>.
+
+    The case of a target built from the scored records themselves (``ReturnTarget()``): one
+    forward and one backward serve both sides. The ghosted parts of v are rebuilt from the
+    captured pairs, P = sum_j weights_j g_j x_j^T, q = sum_j weights_j g_j (then verified like
+    ``per_record_dots``); the rest of v comes from autograd on the same graph. All records go in
+    one pass.
+    """
+    u, calls = _run_captured(policy, plan.layers, record_fn, records)
+    pairs, failed, exact = _backward(plan, u, calls, retain_graph=True)
+    failed |= _unverified(pairs, exact, plan.params, len(u))
+    direction = [torch.zeros_like(p) for p in plan.params]
+    for s, grad in _batch_gradients(pairs, [s for s in exact if s not in failed], plan.params, weights).items():
+        direction[s] = grad
+    dtype = accumulate_dtype or direction[0].dtype
+    dots = _ghost_dots(pairs, failed, direction, len(u), dtype)
+    plan.demote(failed)
+    if plan.jvp_slots and u.requires_grad:
+        target = (weights.to(u.dtype) * u).sum()
+        grads = torch.autograd.grad(target, [plan.params[s] for s in plan.jvp_slots], allow_unused=True)
+        for s, grad in zip(plan.jvp_slots, grads, strict=True):
+            direction[s] = torch.zeros_like(plan.params[s]) if grad is None else grad
+        dots += _jvp_dots(plan, plan.jvp_slots, policy, record_fn, records, direction).to(dtype)
+    return dots, direction

@@ -14,18 +14,16 @@ Positive = training on record i increases f (helpful), negative = harmful.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 
 import torch
 from torch import nn
 
 from rlinfluence.influence.ghost import (
-    RecordFn,
     attributed_parameters,
     check_policy,
     per_record_dots,
     plan_ghost,
-    probe_indices,
+    self_target_dots,
 )
 from rlinfluence.influence.targets import (
     LogProbTarget,
@@ -75,15 +73,6 @@ def _weights_on_scored_pairs(target: Target, records: Records) -> torch.Tensor |
     return weights if obs is records.obs and actions is records.actions else None
 
 
-def _gradient_from_log_probs(
-    logp: torch.Tensor, *, weights: torch.Tensor, params: Sequence[nn.Parameter], target: Target
-) -> list[torch.Tensor]:
-    """grad f for f = sum_i w_i logp_i, from the scoring pass's own log-probs (graph kept)."""
-    f = (weights.to(logp.dtype) * logp).sum()
-    grads = torch.autograd.grad(f, params, retain_graph=True, allow_unused=True) if f.requires_grad else [None] * len(params)
-    return require_nonzero(target, [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)])
-
-
 def snapshot_influence(
     policy: nn.Module,
     obs: torch.Tensor,
@@ -108,12 +97,13 @@ def snapshot_influence(
     (see ``normalize_for_attribution``). ``ent_coef != 0`` needs ``policy.evaluate_actions``
     returning (log-prob, entropy, value).
 
-    Cost: a small probe (``plan_ghost``), one forward+backward for grad f, one forward+backward
-    with ghost contractions per ``records_per_pass`` records, plus one forward-mode pass when
-    parameters outside Linear/Conv2d are attributed. When f is a log-prob target on the scored
-    pairs themselves (``ReturnTarget()``), ``ent_coef == 0`` and the records fit in one pass, both
-    sides share one forward. ``accumulate_dtype`` (e.g. ``torch.float64``) sets the dtype of
-    contractions and scores.
+    Cost: for a log-prob target on the scored pairs themselves (``ReturnTarget()``) with
+    ``ent_coef == 0`` and all records in one pass -- IIF's case -- one forward and one backward
+    serve both sides (``self_target_dots``); otherwise one forward+backward for grad f, then per
+    ``records_per_pass`` records one forward+backward with ghost contractions. Plus one
+    forward-mode pass when parameters outside Linear/Conv2d are attributed. Ghost terms are
+    verified against autograd in every pass (``rlinfluence.influence.ghost``).
+    ``accumulate_dtype`` (e.g. ``torch.float64``) sets the dtype of contractions and scores.
     """
     check_policy(policy)
     check_positive_int("records_per_pass", records_per_pass)
@@ -122,20 +112,17 @@ def snapshot_influence(
     if ent_coef != 0 and not callable(getattr(policy, "evaluate_actions", None)):
         raise ValueError(f"ent_coef={ent_coef} needs policy.evaluate_actions(obs, actions) -> (logp, entropy, value)")
     target = target or ReturnTarget()
-    rows = probe_indices(len(records))
-    attributed = attributed_parameters(policy, params, obs[rows], actions[rows])
+    attributed = attributed_parameters(policy, params, obs[:3], actions[:3])
+    plan = plan_ghost(policy, attributed)
     target_weights = _weights_on_scored_pairs(target, records)
     if ent_coef == 0 and target_weights is not None and len(records) <= records_per_pass:
-        direction = partial(_gradient_from_log_probs, weights=target_weights, params=attributed, target=target)
-    else:
-        direction = target_gradient(target, policy, attributed, records, records_per_pass)
-
-    def dots(record_fn: RecordFn) -> torch.Tensor:
-        plan = plan_ghost(policy, attributed, record_fn, (obs[rows], actions[rows]))
-        return per_record_dots(policy, plan, record_fn, (obs, actions), direction, records_per_pass, accumulate_dtype)
-
-    scores = dots(_log_prob)
+        dots, direction = self_target_dots(policy, plan, _log_prob, (obs, actions), target_weights, accumulate_dtype)
+        require_nonzero(target, direction)
+        return dots * weights.to(dots.dtype)
+    direction = target_gradient(target, policy, attributed, records, records_per_pass)
+    scores = per_record_dots(policy, plan, _log_prob, (obs, actions), direction, records_per_pass, accumulate_dtype)
     scores *= weights.to(scores.dtype)
     if ent_coef != 0:
-        scores += ent_coef * dots(_entropy)
+        entropy = per_record_dots(policy, plan, _entropy, (obs, actions), direction, records_per_pass, accumulate_dtype)
+        scores += ent_coef * entropy
     return scores

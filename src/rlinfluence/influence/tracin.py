@@ -38,7 +38,6 @@ from rlinfluence.influence.ghost import (
     parameter_names,
     per_record_dots,
     plan_ghost,
-    probe_indices,
 )
 from rlinfluence.influence.targets import (
     Records,
@@ -137,12 +136,15 @@ def tracin_influence(
 
     ``policy`` is at theta(k) and is not modified (the round is replayed on a deep copy).
     Records are flat buffer fields (``RolloutBuffer.flat``); ``advantages`` raw; ``schedule`` the
-    round's optimiser steps in order. The PPO settings must be the trainer's. ``optimizer``:
-    ``None`` replays plain SGD (theta -= eta_j * grad of the full minibatch loss, including
-    value/entropy terms, over every trainable parameter); otherwise an optimiser over ``policy``'s
-    parameters whose state is the one at theta(k) (e.g. ``copy.deepcopy((policy, optimizer))``
-    taken before the round), copied and stepped with each step's lr. ``max_grad_norm`` clips as the trainer does. ``target`` defaults to ``ReturnTarget()``;
-    attributed ``params`` as in ``snapshot_influence``.
+    round's optimiser steps in order. The PPO settings must be the trainer's.
+
+    ``optimizer``: ``None`` replays plain SGD (theta -= eta_j * grad of the full minibatch loss,
+    including value/entropy terms, over every trainable parameter); otherwise an optimiser over
+    ``policy``'s parameters whose state is the one at theta(k) (e.g. from
+    ``copy.deepcopy((policy, optimizer))`` taken before the round), copied and stepped with each
+    step's lr. ``max_grad_norm`` clips (over the optimiser's parameters) as the trainer does.
+    ``target`` defaults to ``ReturnTarget()``; ``params``, ``records_per_pass`` and
+    ``accumulate_dtype`` as in ``snapshot_influence``.
 
     Cost per step: one target gradient over the target's records, one forward+backward for the
     step, one ghost pass over the minibatch.
@@ -160,16 +162,12 @@ def tracin_influence(
     record_fn = partial(_ppo_gain, loss_kwargs=loss_kwargs)
     target = target or ReturnTarget()
 
-    rows = probe_indices(n)
-    attributed = attributed_parameters(policy, params, obs[rows], actions[rows])
+    names = parameter_names(policy, attributed_parameters(policy, params, obs[:3], actions[:3]))
     replica = copy.deepcopy(policy)
     replica_params = dict(replica.named_parameters())
-    attributed = [replica_params[name] for name in parameter_names(policy, attributed)]
+    attributed = [replica_params[name] for name in names]
     replay = _replay_optimizer(policy, replica, optimizer)
-    with torch.no_grad():
-        probe_logp = replica.log_prob(obs[rows], actions[rows])  # ratio 1: the probe is never clipped
-    probe = (obs[rows], actions[rows], probe_logp, torch.ones(len(rows)), returns[rows], old_values[rows])
-    plan = plan_ghost(replica, attributed, record_fn, probe)
+    plan = plan_ghost(replica, attributed)
 
     influence = torch.zeros(n, dtype=accumulate_dtype or attributed[0].dtype)
     for step in schedule:
