@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import copy
 import math
+import re
+from pathlib import Path
 
 import gymnasium as gym
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rlinfluence.buffer import MinibatchStep, RolloutBuffer
@@ -17,6 +20,7 @@ from rlinfluence.influence import (
     Records,
     ReturnTarget,
     Target,
+    per_record_dots,
     plan_ghost,
     score_buffer,
     snapshot_influence,
@@ -185,10 +189,14 @@ def test_snapshot_matches_per_record_autograd(kind, dtype, target_kind):
     ],
 )
 def test_plan_ghosts_linear_and_conv_and_sends_the_rest_to_forward_mode(kind, ghosted, forward_mode):
-    policy, obs, actions, _ = make_case(kind, torch.float64)
-    plan = plan_ghost(policy, default_params(policy), _log_prob, (obs[:3], actions[:3]))
+    policy, obs, actions, adv = make_case(kind, torch.float64)
+    params = default_params(policy)
+    plan = plan_ghost(policy, params)
     assert len(plan.ghost_parameter_names) == ghosted
     assert plan.jvp_parameter_names == forward_mode
+    target_grad = return_target_grad(policy, params, obs, actions, adv)
+    per_record_dots(policy, plan, _log_prob, (obs, actions), target_grad)
+    assert len(plan.ghost_parameter_names) == ghosted  # every ghosted parameter passed verification
 
 
 @pytest.mark.parametrize("kind", ["mlp", "gaussian"])
@@ -348,6 +356,19 @@ class TimeMajorPolicy(nn.Module):
         return torch.log_softmax(self.head(h), -1).gather(-1, actions.unsqueeze(-1)).squeeze(-1)
 
 
+class FunctionalPolicy(nn.Module):
+    """An nn.Linear whose parameters are used through F.linear, never by calling the module."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 4)
+
+    def log_prob(self, obs, actions):
+        h = torch.tanh(F.linear(obs, self.fc.weight, self.fc.bias))
+        return torch.log_softmax(self.head(h), -1).gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+
+
 class ConvPolicy(nn.Module):
     """A strided, padded, dilated Conv2d (ghosted via unfold) and a grouped one (forward mode)."""
 
@@ -371,6 +392,7 @@ class ConvPolicy(nn.Module):
         (TwiceCalledPolicy, 4, ()),
         (InplacePolicy, 4, ("net.0.weight", "net.0.bias")),
         (TimeMajorPolicy, 4, ("step.weight", "step.bias")),
+        (FunctionalPolicy, 4, ("fc.weight", "fc.bias")),
         (ConvPolicy, 72, ("grouped.weight", "grouped.bias")),
     ],
 )
@@ -380,14 +402,26 @@ def test_structures_the_ghost_path_cannot_take_go_to_forward_mode(policy_cls, ob
     obs, actions = torch.randn(N, obs_dim, dtype=torch.float64), torch.randint(0, 4, (N,))
     adv = torch.randn(N, dtype=torch.float64)
     params = list(policy.parameters())
-    plan = plan_ghost(policy, params, _log_prob, (obs[:3], actions[:3]))
-    assert plan.jvp_parameter_names == forward_mode
-    ours = snapshot_influence(policy, obs, actions, adv, chunk_size=16)
     target_grad = return_target_grad(policy, params, obs, actions, adv)
+    plan = plan_ghost(policy, params)
+    dots = per_record_dots(policy, plan, _log_prob, (obs, actions), target_grad, records_per_pass=16)
+    assert plan.jvp_parameter_names == forward_mode
+    reference = brute_force(policy, params, obs, actions, torch.ones(N, dtype=torch.float64), target_grad)
+    assert_close(dots, reference, torch.float64)
+    ours = snapshot_influence(policy, obs, actions, adv, chunk_size=16)
     assert_close(ours, brute_force(policy, params, obs, actions, normalized(adv, "chunk", 16), target_grad), torch.float64)
 
 
-# -- conveniences ---------------------------------------------------------------------------------
+# -- conveniences, package hygiene -----------------------------------------------------------------
+def test_influence_package_never_imports_trainer_filters_or_cli():
+    import rlinfluence.influence as package
+
+    for path in Path(package.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"rlinfluence\.(ppo|filters|cli)\b|from \.\.(ppo|filters|cli)\b", text), path.name
+
+
+
 def test_top_records():
     scores = torch.tensor([0.5, -2.0, 3.0, 0.0, -1.0, 3.0])
     top = top_records(scores, 2)
@@ -396,7 +430,7 @@ def test_top_records():
     assert len(top_records(scores, 10).proponents) == 6
 
 
-def test_score_buffer_uses_flat_env_major_fields():
+def test_score_buffer_scores_the_flat_fields():
     policy, _, _, _ = make_case("mlp", torch.float32)
     buf = RolloutBuffer.empty(3, 10, 2, (6,), torch.float32, (), torch.int64)
     torch.manual_seed(3)
@@ -405,14 +439,16 @@ def test_score_buffer_uses_flat_env_major_fields():
     buf.rewards.normal_()
     buf.terminated[4, 1] = True
     with torch.no_grad():
-        flat_obs = buf.obs.reshape(20, 6)
-        _, logp, values = policy.act(flat_obs, torch.Generator().manual_seed(0))
+        _, logp, values = policy.act(buf.obs.reshape(20, 6), torch.Generator().manual_seed(0))
     buf.logp, buf.values = logp.reshape(10, 2), values.reshape(10, 2)
     buf.last_values = torch.zeros(2)
     buf.compute_advantages(0.99, 0.95)
-    expected = snapshot_influence(policy, buf.flat("obs"), buf.flat("actions"), buf.flat("advantages"), chunk_size=8)
+    flat = {k: buf.flat(k) for k in ("obs", "actions", "logp", "advantages", "returns", "values")}
+    expected = snapshot_influence(policy, flat["obs"], flat["actions"], flat["advantages"], chunk_size=8)
     torch.testing.assert_close(score_buffer(policy, buf, chunk_size=8), expected, rtol=0, atol=0)
-    assert not torch.equal(expected, snapshot_influence(policy, flat_obs, buf.actions.reshape(20), buf.advantages.reshape(20), chunk_size=8))
+    schedule = [MinibatchStep(0, torch.arange(0, 20, 2), 0.01), MinibatchStep(0, torch.arange(1, 20, 2), 0.01)]
+    expected = tracin_influence(policy, flat["obs"], flat["actions"], flat["logp"], flat["advantages"], flat["returns"], flat["values"], schedule)
+    torch.testing.assert_close(score_buffer(policy, buf, mode="full", schedule=schedule), expected, rtol=0, atol=0)
 
 
 # -- bad input, hooks, training unaffected ------------------------------------------------------------
@@ -451,7 +487,7 @@ SNAPSHOT_CASES = {
     "inf advantage": (lambda p, o, a, v: snapshot_influence(p, o, a, _nan_at(7, float("inf"))), r"advantages\[7\] = inf is not finite"),
     "empty buffer": (lambda p, o, a, v: snapshot_influence(p, o[:0], a[:0], v[:0]), "empty buffer"),
     "no log_prob": (lambda p, o, a, v: snapshot_influence(NoLogProb(), o, a, v), "log_prob"),
-    "log_prob shape": (lambda p, o, a, v: snapshot_influence(WrongShape(), o, a, v, target=ActionTarget(o[0], a[0])), r"returned \(3, 1\) for 3 records; expected shape \(3,\)"),
+    "log_prob shape": (lambda p, o, a, v: snapshot_influence(WrongShape(), o, a, v, target=ActionTarget(o[0], a[0])), r"returned \(40, 1\) for 40 records; expected shape \(40,\)"),
     "zero target": (lambda p, o, a, v: snapshot_influence(p, o, a, torch.zeros(N)), "zero gradient"),
     "advantage_norm": (lambda p, o, a, v: snapshot_influence(p, o, a, v, advantage_norm="episode"), "advantage_norm must be one of"),
     "chunk_size": (lambda p, o, a, v: snapshot_influence(p, o, a, v, chunk_size=0), "chunk_size must be a positive int"),

@@ -51,7 +51,8 @@ class FlattenEncoder(nn.Module):
         self.out_dim = int(np.prod(obs_shape))
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return obs.reshape(obs.shape[0], -1).float()
+        x = obs.reshape(obs.shape[0], -1)
+        return x if x.is_floating_point() else x.float()
 
 
 class MiniGridCNN(nn.Module):
@@ -74,7 +75,7 @@ class MiniGridCNN(nn.Module):
         self.out_dim = features_dim
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        x = obs.float().permute(0, 3, 1, 2) / 255.0
+        x = obs.to(self.linear[0].weight.dtype).permute(0, 3, 1, 2) / 255.0
         return self.linear(self.convs(x))
 
 
@@ -128,23 +129,23 @@ class ActorCritic(nn.Module):
         h = self.encoder(obs)
         return h, self.action_head(self.actor(h))
 
-    def _log_prob_entropy(self, out: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _log_prob(self, out: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         if self.continuous:
             # log N(a; mu, sigma) = sum_d [ -(a-mu)^2 / (2 sigma^2) - log sigma - log sqrt(2 pi) ]
             log_std = self.log_std.expand_as(out)
             z = (actions - out) * torch.exp(-log_std)
-            logp = (-0.5 * z.pow(2) - log_std - _LOG_SQRT_2PI).sum(-1)
-            entropy = (0.5 + _LOG_SQRT_2PI + log_std).sum(-1)
-        else:
-            log_probs = torch.log_softmax(out, dim=-1)
-            logp = log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
-            entropy = -(log_probs.exp() * log_probs).sum(-1)
-        return logp, entropy
+            return (-0.5 * z.pow(2) - log_std - _LOG_SQRT_2PI).sum(-1)
+        return torch.log_softmax(out, dim=-1).gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+
+    def _entropy(self, out: torch.Tensor) -> torch.Tensor:
+        if self.continuous:
+            return (0.5 + _LOG_SQRT_2PI + self.log_std).sum(-1).expand(out.shape[0])
+        log_probs = torch.log_softmax(out, dim=-1)
+        return -(log_probs.exp() * log_probs).sum(-1)
 
     def log_prob(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """log pi_theta(a|s) for each row, shape [N]."""
-        _, out = self._dist_params(obs)
-        return self._log_prob_entropy(out, actions)[0]
+        return self._log_prob(self._dist_params(obs)[1], actions)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         """V(s), shape [N]."""
@@ -155,8 +156,7 @@ class ActorCritic(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(log pi(a|s), entropy of pi(.|s), V(s)), each of shape [N], one encoder pass."""
         h, out = self._dist_params(obs)
-        logp, entropy = self._log_prob_entropy(out, actions)
-        return logp, entropy, self.value_head(self.critic(h)).squeeze(-1)
+        return self._log_prob(out, actions), self._entropy(out), self.value_head(self.critic(h)).squeeze(-1)
 
     def noise(self, batch_shape: tuple[int, ...], generator: torch.Generator | None = None) -> torch.Tensor:
         """The randomness of sampling: U(0,1) per row (categorical), N(0, I) per row (Gaussian)."""
@@ -184,8 +184,7 @@ class ActorCritic(nn.Module):
         else:
             cdf = torch.softmax(out, dim=-1).cumsum(-1)
             actions = (cdf < noise).sum(-1).clamp_(max=cdf.shape[-1] - 1)
-        logp, _ = self._log_prob_entropy(out, actions)
-        return actions, logp, self.value_head(self.critic(h)).squeeze(-1)
+        return actions, self._log_prob(out, actions), self.value_head(self.critic(h)).squeeze(-1)
 
     def policy_parameters(self) -> list[nn.Parameter]:
         """Every parameter that ``log_prob`` depends on (value-only parameters excluded)."""
