@@ -11,11 +11,16 @@ summary line per figure: ``<env>/<method>/<metric>: mean +/- se (n/N seeds)``.
 
 from __future__ import annotations
 
-import argparse
-import csv
-from pathlib import Path
+import os
 
-from rlinfluence.experiments import CompareConfig, compare
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy: idle BLAS threads spin on 2 cores
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from rlinfluence.experiments import CompareConfig, compare  # noqa: E402
 
 # Evaluation episodes per round (paper: 1000; 100 for highway and BipedalWalker).
 EVAL_EPISODES = {"FrozenLake-v1": 100, "Acrobot-v1": 100, "MiniGrid-Empty-8x8-v0": 100,

@@ -104,3 +104,22 @@ def test_compare_with_ray(tmp_path):
         ray.shutdown()
     strip = lambda rows: [{k: v for k, v in r.items() if "second" not in k and "rt_" not in k} for r in rows]  # noqa: E731
     assert strip(_summary(out)) == strip(_summary(local))
+
+
+def test_a_second_comparison_in_the_same_folder_is_refused(tmp_path):
+    from rlinfluence.experiments import _folder_lock
+
+    tmp_path.mkdir(exist_ok=True)
+    with _folder_lock(tmp_path), pytest.raises(UserError, match="another comparison is running"):
+        compare(_tiny_compare(tmp_path, workers=1))
+
+
+def test_resuming_a_pair_with_other_settings_is_refused(tmp_path):
+    from rlinfluence.experiments import run_pair
+
+    config = _tiny_compare(tmp_path).run_config("ppo", 1)
+    run_pair(config.to_dict(), str(tmp_path / "pair"))
+    (tmp_path / "pair" / "done.json").unlink()  # as if killed before the end
+    changed = {**config.to_dict(), "learning_rate": 0.1}
+    with pytest.raises(UserError, match="started with other settings \\(learning_rate\\)"):
+        run_pair(changed, str(tmp_path / "pair"))

@@ -27,6 +27,14 @@ commands:
              rlinfluence compare --env LunarLander-v3 --methods ppo,iif,random --seeds 5
   attribute  influence of every record of a saved round (train with --save-buffers)
              rlinfluence attribute RUN_DIR --round 5 --target return|action [--state-index I] [--mode full]
+  diagnose   harmful records of a saved round vs Monte-Carlo advantages (small discrete envs)
+             rlinfluence diagnose RUN_DIR --round 5 [--bottom 100] [--html]
+  timeline   formation of a fixed (s*, a*) across saved rounds: pi(a*|s*), top records, roughness
+             rlinfluence timeline RUN_DIR --state-index I [--state-round K] [--action A] [--html]
+  intervene  retrain rounds without their negatively influential records vs a random drop
+             rlinfluence intervene RUN_DIR [RUN_DIR ...] --rounds 5,10,20 [--eval-episodes 100] [--html]
+  report     one self-contained HTML file: learning curve, influence statistics, saved analyses
+             rlinfluence report RUN_DIR [--out report.html]
 
 run `rlinfluence <command> --help` for the flags of a command."""
 
@@ -142,7 +150,187 @@ def attribute(args: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": train, "compare": compare, "attribute": attribute}
+@dataclass
+class DiagnoseArgs:
+    """Diagnose a saved round: its most harmful records (return target) and, for small discrete
+    envs, how their estimated advantages disagree with Monte-Carlo advantages."""
+
+    run_dir: tyro.conf.Positional[str]
+    """run directory trained with --save-buffers"""
+    round: int
+    """round k to diagnose"""
+    bottom: int = 100
+    """bottom records compared with all records (the paper: 100 on FrozenLake)"""
+    top: int = 10
+    """records printed from each end"""
+    advantage_norm: Literal["chunk", "batch", "none"] = "batch"
+    """training-side advantages of the scores: whole buffer (batch), consecutive chunks, raw"""
+    html: bool = False
+    """also write RUN_DIR/analyses/diagnosis_round_K.html"""
+
+
+def diagnose(args: list[str]) -> int:
+    """Diagnose a round; save RUN_DIR/analyses/diagnosis_round_K.{json,parquet,png}."""
+    from rlinfluence.analysis.diagnosis import diagnose as run_diagnosis
+    from rlinfluence.analysis.diagnosis import diagnosis_section
+    from rlinfluence.analysis.report import ANALYSES_DIR, save_section, write_html
+    from rlinfluence.analysis.tables import print_records
+
+    a = tyro.cli(DiagnoseArgs, args=args, prog="rlinfluence diagnose")
+    d = run_diagnosis(a.run_dir, a.round, a.bottom, a.advantage_norm)
+    print_records(d.table, a.top, title=f"round {a.round}, target return")
+    if d.mc_reason is not None:
+        print(f"Monte-Carlo advantage: not available ({d.mc_reason})")
+    for key, value in d.stats.items():
+        print(f"{key}: {value:.4g}")
+    section = diagnosis_section(d)
+    folder = Path(a.run_dir) / ANALYSES_DIR
+    save_section(folder, section)
+    table = folder / f"{section.key}.parquet"
+    atomic_write(table, lambda p: d.table.to_parquet(p, index=False))
+    print(f"wrote {folder / (section.key + '.json')} and {table}")
+    if a.html:
+        print(f"wrote {write_html(folder / (section.key + '.html'), section.title, [section])}")
+    return 0
+
+
+@dataclass
+class TimelineArgs:
+    """Behaviour-formation timeline of (s*, a*) over the saved rounds: pi(a*|s*), top records and
+    roughness of the action-target scores (method-spec 8.2)."""
+
+    run_dir: tyro.conf.Positional[str]
+    """run directory trained with --save-buffers"""
+    state_index: int | None = None
+    """s* = this record of --state-round's buffer (flat index)"""
+    state_round: int | None = None
+    """round whose buffer holds --state-index (default: the last saved round)"""
+    state: str | None = None
+    """s* given explicitly, comma-separated observation values (instead of --state-index)"""
+    action: str | None = None
+    """a* (an integer, or comma-separated values for continuous actions); default: the final
+    policy's preferred action at s*"""
+    rounds: str | None = None
+    """comma-separated rounds (default: every saved round)"""
+    neighbours: int = 50
+    """u: nearest neighbours per record in the roughness graph"""
+    top: int = 10
+    """top records kept per round"""
+    advantage_norm: Literal["chunk", "batch", "none"] = "batch"
+    """training-side advantages of the scores: whole buffer (batch), consecutive chunks, raw"""
+    html: bool = False
+    """also write RUN_DIR/analyses/timeline.html"""
+
+
+def timeline(args: list[str]) -> int:
+    """Track (s*, a*) across rounds; save RUN_DIR/analyses/timeline.{json,parquet,png}."""
+    from rlinfluence.analysis.intervention import parse_rounds
+    from rlinfluence.analysis.report import ANALYSES_DIR, save_section, write_html
+    from rlinfluence.analysis.timeline import select_state_action, timeline_section
+    from rlinfluence.analysis.timeline import timeline as run_timeline
+
+    a = tyro.cli(TimelineArgs, args=args, prog="rlinfluence timeline")
+    target = select_state_action(a.run_dir, state_round=a.state_round, state_index=a.state_index,
+                                 state=a.state, action=a.action)
+    print(target.description)
+    rounds = parse_rounds(a.rounds) if a.rounds is not None else None
+    t = run_timeline(a.run_dir, target, rounds, a.neighbours, a.top, a.advantage_norm)
+    print(t.rounds.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    print(f"pi(a*|s*) at the final theta({t.final_round}): {t.final_pi:.4g}")
+    print(f"estimated phase starts: clustering {t.phases['clustering']}, saturation {t.phases['saturation']}")
+    section = timeline_section(t)
+    folder = Path(a.run_dir) / ANALYSES_DIR
+    save_section(folder, section)
+    top = t.top.drop(columns=[c for c in ("obs",) if c in t.top.columns])
+    atomic_write(folder / "timeline_top.parquet", lambda p: top.to_parquet(p, index=False))
+    print(f"wrote {folder / 'timeline.json'}")
+    if a.html:
+        print(f"wrote {write_html(folder / 'timeline.html', section.title, [section])}")
+    return 0
+
+
+@dataclass
+class InterveneArgs:
+    """Targeted intervention (method-spec 5.3): retrain chosen rounds of standard PPO runs from
+    theta(k) on (a) the full buffer, (b) without all negatively influential records, (c) without a
+    random subset of the same size; compare evaluation returns on the same episode seeds."""
+
+    run_dirs: tyro.conf.Positional[tuple[str, ...]]
+    """standard PPO run directories trained with --save-buffers (e.g. one per seed)"""
+    rounds: str = "5,10,20"
+    """comma-separated rounds k to retrain"""
+    eval_episodes: int = 100
+    """evaluation episodes per variant (the same seeds for a, b, c)"""
+    advantage_norm: Literal["chunk", "batch", "none"] = "chunk"
+    """IIF scorer's training-side advantages (chunk = IIF's default)"""
+    out: str | None = None
+    """folder for the results across runs (default: RUN_DIR/analyses for one run, else
+    <parent of the first run>/intervention)"""
+    html: bool = False
+    """also write intervention.html in --out"""
+
+
+def intervene(args: list[str]) -> int:
+    """Run the intervention; write intervention.{csv,json,png} per run and across runs."""
+    from rlinfluence.analysis.intervention import intervene as run_intervention
+    from rlinfluence.analysis.intervention import intervention_section, parse_rounds, summarise
+    from rlinfluence.analysis.report import ANALYSES_DIR, save_section, write_html
+
+    a = tyro.cli(InterveneArgs, args=args, prog="rlinfluence intervene")
+    rounds = parse_rounds(a.rounds)
+    rows = run_intervention(list(a.run_dirs), rounds, a.eval_episodes, a.advantage_norm, progress=True)
+    print(summarise(rows).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    for run_dir in a.run_dirs:  # each run's report shows its own rows
+        own = rows[rows["run"] == Path(run_dir).name]
+        save_section(Path(run_dir) / ANALYSES_DIR, intervention_section(own))
+    out = Path(a.out) if a.out else (Path(a.run_dirs[0]) / ANALYSES_DIR if len(a.run_dirs) == 1
+                                      else Path(a.run_dirs[0]).parent / "intervention")
+    section = intervention_section(rows)
+    save_section(out, section)
+    atomic_write(out / "intervention.csv", lambda p: rows.to_csv(p, index=False))
+    print(f"wrote {out / 'intervention.csv'}")
+    if a.html:
+        print(f"wrote {write_html(out / 'intervention.html', section.title, [section])}")
+    return 0
+
+
+@dataclass
+class ReportArgs:
+    """One self-contained HTML report of a run: learning curve, per-round influence statistics and
+    every analysis saved in RUN_DIR/analyses (diagnose, timeline, intervene)."""
+
+    run_dir: tyro.conf.Positional[str]
+    """run directory"""
+    out: str | None = None
+    """HTML file (default RUN_DIR/report.html)"""
+    score_rounds: int = 6
+    """saved rounds scored for the influence histograms (0 = none)"""
+    html: bool = True
+    """write the HTML file (--no-html: only list what it would contain)"""
+
+
+def report(args: list[str]) -> int:
+    """Write the run's HTML report."""
+    from rlinfluence.analysis.report import build_report, load_sections
+    from rlinfluence.rundir import RunDirectory
+
+    a = tyro.cli(ReportArgs, args=args, prog="rlinfluence report")
+    if a.score_rounds < 0:
+        raise UserError(f"--score-rounds must be >= 0, got {a.score_rounds}")
+    if not a.html:
+        run = RunDirectory.open_existing(a.run_dir, tensorboard=False)
+        print("sections: learning curve, influence statistics, "
+              + ", ".join(s.title for s in load_sections(run.path / "analyses")))
+        return 0
+    path, sections = build_report(a.run_dir, a.out, a.score_rounds)
+    print(f"wrote {path} ({len(sections)} sections: {', '.join(s.key for s in sections)})")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "train": train, "compare": compare, "attribute": attribute,
+    "diagnose": diagnose, "timeline": timeline, "intervene": intervene, "report": report,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,8 +25,9 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,12 @@ def run_pair(config: dict[str, Any], run_dir: str) -> str:
     if (path / "done.json").exists():
         return run_dir
     has_checkpoint = any((path / "checkpoints").glob("round_*.pt")) if path.exists() else False
+    if has_checkpoint:
+        saved = json.loads((path / "config.json").read_text())
+        wanted = json.loads(json.dumps(config))  # tuples -> lists, as saved
+        if saved != wanted:
+            changed = sorted(k for k in wanted if saved.get(k) != wanted[k])
+            raise UserError(f"{run_dir} was started with other settings ({', '.join(changed)}); use another --out")
     trainer = PPO.resume(path) if has_checkpoint else PPO(PPOConfig.from_dict(config), run_dir=path)
     trainer.learn()
     (path / "done.json").write_text(json.dumps({"round": trainer.round, "train_seconds": trainer.train_seconds}))
@@ -274,6 +281,20 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+@contextmanager
+def _folder_lock(out: Path) -> Iterator[None]:
+    """Exclusive lock on ``out`` while a comparison runs: two comparisons writing the same
+    pairs would interleave their files."""
+    import fcntl
+
+    with (out / ".lock").open("w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"another comparison is running in {str(out)!r}") from None
+        yield
+
+
 def compare(cfg: CompareConfig) -> Path:
     """Run (or resume) every pair, then write summary.md, summary.csv and curves.png."""
     methods = cfg.method_list()
@@ -283,18 +304,19 @@ def compare(cfg: CompareConfig) -> Path:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create {str(out)!r}: {exc.strerror}") from None
-    jobs = [(cfg.run_config(m, s).to_dict(), str(out / f"{m}__seed{s}")) for s in seeds for m in methods]
-    (out / "compare.json").write_text(json.dumps({**cfg.__dict__, "set": list(cfg.set)}, indent=2))
-    todo = [job for job in jobs if not (Path(job[1]) / "done.json").exists()]
-    with progress_bar(cfg.progress, "pairs", len(jobs), len(jobs) - len(todo)) as advance:
-        def on_done(run_dir: str) -> None:
-            advance(Path(run_dir).name)
+    with _folder_lock(out):
+        jobs = [(cfg.run_config(m, s).to_dict(), str(out / f"{m}__seed{s}")) for s in seeds for m in methods]
+        (out / "compare.json").write_text(json.dumps({**cfg.__dict__, "set": list(cfg.set)}, indent=2))
+        todo = [job for job in jobs if not (Path(job[1]) / "done.json").exists()]
+        with progress_bar(cfg.progress, "pairs", len(jobs), len(jobs) - len(todo)) as advance:
+            def on_done(run_dir: str) -> None:
+                advance(Path(run_dir).name)
 
-        if cfg.ray_address:
-            _run_ray(todo, cfg.ray_address, on_done)
-        else:
-            _run_local(todo, cfg.workers, on_done)
-    write_summary(out, methods, seeds, cfg.smooth)
+            if cfg.ray_address:
+                _run_ray(todo, cfg.ray_address, on_done)
+            else:
+                _run_local(todo, cfg.workers, on_done)
+        write_summary(out, methods, seeds, cfg.smooth)
     return out
 
 

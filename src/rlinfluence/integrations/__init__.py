@@ -1,0 +1,22 @@
+"""Integrations with other RL libraries (each an optional extra, imported only when used).
+
+- ``rlinfluence.integrations.sb3``: Stable-Baselines3's PPO -- ``attribute`` (snapshot scores of
+  SB3's rollout buffer), ``FilteredRolloutBuffer`` and ``InfluenceFilterCallback`` (IIF).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_SB3_NAMES = ("FilteredRolloutBuffer", "InfluenceFilterCallback", "SB3PolicyAdapter", "attribute")
+
+__all__ = list(_SB3_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing rlinfluence.integrations must not need stable-baselines3.
+    if name in _SB3_NAMES:
+        from rlinfluence.integrations import sb3
+
+        return getattr(sb3, name)
+    raise AttributeError(f"module 'rlinfluence.integrations' has no attribute {name!r}")

@@ -1,0 +1,374 @@
+"""Stable-Baselines3 integration: snapshot attribution and IIF for SB3's PPO, without a fork.
+
+    from stable_baselines3 import PPO
+    from rlinfluence.integrations.sb3 import FilteredRolloutBuffer, InfluenceFilterCallback
+
+    model = PPO("MlpPolicy", "LunarLander-v3", rollout_buffer_class=FilteredRolloutBuffer)
+    model.learn(200_000, callback=InfluenceFilterCallback(drop_pct=12.5))
+
+- ``attribute(model, rollout_buffer, target="return")``: snapshot influence (method spec 4.2)
+  of every record of SB3's rollout buffer, in SB3's flat order (see below), at the policy's
+  current parameters -- call it after a rollout and before ``train()`` (e.g. in a callback's
+  ``_on_rollout_end``), when the policy is still theta(k), the one that collected the buffer.
+- ``FilteredRolloutBuffer``: SB3's ``RolloutBuffer`` whose ``get()`` draws minibatches from the
+  kept records only and records each minibatch's record indices.
+- ``InfluenceFilterCallback``: IIF (spec 5) -- after GAE and before ``train()``, scores the
+  buffer and sets the buffer's keep mask; logs ``influence/*`` through SB3's logger.
+
+Record order. SB3 stores the buffer as ``[n_steps, n_envs, ...]``; ``get()`` flattens it with
+``swap_and_flatten`` into env-major order, record ``i = env * n_steps + step``, and draws its
+minibatch indices in that order. Scores, keep masks and minibatch indices here all use that
+flat order (``scores.reshape(n_envs, n_steps).T`` gives ``[n_steps, n_envs]``). ``attribute``
+reads the buffer in either state (before ``get()``: ``[n_steps, n_envs]``; after: flat).
+
+Which parameters are attributed: every trainable parameter of SB3's ``ActorCriticPolicy`` except
+the value-only ones (``value_net``, ``mlp_extractor.value_net`` and, when the feature extractor
+is not shared, ``vf_features_extractor``): the policy feature extractor (shared or not), the
+policy MLP, ``action_net`` and a Gaussian ``log_std``. ``nn.Linear``/``nn.Conv2d`` weights take
+ghost dot products, everything else (``log_std``) exact per-record gradients.
+
+stable-baselines3 is optional; this module needs it (``pip install "stable-baselines3>=2.4"``).
+Dict observation spaces (``DictRolloutBuffer``) are not supported.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+try:
+    from gymnasium import spaces
+    from stable_baselines3.common.buffers import RolloutBuffer
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.policies import ActorCriticPolicy
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "rlinfluence.integrations.sb3 needs stable-baselines3 (an optional dependency): "
+        'pip install "stable-baselines3>=2.4"'
+    ) from exc
+
+from rlinfluence.filters import FilterContext, drop_lowest, guard_minibatch, iif_drop_count
+from rlinfluence.influence import ReturnTarget, Target, snapshot_influence
+
+__all__ = ["FilteredRolloutBuffer", "InfluenceFilterCallback", "SB3PolicyAdapter", "attribute", "next_permutation"]
+
+ADVANTAGE_NORMS = ("auto", "chunk", "batch", "none")
+
+
+# -- the policy adapter ---------------------------------------------------------------------------
+class SB3PolicyAdapter(nn.Module):
+    """SB3's ``ActorCriticPolicy`` behind the interface our scorers use.
+
+    - ``log_prob(obs, actions) -> [N]``: ``policy.get_distribution(obs).log_prob(actions)`` (the
+      actor path only; SB3's own observation preprocessing, e.g. images / 255);
+    - ``evaluate_actions(obs, actions) -> (log_prob, entropy, value)`` (our order, not SB3's);
+    - ``policy_parameters()``: every trainable parameter except the value-only ones.
+
+    Discrete actions may be given as ``[N]`` or ``[N, 1]`` (SB3's buffer stores ``[N, 1]``
+    floats); other action spaces as SB3's buffer stores them.
+    """
+
+    def __init__(self, policy: ActorCriticPolicy):
+        super().__init__()
+        if not isinstance(policy, ActorCriticPolicy):
+            raise TypeError(f"expected an SB3 ActorCriticPolicy (PPO/A2C), got {type(policy).__name__}")
+        if isinstance(policy.observation_space, spaces.Dict):
+            raise ValueError("Dict observation spaces are not supported by rlinfluence's SB3 adapter")
+        self.policy = policy
+        self.discrete = isinstance(policy.action_space, spaces.Discrete)
+
+    def _actions(self, actions: torch.Tensor) -> torch.Tensor:
+        if self.discrete:
+            return actions.reshape(actions.shape[0]).long()
+        return actions
+
+    def log_prob(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        return self.policy.get_distribution(obs).log_prob(self._actions(actions))
+
+    def evaluate_actions(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        values, log_prob, entropy = self.policy.evaluate_actions(obs, self._actions(actions))
+        if entropy is None:
+            raise ValueError("this SB3 distribution has no analytic entropy; pass ent_coef=0")
+        return log_prob, entropy, values.flatten()
+
+    def policy_parameters(self) -> list[nn.Parameter]:
+        p = self.policy
+        pi_extractor = getattr(p, "pi_features_extractor", p.features_extractor)
+        vf_extractor = getattr(p, "vf_features_extractor", p.features_extractor)
+        mlp = getattr(p, "mlp_extractor", None)
+        value_side = [getattr(p, "value_net", None), getattr(mlp, "value_net", None)]
+        if vf_extractor is not pi_extractor:
+            value_side.append(vf_extractor)
+        policy_side = [pi_extractor, getattr(mlp, "policy_net", None), getattr(p, "action_net", None)]
+
+        def ids(modules: list[Any]) -> set[int]:
+            return {id(q) for m in modules if isinstance(m, nn.Module) for q in m.parameters()}
+
+        value_only = ids(value_side) - ids(policy_side)
+        return [q for q in p.parameters() if q.requires_grad and id(q) not in value_only]
+
+
+# -- reading SB3's buffer -------------------------------------------------------------------------
+def _flat(buffer: RolloutBuffer, name: str) -> np.ndarray:
+    """A buffer field in flat env-major order (SB3's ``get()`` order), whichever state it is in."""
+    array = getattr(buffer, name)
+    return array if buffer.generator_ready else buffer.swap_and_flatten(array)
+
+
+def _records(buffer: RolloutBuffer, adapter: SB3PolicyAdapter) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(obs, actions, raw advantages) of every record, flat env-major, on the policy's device."""
+    if not isinstance(buffer, RolloutBuffer) or isinstance(buffer.observations, dict):
+        raise ValueError(f"expected an SB3 RolloutBuffer with array observations, got {type(buffer).__name__}")
+    if not buffer.full:
+        raise ValueError("the rollout buffer is not full: collect a rollout (and compute GAE) first")
+    device = adapter.policy.device
+    n = buffer.buffer_size * buffer.n_envs
+    obs = torch.as_tensor(_flat(buffer, "observations"), device=device)
+    actions = torch.as_tensor(_flat(buffer, "actions").astype(np.float32, copy=False), device=device)
+    if adapter.discrete:
+        actions = actions.reshape(n).long()
+    advantages = torch.as_tensor(_flat(buffer, "advantages").reshape(n), device=device)
+    return obs, actions, advantages
+
+
+def next_permutation(n: int) -> np.ndarray:
+    """The permutation SB3's next ``RolloutBuffer.get()`` will draw (``np.random.permutation(n)``
+    on NumPy's global state), computed on a copy of that state: nothing is consumed."""
+    peek = np.random.RandomState()
+    peek.set_state(np.random.get_state())
+    return peek.permutation(n)
+
+
+@contextmanager
+def _global_rng_untouched(device: torch.device) -> Iterator[None]:
+    """Leave NumPy's and torch's global random states exactly as they were (SB3 samples actions
+    and minibatches from them, so scoring must not shift them)."""
+    np_state = np.random.get_state()
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        np.random.set_state(np_state)
+
+
+def _resolve_norm(model: Any, advantage_norm: str) -> str:
+    if advantage_norm not in ADVANTAGE_NORMS:
+        raise ValueError(f"advantage_norm must be one of {ADVANTAGE_NORMS}, got {advantage_norm!r}")
+    if advantage_norm == "auto":
+        return "chunk" if getattr(model, "normalize_advantage", False) else "none"
+    return advantage_norm
+
+
+def _resolve_target(target: str | Target) -> Target:
+    if isinstance(target, Target):
+        return target
+    if target == "return":
+        return ReturnTarget()
+    raise ValueError(f"target must be 'return' or an rlinfluence.influence.Target (e.g. ActionTarget), got {target!r}")
+
+
+def attribute(
+    model: Any,
+    rollout_buffer: RolloutBuffer | None = None,
+    target: str | Target = "return",
+    *,
+    advantage_norm: str = "auto",
+    chunk_size: int | None = None,
+    order: np.ndarray | torch.Tensor | None = None,
+    ent_coef: float | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Snapshot influence of every record of ``rollout_buffer`` (default ``model.rollout_buffer``)
+    on ``target``, shape ``[n_steps * n_envs]``, CPU, in SB3's flat env-major order (record
+    ``env * n_steps + step``). Positive = helpful, negative = harmful.
+
+    ``model``: an SB3 PPO (or A2C) model; its policy must still be the one that collected the
+    buffer. ``target``: ``"return"`` (``ReturnTarget()``, the buffer as its own validation set)
+    or any ``rlinfluence.influence.Target`` (e.g. ``ActionTarget(obs, action)``).
+
+    ``advantage_norm``: ``"auto"`` (default) = ``"chunk"`` if ``model.normalize_advantage`` else
+    ``"none"``, matching the loss SB3 trains; ``"chunk"`` normalises within chunks of
+    ``chunk_size`` (default ``model.batch_size``) records taken in ``order``, by default the
+    permutation SB3's next ``get()`` will draw (``next_permutation``), i.e. the first-epoch
+    minibatches of the unfiltered update (spec 2.2); ``"batch"``, ``"none"`` as in
+    ``snapshot_influence``. ``ent_coef`` (default ``model.ent_coef``) adds the entropy term of
+    SB3's loss. Other keyword arguments go to ``snapshot_influence``. NumPy's and torch's global
+    random states are left untouched.
+    """
+    buffer = model.rollout_buffer if rollout_buffer is None else rollout_buffer
+    adapter = SB3PolicyAdapter(model.policy)
+    obs, actions, advantages = _records(buffer, adapter)
+    n = len(advantages)
+    norm = _resolve_norm(model, advantage_norm)
+    chunk = chunk_size or getattr(model, "batch_size", None) or n
+    if norm == "chunk" and order is None:
+        order = next_permutation(n)
+    coef = float(getattr(model, "ent_coef", 0.0)) if ent_coef is None else float(ent_coef)
+    with _global_rng_untouched(adapter.policy.device):
+        if order is not None:
+            index = torch.as_tensor(np.asarray(order), dtype=torch.long)
+            if index.shape != (n,) or not torch.equal(torch.sort(index).values, torch.arange(n)):
+                raise ValueError(f"order must be a permutation of range({n})")
+            index = index.to(obs.device)
+            obs, actions, advantages = obs[index], actions[index], advantages[index]
+        scores = snapshot_influence(
+            adapter, obs, actions, advantages, target=_resolve_target(target),
+            advantage_norm=norm, chunk_size=chunk, ent_coef=coef, **kwargs,
+        ).detach()
+        if order is not None:
+            scores = torch.empty_like(scores).index_copy_(0, index, scores)
+    return scores.cpu()
+
+
+# -- the filtered buffer --------------------------------------------------------------------------
+class FilteredRolloutBuffer(RolloutBuffer):
+    """SB3's ``RolloutBuffer`` with a keep mask: ``get()`` trains on kept records only.
+
+    Pass it as ``PPO(..., rollout_buffer_class=FilteredRolloutBuffer)``. ``set_keep_mask(keep)``
+    (a bool array ``[n_steps * n_envs]`` in flat env-major order; cleared by ``reset()``, i.e.
+    every rollout) restricts every epoch's minibatches to the kept records: a fresh permutation
+    of the kept records per ``get()`` call, full minibatches only (the remainder is dropped).
+    With no mask, or every record kept, ``get()`` is exactly SB3's -- same permutation from
+    ``np.random``, same minibatches (a last partial one included) -- so PPO is reproduced
+    bit-for-bit.
+
+    ``minibatch_indices``: since the last ``reset()``, one list per ``get()`` call (one PPO
+    epoch) of the record indices of each minibatch yielded, in order. (With ``target_kl`` early
+    stopping, PPO skips the update of the last minibatch yielded.)
+    """
+
+    keep: np.ndarray | None
+    minibatch_indices: list[list[np.ndarray]]
+
+    def reset(self) -> None:
+        super().reset()
+        self.keep = None
+        self.minibatch_indices = []
+
+    def set_keep_mask(self, keep: np.ndarray | torch.Tensor | None) -> None:
+        """Train on the records where ``keep`` is True (``None``: all of them) until ``reset()``."""
+        if keep is None:
+            self.keep = None
+            return
+        keep = keep.detach().cpu().numpy() if isinstance(keep, torch.Tensor) else np.asarray(keep)
+        n = self.buffer_size * self.n_envs
+        if keep.dtype != np.bool_ or keep.shape != (n,):
+            raise ValueError(f"keep must be a bool array of shape ({n},), got {keep.dtype} {keep.shape}")
+        if not keep.any():
+            raise ValueError("keep mask keeps no record")
+        self.keep = keep.copy()
+
+    def get(self, batch_size: int | None = None) -> Iterator[Any]:
+        assert self.full, ""
+        n = self.buffer_size * self.n_envs
+        kept = np.arange(n) if self.keep is None else np.flatnonzero(self.keep)
+        # kept == arange(n) when nothing is filtered: the same draw and result as SB3's get()
+        indices = kept[np.random.permutation(len(kept))]
+        if not self.generator_ready:
+            for name in ("observations", "actions", "values", "log_probs", "advantages", "returns"):
+                self.__dict__[name] = self.swap_and_flatten(self.__dict__[name])
+            self.generator_ready = True
+        if batch_size is None:
+            batch_size = len(indices)
+        stop = len(indices) if len(kept) == n else len(indices) // batch_size * batch_size
+        epoch: list[np.ndarray] = []
+        self.minibatch_indices.append(epoch)
+        for start in range(0, stop, batch_size):
+            batch = indices[start : start + batch_size]
+            epoch.append(batch)
+            yield self._get_samples(batch)
+
+
+# -- the IIF callback -----------------------------------------------------------------------------
+class InfluenceFilterCallback(BaseCallback):
+    """IIF for SB3's PPO: drop the most harmful records of every rollout before ``train()``.
+
+    In ``_on_rollout_end`` (after GAE, before ``train()``) the callback scores the rollout buffer
+    with ``attribute`` and keeps all but the ``iif_drop_count(scores, drop_pct, drop_mode)``
+    lowest-scoring records (``rlinfluence.filters``: ``neg-bottom`` drops floor(p% of the
+    negative records), ``bottom`` floor(p% of all), ``neg`` every negative one; ``drop_pct=0``
+    with ``neg-bottom``/``bottom`` scores but keeps everything). At least one full minibatch is
+    always kept (``guard_minibatch``). Needs
+    ``PPO(..., rollout_buffer_class=FilteredRolloutBuffer)``.
+
+    Logged through SB3's logger each rollout: ``influence/kept_fraction``, ``influence/n_negative``,
+    ``influence/n_dropped``, ``influence/minibatch_guard``, ``influence/seconds`` (scoring and
+    masking time). ``history`` keeps the same numbers per rollout; ``scores``, ``keep`` and
+    ``order`` (the chunk order of ``advantage_norm="chunk"``) are the last rollout's.
+    ``advantage_norm``, ``chunk_size``, ``ent_coef`` and other keyword arguments are
+    ``attribute``'s.
+    """
+
+    def __init__(
+        self,
+        target: str | Target = "return",
+        drop_mode: str = "neg-bottom",
+        drop_pct: float = 12.5,
+        advantage_norm: str = "auto",
+        chunk_size: int | None = None,
+        ent_coef: float | None = None,
+        verbose: int = 0,
+        **score_kwargs: Any,
+    ):
+        super().__init__(verbose)
+        if isinstance(drop_pct, bool) or not isinstance(drop_pct, (int, float)) or not 0 <= drop_pct <= 100:
+            raise ValueError(f"drop_pct must be in [0, 100], got {drop_pct!r}")
+        iif_drop_count(torch.zeros(1), drop_pct, drop_mode)  # validates drop_mode
+        _resolve_target(target)
+        if advantage_norm not in ADVANTAGE_NORMS:
+            raise ValueError(f"advantage_norm must be one of {ADVANTAGE_NORMS}, got {advantage_norm!r}")
+        self.target, self.drop_mode, self.drop_pct = target, drop_mode, drop_pct
+        self.advantage_norm, self.chunk_size, self.ent_coef = advantage_norm, chunk_size, ent_coef
+        self.score_kwargs = score_kwargs
+        self.history: list[dict[str, float]] = []
+        self.scores: torch.Tensor | None = None
+        self.keep: torch.Tensor | None = None
+        self.order: np.ndarray | None = None
+
+    def _init_callback(self) -> None:
+        if not isinstance(self.model.rollout_buffer, FilteredRolloutBuffer):
+            raise TypeError(
+                "InfluenceFilterCallback needs the model built with "
+                "rollout_buffer_class=FilteredRolloutBuffer (from rlinfluence.integrations.sb3), "
+                f"got {type(self.model.rollout_buffer).__name__}"
+            )
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_rollout_end(self) -> None:
+        start = time.perf_counter()
+        buffer = self.model.rollout_buffer
+        n = buffer.buffer_size * buffer.n_envs
+        norm = _resolve_norm(self.model, self.advantage_norm)
+        self.order = next_permutation(n) if norm == "chunk" else None
+        scores = attribute(
+            self.model, buffer, self.target, advantage_norm=norm, chunk_size=self.chunk_size,
+            order=self.order, ent_coef=self.ent_coef, **self.score_kwargs,
+        )
+        n_drop = iif_drop_count(scores, self.drop_pct, self.drop_mode)
+        context = FilterContext(policy=self.model.policy, round=len(self.history),
+                                batch_size=getattr(self.model, "batch_size", None) or n)
+        keep = guard_minibatch(drop_lowest(scores, n_drop), scores, context)
+        buffer.set_keep_mask(keep)
+        self.scores, self.keep = scores, keep
+        stats = {
+            "kept_fraction": float(keep.float().mean()),
+            "n_negative": float((scores < 0).sum()),
+            "n_dropped": float(n - int(keep.sum())),
+            "minibatch_guard": context.stats["minibatch_guard"],
+            "seconds": time.perf_counter() - start,
+        }
+        for key, value in stats.items():
+            self.logger.record(f"influence/{key}", value)
+        self.history.append(stats)
+        if self.verbose >= 1:
+            print(f"influence: kept {stats['kept_fraction']:.3f} of {n} records "
+                  f"({int(stats['n_negative'])} negative) in {stats['seconds']:.3f} s")

@@ -1,0 +1,28 @@
+"""``rlinfluence rlhf``: PPO or GRPO (optionally with IIF) on a causal LM; flags = ``RLHFConfig``.
+
+    rlinfluence rlhf --algo ppo --filter iif --rounds 20            # SmolLM2-135M, toxicity task
+    rlinfluence rlhf --model EleutherAI/gpt-neo-2.7B --prompts-per-round 256 --response-length 30
+"""
+
+from __future__ import annotations
+
+import math
+
+import tyro
+
+from rlinfluence.rlhf.trainer import RLHFConfig, RLHFTrainer
+
+
+def rlhf_command(args: list[str]) -> int:
+    """Train; print the last round's figures and the run directory. Bad input raises ``UserError``."""
+    config = tyro.cli(RLHFConfig, args=args, prog="rlinfluence rlhf",
+                      description="RLHF (PPO/GRPO with LoRA) for toxicity mitigation, optionally with IIF.")
+    trainer = RLHFTrainer(config).learn()
+    last = trainer.run.rows[-1] if trainer.run is not None and trainer.run.rows else None
+    if last is not None:
+        tox = last.get("test_toxicity", math.nan)
+        print(f"round {last['round']}: training reward {last['reward_mean']:.4f}, test toxicity {tox:.4f}, "
+              f"kept fraction {last['kept_fraction']:.2f}, train_seconds {last['train_seconds']:.1f}")
+    if trainer.run is not None:
+        print(f"run directory: {trainer.run.path}  (report: {trainer.run.path / 'report.html'})")
+    return 0

