@@ -93,6 +93,9 @@ def diagnose_round(saved, bottom: int = 100, advantage_norm: str = "batch") -> D
     scores = score_buffer(trainer.policy, buffer, target=ReturnTarget(), advantage_norm=advantage_norm,
                           chunk_size=cfg.batch_size, ent_coef=cfg.ent_coef)
     table = attribution_table(buffer, scores)
+    flat_obs = buffer.flat("obs").reshape(len(buffer), -1)
+    if ((flat_obs == 0) | (flat_obs == 1)).all() and (flat_obs.sum(1) == 1).all():  # one-hot: name the state
+        table.insert(table.columns.get_loc("obs_summary"), "state", flat_obs.argmax(1).numpy())
     picks = top_records(scores, bottom)
     low, high = picks.opponents.numpy(), picks.proponents.numpy()
     reason = mc_unavailable_reason(cfg.env)
@@ -235,7 +238,8 @@ def diagnosis_section(d: Diagnosis, rows: int = 20) -> Section:
     section.paragraphs.append(
         "Records of the round's buffer scored by their snapshot influence on the return target at "
         "theta(k); the bottom records are the most harmful. A_hat is the GAE advantage the update used.")
-    columns = ["rank", "step", "episode", "obs_summary", "action", "advantage", "score"]
+    columns = ["rank", "step", "episode", "state" if "state" in d.table else "obs_summary", "action",
+               "advantage", "score"]
     if d.mc_reason is None:
         section.paragraphs.append(
             "A_bar = Q_bar(s,a) - V_bar(s) from the buffer's complete episodes (method-spec 8.1). "

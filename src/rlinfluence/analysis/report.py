@@ -104,10 +104,14 @@ def save_section(folder: str | Path, section: Section) -> Path:
 
 
 def load_sections(folder: str | Path) -> list[Section]:
-    """Every section saved in ``folder`` (sorted by key), figures read back from their PNGs."""
+    """Every section saved in ``folder`` (in natural order of their keys), figures read back from
+    their PNGs."""
     folder = Path(folder)
     sections = []
-    for path in sorted(folder.glob("*.json")):
+    def natural(path: Path) -> list[object]:  # diagnosis_round_5 before diagnosis_round_10
+        return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.stem)]
+
+    for path in sorted(folder.glob("*.json"), key=natural):
         try:
             data = json.loads(path.read_text())
             figures = {}

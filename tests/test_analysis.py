@@ -1,0 +1,327 @@
+"""The three applications (diagnosis, timeline, intervention) and the HTML report, on tiny runs."""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from rlinfluence import cli
+from rlinfluence.analysis.diagnosis import (
+    diagnose,
+    diagnosis_section,
+    monte_carlo_advantages,
+    spearman,
+)
+from rlinfluence.analysis.intervention import intervene_round, intervention_section, parse_rounds
+from rlinfluence.analysis.report import build_report, load_sections, save_section
+from rlinfluence.analysis.timeline import (
+    dirichlet_roughness,
+    estimate_phases,
+    knn_weights,
+    roughness,
+    select_state_action,
+    timeline,
+    timeline_section,
+)
+from rlinfluence.buffer import RolloutBuffer
+from rlinfluence.errors import UserError
+from rlinfluence.ppo import PPO
+
+from .conftest import tiny_config
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def _train(root: Path, env: str, **overrides) -> Path:
+    settings = dict(total_timesteps=1024, n_steps=256, batch_size=64, n_epochs=2, eval_episodes=4, save_buffers=True)
+    config = tiny_config(env=env, **{**settings, **overrides})
+    trainer = PPO(config, run_dir=root / env)
+    trainer.learn()
+    return trainer.run.path
+
+
+@pytest.fixture(scope="module")
+def frozenlake_run(tmp_path_factory) -> Path:
+    """4 rounds of 256 FrozenLake steps, every buffer and checkpoint saved."""
+    return _train(tmp_path_factory.mktemp("runs"), "FrozenLake-v1")
+
+
+# -- Monte-Carlo advantage -----------------------------------------------------------------
+def _chain_buffer() -> RolloutBuffer:
+    """States 0 -> 1 -> 2 -> goal; action 1 moves right, 0 stays; reward 1 when leaving state 2.
+
+    step: 0      1      2        3      4      5      6        7      8
+          (0,R)  (1,R)  (2,R)+1  (0,S)  (0,R)  (1,R)  (2,R)+1  (0,R)  (1,S)   <- buffer ends
+    """
+    states = [0, 1, 2, 0, 0, 1, 2, 0, 1]
+    actions = [1, 1, 1, 0, 1, 1, 1, 1, 0]
+    buf = RolloutBuffer.empty(0, 9, 1, (3,), torch.float32, (), torch.int64)
+    buf.obs[:, 0] = torch.eye(3)[states]
+    buf.actions[:, 0] = torch.tensor(actions)
+    buf.rewards[[2, 6], 0] = 1.0
+    buf.terminated[[2, 6], 0] = True
+    return buf
+
+
+def test_monte_carlo_advantage_on_a_deterministic_chain():
+    gamma = 0.5
+    a_bar = monte_carlo_advantages(_chain_buffer(), "FrozenLake-v1", gamma).numpy()
+    # returns-to-go: episode 1 (.25, .5, 1); episode 2 (.125, .25, .5, 1); steps 7-8 incomplete
+    q_right, q_stay = (0.25 + 0.25) / 2, 0.125
+    v0 = (0.25 + 0.125 + 0.25) / 3
+    expected = [q_right - v0, 0, 0, q_stay - v0, q_right - v0, 0, 0, q_right - v0, math.nan]
+    np.testing.assert_allclose(a_bar, expected, atol=1e-12)  # (1, stay) never completes: NaN
+
+
+def test_monte_carlo_advantage_refuses_continuous_observations():
+    with pytest.raises(UserError, match="not available.*Acrobot-v1 has continuous observations"):
+        monte_carlo_advantages(_chain_buffer(), "Acrobot-v1", 0.99)
+
+
+def test_spearman_matches_rank_definition():
+    x = np.array([1.0, 2.0, 3.0, 4.0])
+    assert spearman(x, x ** 3) == pytest.approx(1.0)
+    assert spearman(x, -x) == pytest.approx(-1.0)
+    assert math.isnan(spearman(x, np.ones(4)))
+
+
+# -- roughness -----------------------------------------------------------------------------
+def test_roughness_of_constant_scores_is_zero():
+    emb = np.random.default_rng(0).normal(size=(30, 4))
+    assert roughness(np.full(30, 0.7), emb, u=5) == 0.0
+
+
+def test_dirichlet_roughness_of_alternating_values_on_a_chain():
+    n = 6
+    chain = np.zeros((n, n))
+    for i in range(n - 1):
+        chain[i, i + 1] = chain[i + 1, i] = 1.0
+    alternating = np.arange(n) % 2
+    assert dirichlet_roughness(alternating, chain) == pytest.approx(1.0)
+    assert dirichlet_roughness(np.linspace(0, 1, n), chain) == pytest.approx(1 / 25)  # smooth: low
+    assert math.isnan(dirichlet_roughness(alternating, np.zeros((n, n))))
+
+
+def test_knn_graph_is_symmetrised_with_median_distance_sigma():
+    positions = np.array([[0.0], [1.0], [2.5], [4.5]])  # nearest neighbours: 1, 0, 1, 2
+    weights, sigma = knn_weights(positions, u=1)
+    assert sigma == pytest.approx(2.25)  # median of 1, 1.5, 2, 2.5, 3.5, 4.5
+    edges = {(i, j) for i, j in zip(*np.nonzero(np.triu(weights)), strict=True)}
+    assert edges == {(0, 1), (1, 2), (2, 3)}  # 1->0 and 0->1 merged; 2->1 adds (1, 2)
+    assert weights[1, 2] == pytest.approx(math.exp(-(1.5 / 2.25) ** 2))
+    np.testing.assert_array_equal(weights, weights.T)
+
+
+def test_roughness_uses_positive_scores_normalised_by_the_largest_magnitude():
+    positions = np.array([[0.0], [1.0], [100.0], [2.5], [4.5]])
+    scores = np.array([1.0, 0.5, -2.0, 1.0, 0.5])  # the negative record is not a node
+    # nodes form the chain above with values /2: .5 .25 .5 .25 -> every edge (1/4)^2
+    assert roughness(scores, positions, u=1) == pytest.approx(1 / 16)
+    assert math.isnan(roughness(np.array([1.0, -1.0, -1.0]), positions[:3]))
+
+
+def test_phases_are_estimated_from_the_data():
+    rounds = np.arange(8)
+    scale = np.array([1.0, 0.9, 0.8, 0.5, 0.3, 0.05, 0.08, 0.02])
+    rough = np.array([0.2, 0.3, 0.25, 0.1, 0.08, 0.09, 0.07, 0.1])
+    assert estimate_phases(rounds, scale, rough) == {"clustering": 3, "saturation": 5}
+    assert estimate_phases(rounds, np.ones(8), np.full(8, 0.2)) == {"clustering": None, "saturation": None}
+    one_noisy_round = np.array([0.1, 0.1, 0.9, 0.1, 0.1, 0.1, 0.1, 0.1])  # smoothed away: no drop
+    assert estimate_phases(rounds, np.ones(8), one_noisy_round)["clustering"] is None
+
+
+# -- diagnosis -----------------------------------------------------------------------------
+def test_diagnosis_on_a_tiny_frozenlake_run(frozenlake_run):
+    d = diagnose(frozenlake_run, 2, bottom=20)
+    t = d.table
+    assert d.mc_reason is None and len(t) == 256
+    scores = t["score"].to_numpy()
+    assert np.all(scores[d.bottom] <= np.sort(scores)[19]) and len(d.bottom) == 20
+    a_bar, a_hat = t["mc_advantage"].to_numpy(), t["advantage"].to_numpy()
+    valid = np.isfinite(a_bar)
+    assert d.stats["A_bar coverage"] == pytest.approx(valid.mean())
+    expected_all = ((a_bar * a_hat)[valid] < 0).mean()
+    assert d.stats["mismatch fraction, all"] == pytest.approx(expected_all)
+    rho = d.stats["spearman(score, A_bar*A_hat)"]
+    assert -1 <= rho <= 1
+    assert rho == pytest.approx(spearman(scores[valid], (a_bar * a_hat)[valid]))
+    section = diagnosis_section(d)
+    assert set(section.figures) == {"scatter", "grid"}
+
+
+def test_diagnosis_of_a_continuous_env_says_mc_is_not_available(tmp_path):
+    run = _train(tmp_path, "CartPole-v1")
+    d = diagnose(run, 0, bottom=10)
+    assert "CartPole-v1 has continuous observations" in d.mc_reason
+    assert "mc_advantage" not in d.table.columns
+    assert "not available" in " ".join(diagnosis_section(d).paragraphs)
+
+
+def test_diagnosis_of_minigrid_draws_the_agents_views(tmp_path):
+    run = _train(tmp_path, "MiniGrid-Empty-8x8-v0", total_timesteps=512, eval_episodes=1)
+    d = diagnose(run, 1, bottom=10)
+    assert d.mc_reason is None and np.isfinite(d.table["mc_advantage"]).any()
+    assert set(diagnosis_section(d).figures) == {"scatter", "views"}
+
+
+def test_round_not_saved_is_a_clear_error(frozenlake_run):
+    with pytest.raises(UserError, match="no saved buffer for round 9"):
+        diagnose(frozenlake_run, 9)
+
+
+# -- timeline ------------------------------------------------------------------------------
+def test_timeline_on_a_tiny_run(frozenlake_run):
+    target = select_state_action(frozenlake_run, state_index=3)
+    assert "record 3 of round 3" in target.description
+    t = timeline(frozenlake_run, target, neighbours=10, top=5)
+    assert t.rounds["round"].tolist() == [0, 1, 2, 3]
+    assert ((t.rounds["pi"] > 0) & (t.rounds["pi"] <= 1)).all()
+    assert (t.rounds["roughness"].dropna() >= 0).all()
+    assert len(t.top) == 20 and set(t.top["top_rank"]) == {1, 2, 3, 4, 5}
+    assert "timeline" in timeline_section(t).figures
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(state_index=256), r"--state-index 256 is out of range: round 3 has 256 records"),
+    (dict(state_index=-1, state_round=1), "out of range"),
+    (dict(), "exactly one of --state-index"),
+    (dict(state="1,0"), "--state has 2 values"),
+    (dict(state_index=0, action="7"), r"--action must be one integer in \[0, 4\)"),
+    (dict(state_index=0, state_round=8), "no saved buffer for round 8"),
+])
+def test_timeline_bad_input(frozenlake_run, kwargs, message):
+    with pytest.raises(UserError, match=message):
+        select_state_action(frozenlake_run, **kwargs)
+
+
+def test_timeline_rounds_not_saved(frozenlake_run):
+    target = select_state_action(frozenlake_run, state_index=0)
+    with pytest.raises(UserError, match=r"rounds \[7\] are not saved.*saved: 0..3"):
+        timeline(frozenlake_run, target, rounds=[1, 7])
+
+
+# -- intervention --------------------------------------------------------------------------
+def test_intervention_is_deterministic_and_reproduces_the_run(frozenlake_run):
+    first = intervene_round(frozenlake_run, 1, eval_episodes=8)
+    second = intervene_round(frozenlake_run, 1, eval_episodes=8)
+    assert first == second
+    assert first["a_matches_run"] is True  # (a) is exactly the run's own update theta(1) -> theta(2)
+    assert 0 < first["dropped"] < first["records"]
+    assert first["delta_b"] == pytest.approx(first["R_b"] - first["R_a"])
+    assert first["delta_c"] == pytest.approx(first["R_c"] - first["R_a"])
+
+
+def test_parse_rounds():
+    assert parse_rounds("20, 5,10,5") == [5, 10, 20]
+    for bad in ("a,b", "", "-1"):
+        with pytest.raises(UserError, match="--rounds"):
+            parse_rounds(bad)
+
+
+# -- report --------------------------------------------------------------------------------
+class _StrictHTML(HTMLParser):
+    """Well-formedness: every non-void element closed in order; collects <img> sources."""
+
+    VOID = {"meta", "img", "br", "hr", "link", "input"}
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.stack, self.images, self.tags, self.errors = [], [], set(), []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.add(tag)
+        if tag == "img":
+            self.images.append(dict(attrs))
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.stack[-1:] or 'nothing'}")
+        else:
+            self.stack.pop()
+
+
+def _check_html(text: str) -> list[dict]:
+    from PIL import Image
+
+    assert text.startswith("<!DOCTYPE html>")
+    parser = _StrictHTML()
+    parser.feed(text)
+    parser.close()
+    assert not parser.errors and not parser.stack, (parser.errors, parser.stack)
+    assert {"html", "head", "title", "body", "meta"} <= parser.tags
+    assert not {"script", "link", "iframe"} & parser.tags
+    assert not re.search(r"""(src|href)=["'](?!data:)""", text)  # self-contained
+    for img in parser.images:
+        prefix = "data:image/png;base64,"
+        assert img["src"].startswith(prefix) and img.get("alt")
+        image = Image.open(io.BytesIO(base64.b64decode(img["src"][len(prefix):], validate=True)))
+        image.load()
+        assert image.format == "PNG" and min(image.size) > 50
+    return parser.images
+
+
+def test_report_html_is_valid_and_every_image_decodes(frozenlake_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(frozenlake_run, run)
+    d = diagnose(run, 2, bottom=20)
+    save_section(run / "analyses", diagnosis_section(d))
+    save_section(run / "analyses", intervention_section(
+        pd.DataFrame([intervene_round(run, 2, eval_episodes=4)])))
+    assert [s.key for s in load_sections(run / "analyses")] == ["diagnosis_round_2", "intervention"]
+    path, sections = build_report(run, score_rounds=2)
+    assert [s.key for s in sections] == ["learning", "influence", "diagnosis_round_2", "intervention"]
+    images = _check_html(path.read_text(encoding="utf-8"))
+    assert len(images) == 5  # curve, histograms, scatter, grid, bars
+
+
+def test_cli_commands_write_html_and_bad_input_is_one_line(frozenlake_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(frozenlake_run, run)
+    assert cli.main(["diagnose", str(run), "--round", "1", "--bottom", "10", "--html"]) == 0
+    assert cli.main(["timeline", str(run), "--state-index", "5", "--rounds", "0,3", "--neighbours", "5",
+                     "--html"]) == 0
+    assert cli.main(["intervene", str(run), "--rounds", "1", "--eval-episodes", "4", "--html"]) == 0
+    assert cli.main(["report", str(run), "--score-rounds", "1"]) == 0
+    for name in ("diagnosis_round_1.html", "timeline.html", "intervention.html"):
+        _check_html((run / "analyses" / name).read_text(encoding="utf-8"))
+    assert len(_check_html((run / "report.html").read_text(encoding="utf-8"))) == 2 + 2 + 1 + 1
+    capsys.readouterr()
+    for args, message in (
+        (["diagnose", str(run), "--round", "9"], "error: no saved buffer for round 9"),
+        (["timeline", str(run), "--state-index", "999"], "error: --state-index 999 is out of range"),
+        (["intervene", str(run), "--rounds", "x"], "error: --rounds must be comma-separated"),
+    ):
+        assert cli.main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(message), err
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="headless Chromium not installed (apt-get install chromium)")
+def test_report_renders_its_images_in_headless_chromium(frozenlake_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(frozenlake_run, run)
+    path, _ = build_report(run, score_rounds=1)
+    # a probe page: the report plus a script that lists, after load, each image's decoded size
+    probe = tmp_path / "probe.html"
+    probe.write_text(path.read_text(encoding="utf-8").replace("</body>", (
+        "<script>window.addEventListener('load', () => { document.body.setAttribute('data-images', "
+        "Array.from(document.images).map(i => i.complete + ':' + i.naturalWidth).join(' ')); });"
+        "</script></body>")), encoding="utf-8")
+    out = subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
+                          "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    sizes = re.search(r'data-images="([^"]*)"', out.stdout).group(1).split()
+    assert len(sizes) == 2 and all(s.startswith("true:") and int(s.split(":")[1]) > 50 for s in sizes), sizes
