@@ -20,7 +20,7 @@ import argparse  # noqa: E402
 import csv  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from rlinfluence.experiments import CompareConfig, compare  # noqa: E402
+from rlinfluence.experiments import CompareConfig, compare, write_summary  # noqa: E402
 
 # Evaluation episodes per round (paper: 1000; 100 for highway and BipedalWalker).
 EVAL_EPISODES = {"FrozenLake-v1": 100, "Acrobot-v1": 100, "MiniGrid-Empty-8x8-v0": 100,
@@ -38,7 +38,10 @@ def main() -> None:
     parser.add_argument("--out", default="bench_out/results")
     parser.add_argument("--tag", default="", help="suffix of the per-env folder (variants: adam, p25, ...)")
     parser.add_argument("--set", nargs="*", default=[], help="PPOConfig overrides key=value for every run")
+    parser.add_argument("--summarize-only", action="store_true",
+                        help="run nothing: summarise the seeds whose every method has finished")
     args = parser.parse_args()
+    methods = args.methods.split(",")
 
     for env in args.envs.split(","):
         folder = Path(args.out) / (env + (f"__{args.tag}" if args.tag else ""))
@@ -47,8 +50,17 @@ def main() -> None:
             eval_episodes=EVAL_EPISODES.get(env), set=("eval_envs=32", *args.set), out=str(folder),
             workers=args.workers, progress=False,
         )
-        print(f"== {env}: {args.seeds} seeds, eval {config.eval_episodes} episodes/round -> {folder}", flush=True)
-        compare(config)
+        if args.summarize_only:
+            seeds = [s for s in range(1, args.seeds + 1)
+                     if all((folder / f"{m}__seed{s}" / "done.json").exists() for m in methods)]
+            if not seeds:
+                print(f"== {env}: no seed finished yet", flush=True)
+                continue
+            write_summary(folder, methods, seeds)
+            print(f"== {env}: summary of finished seeds {seeds} -> {folder}", flush=True)
+        else:
+            print(f"== {env}: {args.seeds} seeds, eval {config.eval_episodes} episodes/round -> {folder}", flush=True)
+            compare(config)
         with (folder / "summary.csv").open() as f:
             for row in csv.DictReader(f):
                 if row["method"] == "ppo":
