@@ -27,7 +27,7 @@ is not shared, ``vf_features_extractor``): the policy feature extractor (shared 
 policy MLP, ``action_net`` and a Gaussian ``log_std``. ``nn.Linear``/``nn.Conv2d`` weights take
 ghost dot products, everything else (``log_std``) exact per-record gradients.
 
-stable-baselines3 is optional; this module needs it (``pip install "stable-baselines3>=2.4"``).
+stable-baselines3 is optional; this module needs it (``pip install "rlinfluence[sb3]"``).
 Dict observation spaces (``DictRolloutBuffer``) are not supported.
 """
 
@@ -50,7 +50,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "rlinfluence.integrations.sb3 needs stable-baselines3 (an optional dependency): "
-        'pip install "stable-baselines3>=2.4"'
+        'pip install "rlinfluence[sb3]"'
     ) from exc
 
 from rlinfluence.filters import FilterContext, drop_lowest, guard_minibatch, iif_drop_count
