@@ -36,6 +36,9 @@ commands:
   report     one self-contained HTML file: learning curve, influence statistics, saved analyses
              rlinfluence report RUN_DIR [--out report.html]
 
+  rlhf       PPO or GRPO on a causal language model with LoRA, optionally with IIF
+             rlinfluence rlhf --algo ppo --filter iif [--model builtin:smollm2-135m | HF_ID | PATH]
+
 run `rlinfluence <command> --help` for the flags of a command."""
 
 
@@ -327,9 +330,17 @@ def report(args: list[str]) -> int:
     return 0
 
 
+def rlhf(args: list[str]) -> int:
+    """PPO / GRPO for causal language models, optionally with IIF (needs rlinfluence[rlhf])."""
+    from rlinfluence.rlhf.cli import rlhf_command
+
+    return rlhf_command(args)
+
+
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": train, "compare": compare, "attribute": attribute,
     "diagnose": diagnose, "timeline": timeline, "intervene": intervene, "report": report,
+    "rlhf": rlhf,
 }
 
 

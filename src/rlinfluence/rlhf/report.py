@@ -41,13 +41,13 @@ def write_report(run: RunDirectory) -> Path:
     if np.isfinite(initial).any():
         tox_rounds, tox_values = np.concatenate([[0], rounds + 1]), np.concatenate([initial, tox])
     fig, axes = new_figure(12, 3.4, ncols=3)
-    axes[0, 0].plot(rounds, _column(rows, "reward_mean"), label="training reward (mean)")
+    axes[0, 0].plot(rounds, _column(rows, "reward_mean"), ".-", label="training reward (mean)")
     axes[0, 0].set(xlabel="round k", title="reward of the sampled responses")
     finite = np.isfinite(tox_values)
     axes[0, 1].plot(tox_rounds[finite], tox_values[finite], "o-")
     axes[0, 1].set(xlabel="theta(k): rounds completed", title="test toxicity (mean P(offensive))")
-    axes[0, 2].plot(rounds, _column(rows, "kl"), label="KL (mean summed per sequence)")
-    axes[0, 2].plot(rounds, _column(rows, "kept_fraction"), label="kept fraction")
+    axes[0, 2].plot(rounds, _column(rows, "kl"), ".-", label="KL (mean summed per sequence)")
+    axes[0, 2].plot(rounds, _column(rows, "kept_fraction"), ".-", label="kept fraction")
     axes[0, 2].set(xlabel="round k", title="KL and kept fraction")
     axes[0, 2].legend(fontsize=8)
     for ax in axes.ravel():

