@@ -5,6 +5,7 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 
 from rlinfluence.ppo import PPOConfig
 
@@ -41,3 +42,12 @@ def tiny_config(**overrides) -> PPOConfig:
 @pytest.fixture
 def run_root(tmp_path):
     return tmp_path / "runs"
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: threads only add synchronisation, which is ruinous on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

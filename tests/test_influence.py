@@ -35,13 +35,7 @@ N = 40  # records; chunks of 16 leave a partial last chunk
 TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: threads only add synchronisation, which is ruinous on a loaded 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- policies ------------------------------------------------------------------------------------

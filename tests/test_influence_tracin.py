@@ -17,13 +17,7 @@ from rlinfluence.policies import make_policy
 N, BATCH = 24, 8
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: threads only add synchronisation, which is ruinous on a loaded 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cast_encoder_output(policy: nn.Module) -> nn.Module:
