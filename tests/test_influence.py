@@ -20,6 +20,7 @@ from rlinfluence.influence import (
     Records,
     ReturnTarget,
     Target,
+    ghost,
     per_record_dots,
     plan_ghost,
     score_buffer,
@@ -404,6 +405,37 @@ def test_structures_the_ghost_path_cannot_take_go_to_forward_mode(policy_cls, ob
     assert_close(dots, reference, torch.float64)
     ours = snapshot_influence(policy, obs, actions, adv, chunk_size=16)
     assert_close(ours, brute_force(policy, params, obs, actions, normalized(adv, "chunk", 16), target_grad), torch.float64)
+
+
+def test_verification_runs_once_per_structure_and_again_when_the_structure_changes(monkeypatch):
+    """The ghost-vs-autograd verdict is reused while the call signature is unchanged; an
+    output-changing hook added to, or a parameter replaced in, the same policy object is verified
+    afresh (and scores stay exact)."""
+    verifications = []
+    unverified = ghost._unverified
+    monkeypatch.setattr(ghost, "_unverified", lambda *args: verifications.append(1) or unverified(*args))
+    torch.manual_seed(0)
+    policy = InplacePolicy().double()
+    policy.net[1].inplace = False  # a clean MLP to start with
+    obs, actions = torch.randn(N, 4, dtype=torch.float64), torch.randint(0, 4, (N,))
+    adv = torch.randn(N, dtype=torch.float64)
+
+    def check() -> None:
+        params = list(policy.parameters())
+        target_grad = return_target_grad(policy, params, obs, actions, adv)
+        expected = brute_force(policy, params, obs, actions, normalized(adv, "chunk", 16), target_grad)
+        assert_close(snapshot_influence(policy, obs, actions, adv, chunk_size=16), expected, torch.float64)
+
+    check()
+    check()
+    assert len(verifications) == 1  # same structure: the verdict is reused
+    handle = policy.net[0].register_forward_hook(lambda m, args, out: out * 2)  # a user hook changing the output
+    check()
+    assert len(verifications) == 2
+    handle.remove()
+    policy.net[2].weight = nn.Parameter(torch.randn(4, 8, dtype=torch.float64))
+    check()
+    assert len(verifications) == 3
 
 
 # -- conveniences, package hygiene -----------------------------------------------------------------

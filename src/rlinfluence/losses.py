@@ -19,11 +19,14 @@ from dataclasses import dataclass
 import torch
 
 
-def normalize_advantages(advantages: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(A - mean A) / (std A + eps), unbiased std as SB3; a single record is left unchanged."""
-    if advantages.numel() <= 1:
+def normalize_advantages(advantages: torch.Tensor, eps: float = 1e-8, dim: int | None = None) -> torch.Tensor:
+    """(A - mean A) / (std A + eps), unbiased std as SB3, over all entries or along ``dim`` (each
+    row normalised on its own); a single record is left unchanged."""
+    if (advantages.numel() if dim is None else advantages.shape[dim]) <= 1:
         return advantages
-    return (advantages - advantages.mean()) / (advantages.std() + eps)
+    if dim is None:
+        return (advantages - advantages.mean()) / (advantages.std() + eps)
+    return (advantages - advantages.mean(dim, keepdim=True)) / (advantages.std(dim, keepdim=True) + eps)
 
 
 @dataclass

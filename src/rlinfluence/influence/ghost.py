@@ -35,6 +35,14 @@ changing the output -- is demoted to the forward-mode path in that pass and ever
 unknown structure costs speed, never correctness. (Not caught: a row permutation inside the
 policy that keeps the batch size; missed per-record parts that cancel exactly in the sum.)
 
+The verdict of that comparison depends on the policy's structure, not on its parameter values, so
+it is kept per policy (weakly referenced) under the pass's *call signature*: the record function,
+the attributed parameters' identities, and per captured call its layer, input/output shapes (less
+the record axis) and dtypes, and the layer's hook counts. A later pass with the same signature --
+the next round of IIF -- reuses the verdict and skips the parameter gradients the comparison needs
+(a third of the backward). A changed signature (a weight tied or a hook added since, another
+input shape) is verified afresh.
+
 Assumption, as for any per-record gradient: the policy processes the rows of a batch
 independently and in order (no BatchNorm in training mode, no cross-record attention).
 """
@@ -42,6 +50,7 @@ independently and in order (no BatchNorm in training mode, no cross-record atten
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -267,21 +276,59 @@ def _run_captured(
 
 
 def _backward(
-    plan: GhostPlan, u: torch.Tensor, calls: Sequence[_Call], retain_graph: bool
-) -> tuple[list[tuple[_Call, torch.Tensor]], set[int], dict[int, torch.Tensor | None]]:
+    plan: GhostPlan, u: torch.Tensor, calls: Sequence[_Call], retain_graph: bool, param_grads: bool
+) -> tuple[list[tuple[_Call, torch.Tensor]], set[int], list[int], dict[int, torch.Tensor | None]]:
     """One backward of sum_i u_i: (call, output-gradient) pairs, the slots whose layer had a call
-    without one row per record, and autograd's gradient of sum_i u_i for every other slot."""
+    without one row per record, the other ghosted slots, and -- if ``param_grads`` -- autograd's
+    gradient of sum_i u_i for each of those (for ``_unverified``)."""
     n = len(u)
     broken = {c.layer for c in calls if not _rows_are_records(c.layer.module, c.x, c.out, n)}
     failed = {s for layer in broken for s in layer.slots()}
     slots = [s for layer in plan.layers for s in layer.slots() if s not in failed]
     live = [c for c in calls if c.layer not in broken and c.out.requires_grad]
     if not (slots and u.requires_grad):
-        return [], failed, {}
-    inputs = [c.out for c in live] + [plan.params[s] for s in slots]
+        return [], failed, [], {}
+    inputs = [c.out for c in live] + ([plan.params[s] for s in slots] if param_grads else [])
     grads = torch.autograd.grad(u.sum(), inputs, retain_graph=retain_graph, allow_unused=True)
     pairs = [(c, g) for c, g in zip(live, grads[: len(live)], strict=True) if g is not None]
-    return pairs, failed, dict(zip(slots, grads[len(live) :], strict=True))
+    exact = dict(zip(slots, grads[len(live) :], strict=True)) if param_grads else {}
+    return pairs, failed, slots, exact
+
+
+# Verified call signature -> slots that failed verification, per policy (see the module docstring).
+_VERDICTS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, frozenset[int]]] = weakref.WeakKeyDictionary()
+
+
+def _signature(plan: GhostPlan, record_fn: RecordFn, calls: Sequence[_Call]) -> tuple:
+    """What the ghost-vs-autograd verdict of a pass depends on (everything but parameter values)."""
+
+    def hooks(m: nn.Module) -> tuple[int, ...]:
+        return len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks), len(m._backward_pre_hooks)
+
+    def shape(t: object) -> tuple:
+        return (tuple(t.shape[1:]), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor) else (type(t),)
+
+    return (
+        record_fn, tuple(map(id, plan.params)),
+        tuple((c.layer.name, tuple(c.layer.slots()), id(c.layer.module), shape(c.x), shape(c.out), hooks(c.layer.module))
+              for c in calls),
+    )
+
+
+def _ghost_backward(
+    policy: nn.Module, plan: GhostPlan, record_fn: RecordFn, u: torch.Tensor, calls: Sequence[_Call], retain_graph: bool
+) -> tuple[list[tuple[_Call, torch.Tensor]], set[int], list[int]]:
+    """``_backward`` plus verification: (pairs, failed slots, verified slots). Verifies only a
+    call signature not seen before for this policy."""
+    signature = _signature(plan, record_fn, calls)
+    known = _VERDICTS.setdefault(policy, {})
+    verdict = known.get(signature)
+    pairs, failed, slots, exact = _backward(plan, u, calls, retain_graph, param_grads=verdict is None)
+    if verdict is None:
+        verdict = frozenset(_unverified(pairs, exact, plan.params, len(u)))
+        known[signature] = verdict
+    failed |= verdict
+    return pairs, failed, [s for s in slots if s not in failed]
 
 
 def _unverified(
@@ -399,7 +446,7 @@ def per_record_dots(
     ``direction`` is aligned with ``plan.params``. Records are processed ``records_per_pass`` at
     a time: one forward + one backward each, plus one forward-mode pass when the plan has
     forward-mode parameters. Ghosted parameters failing verification are demoted in ``plan`` (see
-    the module docstring). Contractions and the result use ``accumulate_dtype`` (default: the
+    the module docstring; verification runs once per call signature). Contractions and the result use ``accumulate_dtype`` (default: the
     direction's dtype).
     """
     check_positive_int("records_per_pass", records_per_pass)
@@ -411,8 +458,7 @@ def per_record_dots(
         part = dots[start : start + len(chunk[0])]
         if plan.layers:
             u, calls = _run_captured(policy, plan.layers, record_fn, chunk)
-            pairs, failed, exact = _backward(plan, u, calls, retain_graph=False)
-            failed |= _unverified(pairs, exact, plan.params, len(part))
+            pairs, failed, _ = _ghost_backward(policy, plan, record_fn, u, calls, retain_graph=False)
             part += _ghost_dots(pairs, failed, direction, len(part), dtype)
             plan.demote(failed)
         if plan.jvp_slots:
@@ -437,10 +483,9 @@ def self_target_dots(
     one pass.
     """
     u, calls = _run_captured(policy, plan.layers, record_fn, records)
-    pairs, failed, exact = _backward(plan, u, calls, retain_graph=True)
-    failed |= _unverified(pairs, exact, plan.params, len(u))
+    pairs, failed, verified = _ghost_backward(policy, plan, record_fn, u, calls, retain_graph=True)
     direction = [torch.zeros_like(p) for p in plan.params]
-    for s, grad in _batch_gradients(pairs, [s for s in exact if s not in failed], plan.params, weights).items():
+    for s, grad in _batch_gradients(pairs, verified, plan.params, weights).items():
         direction[s] = grad
     dtype = accumulate_dtype or direction[0].dtype
     dots = _ghost_dots(pairs, failed, direction, len(u), dtype)

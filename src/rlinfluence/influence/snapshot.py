@@ -52,7 +52,7 @@ def normalize_for_attribution(advantages: torch.Tensor, mode: str, chunk_size: i
     check_positive_int("chunk_size", chunk_size)
     if mode == "chunk":
         k = len(advantages) // chunk_size * chunk_size
-        full = [torch.vmap(normalize_advantages)(advantages[:k].view(-1, chunk_size)).flatten()] if k else []
+        full = [normalize_advantages(advantages[:k].view(-1, chunk_size), dim=1).flatten()] if k else []
         return torch.cat([*full, normalize_advantages(advantages[k:])])
     return normalize_advantages(advantages) if mode == "batch" else advantages
 
@@ -102,7 +102,7 @@ def snapshot_influence(
     serve both sides (``self_target_dots``); otherwise one forward+backward for grad f, then per
     ``records_per_pass`` records one forward+backward with ghost contractions. Plus one
     forward-mode pass when parameters outside Linear/Conv2d are attributed. Ghost terms are
-    verified against autograd in every pass (``rlinfluence.influence.ghost``).
+    verified against autograd once per policy structure (``rlinfluence.influence.ghost``).
     ``accumulate_dtype`` (e.g. ``torch.float64``) sets the dtype of contractions and scores.
     """
     check_policy(policy)
