@@ -143,3 +143,69 @@ def test_filtered_runs_are_reproducible_and_resumable(tmp_path):
     b = PPO(cfg, run_dir=tmp_path / "b").learn()
     torch.testing.assert_close(a.policy.state_dict(), b.policy.state_dict())
     assert (tmp_path / "a").name and a.filter.state_dict()["generator"].equal(b.filter.state_dict()["generator"])
+
+
+class Spy:
+    """Wraps a filter and keeps the contexts it was called with."""
+
+    def __init__(self, inner):
+        self.inner, self.contexts, self.name = inner, [], inner.name
+        self.uses_validation = getattr(inner, "uses_validation", False)
+
+    def __call__(self, buffer, context):
+        self.contexts.append(context)
+        return self.inner(buffer, context)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)
+
+
+def test_iif_with_a_validation_rollout_scores_against_it_and_leaves_the_training_stream_alone():
+    base = dict(filter="iif", drop_pct=50, n_steps=128, n_envs=2, total_timesteps=512)
+    spy = Spy(make_filter("iif", drop_pct=50))
+    trainer = PPO(tiny_config(**base, validation_steps=64), filter=spy, run_dir=False)
+    plain = PPO(tiny_config(**base), run_dir=False)
+    for round_index in range(2):
+        metrics = trainer.train_round()
+        plain.train_round()
+        validation = spy.contexts[-1].validation
+        assert validation is not None and len(validation) == 64 * 2 and validation.round == round_index
+        assert metrics["validation_env_steps"] == 128 * (round_index + 1) and metrics["env_steps"] == 256 * (round_index + 1)
+    # round 0 trains on the same records as without validation (own envs, own noise) ...
+    first = tiny_config(**base, validation_steps=64)
+    a, b = PPO(first, run_dir=False), PPO(tiny_config(**base), run_dir=False)
+    buf_a, buf_b = a.collect(), b.collect()
+    assert torch.equal(buf_a.obs, buf_b.obs) and torch.equal(buf_a.actions, buf_b.actions)
+    for buf in (buf_a, buf_b):
+        buf.compute_advantages(0.99, 0.95)
+    # ... and the scores are taken against the validation set: another target, other scores
+    a_scores = a.filter.scores(buf_a, FilterContext(a.policy, 0, 32, validation=_validation(a)))
+    b_scores = b.filter.scores(buf_b, FilterContext(b.policy, 0, 32))
+    assert not torch.allclose(a_scores, b_scores)
+
+
+def _validation(trainer):
+    buf = trainer.collect(trainer.validation_stream, trainer.config.validation_steps)
+    buf.compute_advantages(trainer.config.gamma, trainer.config.gae_lambda)
+    return buf
+
+
+def test_validation_rollout_is_only_collected_for_scoring_filters_and_resumes(tmp_path):
+    assert PPO(tiny_config(validation_steps=32), run_dir=False).validation_stream is None  # standard PPO
+    assert PPO(tiny_config(filter="random", validation_steps=32), run_dir=False).validation_stream is not None
+    with pytest.raises(UserError, match="validation_steps must be >= 0, got -1"):
+        tiny_config(filter="iif", validation_steps=-1).validate()
+    cfg = tiny_config(filter="iif", validation_steps=32, total_timesteps=384)
+    PPO(cfg, run_dir=tmp_path / "run").learn()
+    policies = []
+    for _ in range(2):  # resuming from round 2 is reproducible (envs are reset, as for every resume)
+        (tmp_path / "run" / "checkpoints" / "round_0003.pt").unlink()
+        resumed = PPO.resume(tmp_path / "run")
+        assert resumed.validation_env_steps == 2 * 32
+        saved = torch.load(tmp_path / "run" / "checkpoints" / "round_0002.pt", weights_only=True)
+        assert torch.equal(resumed.validation_stream.generator.get_state(), saved["validation_generator"])
+        policies.append(resumed.learn().policy.state_dict())
+    torch.testing.assert_close(*policies)

@@ -38,6 +38,9 @@ class FilterContext:
     stats: dict[str, float] = field(default_factory=dict)
     sample_weights: torch.Tensor | None = None
     """Optional [N] non-negative minibatch sampling weights (set by prioritising filters)."""
+    validation: RolloutBuffer | None = None
+    """A separate rollout of pi_theta(k) (advantages computed) for filters with ``uses_validation``
+    when the trainer is asked for one; None = score against the buffer itself."""
 
 
 class Filter(Protocol):
@@ -106,8 +109,11 @@ class InfluenceScorer(_Seeded):
 
     ``advantage_norm="chunk"`` normalises advantages within chunks of ``batch_size`` records
     formed by a random permutation (the authors' first-epoch minibatches); ``"batch"`` over the
-    whole buffer; ``"none"`` uses raw advantages.
+    whole buffer; ``"none"`` uses raw advantages. The target is ``ReturnTarget()`` over the
+    buffer itself, or over ``context.validation`` when the trainer collected one.
     """
+
+    uses_validation = True
 
     def __init__(self, advantage_norm: Literal["chunk", "batch", "none"] = "chunk", seed: int = 0):
         super().__init__(seed)
@@ -117,8 +123,10 @@ class InfluenceScorer(_Seeded):
         start = time.perf_counter()
         order = torch.randperm(len(buffer), generator=self.generator)
         obs, actions, advantages = (buffer.flat(name)[order] for name in ("obs", "actions", "advantages"))
+        validation = context.validation
+        target = ReturnTarget(*(validation.flat(k) for k in ("obs", "actions", "advantages"))) if validation else ReturnTarget()
         shuffled = snapshot_influence(
-            context.policy, obs, actions, advantages, target=ReturnTarget(),
+            context.policy, obs, actions, advantages, target=target,
             advantage_norm=self.advantage_norm, chunk_size=context.batch_size,
         )
         scores = torch.empty_like(shuffled)

@@ -4,7 +4,9 @@ One round k:
 
     1. collect     n_steps * n_envs records with pi_theta(k); episodes continue across rounds
     2. advantages  GAE(gamma, lambda), bootstrapping time-limit truncations with V(final obs)
-    3. filter      keep = filter(buffer)          (standard PPO keeps every record)
+    3. filter      keep = filter(buffer)          (standard PPO keeps every record); a filter
+                   that scores against a validation set (``uses_validation``) gets, with
+                   ``validation_steps > 0``, a separate rollout of pi_theta(k) on its own envs
     4. optimise    n_epochs x floor(|kept| / batch_size) minibatch steps on kept records,
                    a fresh permutation each epoch, the remainder dropped (spec 5.2 step 7)
     5. evaluate    the stochastic policy on separate envs (not counted in train_seconds)
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import gymnasium as gym
 import numpy as np
 import torch
 from torch import nn
@@ -94,6 +97,10 @@ class PPOConfig:
     """random: drop as many records as iif would (iif) or p% of all records (pct)"""
     heuristic: Literal["H1", "H2"] = "H1"
     """advantage: H1 = largest |A_bar - A_hat|, H2 = smallest A_bar * A_hat among sign mismatches"""
+    validation_steps: int = 0
+    """iif/random scoring target: 0 = the buffer itself (the authors); k > 0 = a separate rollout
+    of k steps per env with pi_theta(k) on its own envs each round (extra env steps, counted in
+    validation_env_steps, its time in train_seconds)"""
     hidden_sizes: tuple[int, ...] = (64, 64)
     """hidden layers of the actor and of the critic MLP"""
     encoder: Literal["auto", "flatten", "cnn"] = "auto"
@@ -161,8 +168,9 @@ class PPOConfig:
             if value is not None and not value > 0:
                 raise UserError(f"{name} must be > 0 (or None), got {value}")
         check_drop_pct(self.drop_pct)
-        if self.eval_episodes < 0:
-            raise UserError(f"eval_episodes must be >= 0, got {self.eval_episodes}")
+        for name in ("eval_episodes", "validation_steps"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         check_env_id(self.env)
 
     def to_dict(self) -> dict[str, Any]:
@@ -181,6 +189,29 @@ class PPOConfig:
 
 
 RoundCallback = Callable[["PPO", dict[str, Any]], "bool | None"]
+
+
+class EnvStream:
+    """A vector env whose episodes continue across rounds, with the generator of its action noise."""
+
+    def __init__(self, env: gym.vector.VectorEnv, generator: torch.Generator):
+        self.env, self.generator = env, generator
+        self.finished_returns: list[float] = []  # returns of the episodes that ended this round
+
+    def reset(self, seed: int) -> None:
+        self.obs, _ = self.env.reset(seed=seed)
+        n_envs = self.env.num_envs
+        self.episode_ids = np.arange(n_envs, dtype=np.int64)
+        self.next_episode_id = n_envs
+        self.episode_returns = np.zeros(n_envs)
+
+    def track(self, rewards: np.ndarray, dones: np.ndarray) -> None:
+        self.episode_returns += rewards
+        for i in np.flatnonzero(dones):
+            self.finished_returns.append(float(self.episode_returns[i]))
+            self.episode_returns[i] = 0.0
+            self.episode_ids[i] = self.next_episode_id
+            self.next_episode_id += 1
 
 
 class PPO:
@@ -211,8 +242,14 @@ class PPO:
         torch.set_num_threads(config.torch_threads)
         self.generator = torch.Generator().manual_seed(config.seed)
 
-        self.env = make_vec_env(config.env, config.n_envs)
+        self.stream = EnvStream(make_vec_env(config.env, config.n_envs), self.generator)
+        self.env = self.stream.env
         self.env.action_space.seed(config.seed)
+        # the validation rollout has its own envs and noise, so the training stream stays the same
+        self.validation_stream = (
+            EnvStream(make_vec_env(config.env, config.n_envs), torch.Generator().manual_seed(_derived_seed(config.seed, 0, 3)))
+            if config.validation_steps and getattr(self.filter, "uses_validation", False) else None
+        )
         self.policy: ActorCritic = make_policy(
             self.env.single_observation_space, self.env.single_action_space,
             config.hidden_sizes, config.encoder,
@@ -224,10 +261,10 @@ class PPO:
 
         self.round = 0  # completed rounds
         self.env_steps = 0
+        self.validation_env_steps = 0
         self.train_seconds = 0.0
         self.schedule: list[MinibatchStep] = []  # last round's optimiser steps (record_minibatches)
         self.last_buffer: RolloutBuffer | None = None
-        self._finished_returns: list[float] = []  # returns of the episodes that ended this round
         self._reset_envs(config.seed)
         self._evaluator: Evaluator | None = None
         self.run: RunDirectory | None = None
@@ -265,8 +302,12 @@ class PPO:
         t0 = time.perf_counter()
         buffer = self.collect()
         buffer.compute_advantages(cfg.gamma, cfg.gae_lambda)
+        validation = None
+        if self.validation_stream is not None:
+            validation = self.collect(self.validation_stream, cfg.validation_steps)
+            validation.compute_advantages(cfg.gamma, cfg.gae_lambda)
         t1 = time.perf_counter()
-        context = FilterContext(self.policy, self.round, cfg.batch_size, cfg.gamma)
+        context = FilterContext(self.policy, self.round, cfg.batch_size, cfg.gamma, validation=validation)
         keep = self.filter(buffer, context)
         t2 = time.perf_counter()
         update_stats = self.update(buffer, keep, context.sample_weights)
@@ -279,6 +320,7 @@ class PPO:
         metrics = {
             "round": self.round - 1,
             "env_steps": self.env_steps,
+            "validation_env_steps": self.validation_env_steps,
             "train_seconds": self.train_seconds,
             "collect_seconds": t1 - t0,
             "filter_seconds": t2 - t1,
@@ -287,8 +329,8 @@ class PPO:
             "steps_per_second": len(buffer) / (t3 - t0),
             "eval_return_mean": float(eval_returns.mean()) if eval_returns.size else float("nan"),
             "eval_return_std": float(eval_returns.std()) if eval_returns.size else float("nan"),
-            "train_return_mean": float(np.mean(self._finished_returns)) if self._finished_returns else float("nan"),
-            "train_episodes": len(self._finished_returns),
+            "train_return_mean": float(np.mean(self.stream.finished_returns)) if self.stream.finished_returns else float("nan"),
+            "train_episodes": len(self.stream.finished_returns),
             **update_stats,
             **context.stats,
         }
@@ -303,20 +345,21 @@ class PPO:
 
     # -- 1. collect ---------------------------------------------------------------------
     def _reset_envs(self, seed: int) -> None:
-        obs, _ = self.env.reset(seed=seed)
-        self._obs = obs
-        self._episode_ids = np.arange(self.config.n_envs, dtype=np.int64)
-        self._next_episode_id = self.config.n_envs
-        self._episode_returns = np.zeros(self.config.n_envs)
+        self.stream.reset(seed)
+        if self.validation_stream is not None:
+            self.validation_stream.reset(_derived_seed(seed, 0, 4))
 
     @torch.no_grad()
-    def collect(self) -> RolloutBuffer:
-        """Roll out pi_theta(k) for n_steps in every env; returns the round's buffer."""
-        cfg, env = self.config, self.env
-        space = env.single_action_space
+    def collect(self, stream: EnvStream | None = None, n_steps: int | None = None) -> RolloutBuffer:
+        """Roll out pi_theta(k) for ``n_steps`` (default: the config's) in every env of
+        ``stream`` (default: the training envs); returns the records as a buffer of this round."""
+        cfg = self.config
+        stream = stream or self.stream
+        n_steps = n_steps or cfg.n_steps
+        space = stream.env.single_action_space
         continuous = self.policy.continuous
         buf = RolloutBuffer.empty(
-            self.round, cfg.n_steps, cfg.n_envs, self._obs.shape[1:], torch.from_numpy(self._obs).dtype,
+            self.round, n_steps, cfg.n_envs, stream.obs.shape[1:], torch.from_numpy(stream.obs).dtype,
             tuple(space.shape) if continuous else (), torch.float32 if continuous else torch.int64,
         )
         # numpy views of the buffer: per-step writes into numpy are far cheaper than into torch
@@ -325,13 +368,13 @@ class PPO:
             ("obs", "actions", "logp", "values", "rewards", "terminated", "truncated", "episode_ids")
         )
         act = rollout_actor(self.policy)
-        noise = self.policy.noise((cfg.n_steps, cfg.n_envs), self.generator).numpy()
-        self._finished_returns = []
-        obs = self._obs
-        for t in range(cfg.n_steps):
+        noise = self.policy.noise((n_steps, cfg.n_envs), stream.generator).numpy()
+        stream.finished_returns = []
+        obs = stream.obs
+        for t in range(n_steps):
             actions, logp, values = act(obs, noise[t])
             env_actions = np.clip(actions, space.low, space.high) if continuous else actions
-            next_obs, rewards, terminated, truncated, infos = env.step(env_actions)
+            next_obs, rewards, terminated, truncated, infos = stream.env.step(env_actions)
             b_obs[t] = obs
             b_act[t] = actions  # the sampled action, not the clipped one (SB3)
             b_logp[t] = logp
@@ -341,25 +384,20 @@ class PPO:
             # a time-limit end is bootstrapped with V(final obs); a true termination is not
             time_limit = truncated & ~terminated
             b_trunc[t] = time_limit
-            b_ep[t] = self._episode_ids
+            b_ep[t] = stream.episode_ids
             if time_limit.any():
                 idx = np.flatnonzero(time_limit)
                 final_obs = torch.as_tensor(np.stack([infos["final_obs"][i] for i in idx]))
                 buf.final_values[t, torch.as_tensor(idx)] = self.policy.value(final_obs)
-            self._track_episodes(rewards, terminated | truncated)
+            stream.track(rewards, terminated | truncated)
             obs = next_obs
-        self._obs = obs
+        stream.obs = obs
         buf.last_values = self.policy.value(torch.as_tensor(obs))
-        self.env_steps += len(buf)
+        if stream is self.stream:
+            self.env_steps += len(buf)
+        else:
+            self.validation_env_steps += len(buf)
         return buf
-
-    def _track_episodes(self, rewards: np.ndarray, dones: np.ndarray) -> None:
-        self._episode_returns += rewards
-        for i in np.flatnonzero(dones):
-            self._finished_returns.append(float(self._episode_returns[i]))
-            self._episode_returns[i] = 0.0
-            self._episode_ids[i] = self._next_episode_id
-            self._next_episode_id += 1
 
     # -- 4. optimise --------------------------------------------------------------------
     def update(
@@ -455,11 +493,13 @@ class PPO:
             "env": self.config.env,
             "round": self.round,
             "env_steps": self.env_steps,
+            "validation_env_steps": self.validation_env_steps,
             "train_seconds": self.train_seconds,
             "policy": self.policy.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "generator": self.generator.get_state(),
             "filter": self.filter.state_dict(),
+            **({"validation_generator": self.validation_stream.generator.get_state()} if self.validation_stream else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any], source: str = "checkpoint") -> None:
@@ -484,6 +524,9 @@ class PPO:
         self.filter.load_state_dict(state.get("filter", {}))
         self.round = int(state["round"])
         self.env_steps = int(state["env_steps"])
+        self.validation_env_steps = int(state.get("validation_env_steps", 0))
+        if self.validation_stream is not None and "validation_generator" in state:
+            self.validation_stream.generator.set_state(state["validation_generator"])
         self.train_seconds = float(state["train_seconds"])
         self._reset_envs(_derived_seed(self.config.seed, self.round, 0))
 
