@@ -25,7 +25,7 @@ computed in two parts that are added:
   gradient memory and runs functions that ``vmap`` rejects, such as ``ppo_loss``, whose
   diagnostics call ``.item()``.)
 
-Every pass verifies its ghost terms: the same backward also returns autograd's gradient G of
+The first pass of a call signature verifies its ghost terms: the same backward also returns autograd's gradient G of
 sum_i u_i for each ghosted parameter, which must equal the gradient rebuilt from the captured
 pairs, R = sum_i g_i x_i^T (bias: sum_i g_i) -- compared on a random rank-1 projection,
 a^T R b = sum_i (a . g_i)(b . x_i), which costs two matrix-vector products -- and every call of
