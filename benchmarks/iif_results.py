@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--out", default="bench_out/results")
     parser.add_argument("--tag", default="", help="suffix of the per-env folder (variants: adam, p25, ...)")
     parser.add_argument("--set", nargs="*", default=[], help="PPOConfig overrides key=value for every run")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="RT figures from wall seconds or process CPU seconds (runs must have logged them)")
     parser.add_argument("--summarize-only", action="store_true",
                         help="run nothing: summarise the seeds whose every method has finished")
     args = parser.parse_args()
@@ -48,7 +50,7 @@ def main() -> None:
         config = CompareConfig(
             env=env, methods=args.methods, seeds=args.seeds, rounds=args.rounds,
             eval_episodes=EVAL_EPISODES.get(env), set=("eval_envs=32", *args.set), out=str(folder),
-            workers=args.workers, progress=False,
+            workers=args.workers, progress=False, clock=args.clock,
         )
         if args.summarize_only:
             seeds = [s for s in range(1, args.seeds + 1)
@@ -56,7 +58,7 @@ def main() -> None:
             if not seeds:
                 print(f"== {env}: no seed finished yet", flush=True)
                 continue
-            write_summary(folder, methods, seeds)
+            write_summary(folder, methods, seeds, clock=args.clock)
             print(f"== {env}: summary of finished seeds {seeds} -> {folder}", flush=True)
         else:
             print(f"== {env}: {args.seeds} seeds, eval {config.eval_episodes} episodes/round -> {folder}", flush=True)

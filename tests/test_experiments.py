@@ -15,6 +15,7 @@ from rlinfluence.experiments import (
     reduction,
     running_max_levels,
     se_ave,
+    summarize,
     time_reduction,
 )
 
@@ -53,6 +54,31 @@ def test_never_reached_and_round_zero_cases():
     assert metrics["se_peak"] is None and metrics["rt_peak"] is None
     # a level reached at the very first round by both curves is a 0% reduction, not a division by zero
     assert reduction([1.0, 1.0], [1.0, 1.0], 1.0) == 0.0
+
+
+def _fake_run(folder, returns, wall, cpu=None):
+    folder.mkdir(parents=True)
+    with (folder / "metrics.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["round", "eval_return_mean", "train_seconds"] + (["train_cpu_seconds"] if cpu is not None else []))
+        for i, r in enumerate(returns):
+            writer.writerow([i, r, wall[i]] + ([cpu[i]] if cpu is not None else []))
+
+
+def test_rt_figures_follow_the_chosen_clock(tmp_path):
+    rounds = np.arange(1.0, 9.0)
+    faster = [0.0, 0.5, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]  # reaches PPO's peak at round 3 of 8
+    # iif's wall clock ran on a loaded machine (3x slower per round); its CPU time did not change
+    _fake_run(tmp_path / "ppo__seed1", STANDARD, rounds, cpu=rounds)
+    _fake_run(tmp_path / "iif__seed1", faster, 3 * rounds, cpu=rounds)
+    wall, cpu = (summarize(tmp_path, ["ppo", "iif"], [1], clock=c)[1] for c in ("wall", "cpu"))
+    assert wall["se_peak_mean"] == cpu["se_peak_mean"] == pytest.approx(62.5)
+    assert wall["rt_peak_mean"] == pytest.approx(100 * (1 - 9 / 8))
+    assert cpu["rt_peak_mean"] == pytest.approx(62.5)
+    _fake_run(tmp_path / "old" / "ppo__seed1", STANDARD, rounds)  # logged before train_cpu_seconds existed
+    _fake_run(tmp_path / "old" / "iif__seed1", faster, rounds)
+    with pytest.raises(UserError, match="has no train_cpu_seconds"):
+        summarize(tmp_path / "old", ["ppo", "iif"], [1], clock="cpu")
 
 
 def test_ci95_uses_the_t_quantile():

@@ -9,7 +9,7 @@ from rlinfluence.rundir import load_checkpoint
 
 from .conftest import tiny_config
 
-WALL_CLOCK = ("train_seconds", "collect_seconds", "filter_seconds", "update_seconds",
+WALL_CLOCK = ("train_seconds", "train_cpu_seconds", "collect_seconds", "filter_seconds", "update_seconds",
               "eval_seconds", "steps_per_second")
 
 
@@ -84,6 +84,9 @@ def test_resume_continues_from_the_last_completed_round(run_root):
 
     resumed = PPO.resume(run_dir)
     assert resumed.round == 2
+    with open(run_dir / "metrics.csv", newline="") as f:
+        logged = float(list(csv.DictReader(f))[-1]["train_cpu_seconds"])
+    assert 0 < resumed.train_cpu_seconds == state["train_cpu_seconds"] == pytest.approx(logged)
     torch.testing.assert_close(resumed.policy.state_dict(), trainer.policy.state_dict())
     resumed.learn(total_timesteps=512)
     rows = _metrics(run_dir)

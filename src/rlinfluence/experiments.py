@@ -30,7 +30,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -111,6 +111,10 @@ def ci95(values: Sequence[float]) -> tuple[float, float, float]:
     return mean, mean - t * se, mean + t * se
 
 
+Clock = Literal["wall", "cpu"]
+CLOCK_COLUMNS = {"wall": "train_seconds", "cpu": "train_cpu_seconds"}
+
+
 @dataclass
 class Curve:
     """One run's evaluation curve: return and cumulative training seconds after each round."""
@@ -119,11 +123,15 @@ class Curve:
     seconds: np.ndarray
 
     @classmethod
-    def from_run(cls, run_dir: Path, window: int = 1) -> Curve:
+    def from_run(cls, run_dir: Path, window: int = 1, clock: Clock = "wall") -> Curve:
+        """``clock="cpu"`` times rounds by the process's CPU seconds instead of wall seconds."""
         with (run_dir / "metrics.csv").open(newline="") as f:
             rows = list(csv.DictReader(f))
+        column = CLOCK_COLUMNS[clock]
+        if rows and not rows[0].get(column):
+            raise UserError(f"{run_dir / 'metrics.csv'} has no {column} (a run from before it was logged): use clock wall")
         returns = smooth([float(r["eval_return_mean"]) for r in rows], window)
-        return cls(returns, np.array([float(r["train_seconds"]) for r in rows]))
+        return cls(returns, np.array([float(r[column]) for r in rows]))
 
 
 def pair_metrics(standard: Curve, other: Curve, fractions: Sequence[float] = (0.5, 0.8, 0.9),
@@ -240,6 +248,8 @@ class CompareConfig:
     """run the pairs as Ray tasks on this cluster (auto or HOST:PORT) instead"""
     smooth: int = 1
     """moving-average window (rounds) applied to every curve before the metrics"""
+    clock: Clock = "wall"
+    """RT figures from wall seconds, or from process CPU seconds (robust to other load on the machine)"""
     progress: bool = True
     """show a progress bar of finished pairs"""
 
@@ -316,7 +326,7 @@ def compare(cfg: CompareConfig) -> Path:
                 _run_ray(todo, cfg.ray_address, on_done)
             else:
                 _run_local(todo, cfg.workers, on_done)
-        write_summary(out, methods, seeds, cfg.smooth)
+        write_summary(out, methods, seeds, cfg.smooth, cfg.clock)
     return out
 
 
@@ -331,9 +341,11 @@ _COLUMNS = [
 ]
 
 
-def summarize(out: Path, methods: Sequence[str], seeds: Sequence[int], window: int = 1) -> list[dict[str, Any]]:
+def summarize(
+    out: Path, methods: Sequence[str], seeds: Sequence[int], window: int = 1, clock: Clock = "wall"
+) -> list[dict[str, Any]]:
     """Per method: each metric's mean, s.e. and number of seed pairs where it is defined."""
-    curves = {(m, s): Curve.from_run(out / f"{m}__seed{s}", window) for m in methods for s in seeds}
+    curves = {(m, s): Curve.from_run(out / f"{m}__seed{s}", window, clock) for m in methods for s in seeds}
     rows = []
     for method in methods:
         per_seed = [pair_metrics(curves["ppo", s], curves[method, s]) for s in seeds]
@@ -359,8 +371,10 @@ def _cell(row: dict[str, Any], key: str) -> str:
     return text if n == row["seeds"] else f"{text} ({n}/{row['seeds']} seeds)"
 
 
-def write_summary(out: Path, methods: Sequence[str], seeds: Sequence[int], window: int = 1) -> None:
-    rows = summarize(out, methods, seeds, window)
+def write_summary(
+    out: Path, methods: Sequence[str], seeds: Sequence[int], window: int = 1, clock: Clock = "wall"
+) -> None:
+    rows = summarize(out, methods, seeds, window, clock)
     with (out / "summary.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -371,7 +385,7 @@ def write_summary(out: Path, methods: Sequence[str], seeds: Sequence[int], windo
         f"Reductions are percent, per seed pair against ppo, mean +/- s.e. over seeds; smoothing window {window} "
         "round(s). Levels: SE_ave = successive new maxima of the ppo curve; 50/80/90% = that fraction of the way "
         "from ppo's first-round return to its plateau (mean of its last 5 rounds). Undefined = the method never "
-        "reached the level in that pair.",
+        f"reached the level in that pair. Seconds: {clock} clock (training only, evaluation excluded).",
         "",
         "| method | " + " | ".join(title for _, title in _COLUMNS) + " | final return (95% CI) | final gain vs ppo (95% CI) |",
         "|---" * (len(_COLUMNS) + 3) + "|",
@@ -382,10 +396,12 @@ def write_summary(out: Path, methods: Sequence[str], seeds: Sequence[int], windo
         gain = f"{row['gain_mean']:.4g} [{row['gain_lo']:.4g}, {row['gain_hi']:.4g}]"
         lines.append(f"| {row['method']} | " + " | ".join(cells) + f" | {final} | {gain} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
-    plot_curves(out, methods, seeds, window)
+    plot_curves(out, methods, seeds, window, clock)
 
 
-def plot_curves(out: Path, methods: Sequence[str], seeds: Sequence[int], window: int = 1) -> Path:
+def plot_curves(
+    out: Path, methods: Sequence[str], seeds: Sequence[int], window: int = 1, clock: Clock = "wall"
+) -> Path:
     """curves.png: eval return vs rounds and vs training seconds, mean +/- s.e. band per method."""
     import matplotlib
 
@@ -394,7 +410,7 @@ def plot_curves(out: Path, methods: Sequence[str], seeds: Sequence[int], window:
 
     fig, (ax_rounds, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
     for method in methods:
-        curves = [Curve.from_run(out / f"{method}__seed{s}", window) for s in seeds]
+        curves = [Curve.from_run(out / f"{method}__seed{s}", window, clock) for s in seeds]
         n = min(len(c.returns) for c in curves)
         y = np.stack([c.returns[:n] for c in curves])
         rounds = np.arange(1, n + 1)
@@ -406,7 +422,7 @@ def plot_curves(out: Path, methods: Sequence[str], seeds: Sequence[int], window:
                        for c in curves])
         _band(ax_time, grid, yt, method)
     ax_rounds.set(xlabel="round", ylabel="eval return", title=out.name)
-    ax_time.set(xlabel="training seconds (evaluation excluded)", ylabel="eval return")
+    ax_time.set(xlabel=f"training seconds, {clock} clock (evaluation excluded)", ylabel="eval return")
     for ax in (ax_rounds, ax_time):
         ax.grid(alpha=0.3)
         ax.legend()

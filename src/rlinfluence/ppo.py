@@ -9,7 +9,8 @@ One round k:
                    ``validation_steps > 0``, a separate rollout of pi_theta(k) on its own envs
     4. optimise    n_epochs x floor(|kept| / batch_size) minibatch steps on kept records,
                    a fresh permutation each epoch, the remainder dropped (spec 5.2 step 7)
-    5. evaluate    the stochastic policy on separate envs (not counted in train_seconds)
+    5. evaluate    the stochastic policy on separate envs (not counted in train_seconds, nor in
+                   train_cpu_seconds, the process CPU time of steps 1-4: robust to other load)
 
 ``PPOConfig`` holds every hyperparameter and is also the CLI of ``rlinfluence train``.
 """
@@ -263,6 +264,7 @@ class PPO:
         self.env_steps = 0
         self.validation_env_steps = 0
         self.train_seconds = 0.0
+        self.train_cpu_seconds = 0.0
         self.schedule: list[MinibatchStep] = []  # last round's optimiser steps (record_minibatches)
         self.last_buffer: RolloutBuffer | None = None
         self._reset_envs(config.seed)
@@ -299,7 +301,7 @@ class PPO:
     def train_round(self) -> dict[str, Any]:
         """One round: collect -> advantages -> filter -> update -> evaluate -> log."""
         cfg = self.config
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         buffer = self.collect()
         buffer.compute_advantages(cfg.gamma, cfg.gae_lambda)
         validation = None
@@ -313,6 +315,7 @@ class PPO:
         update_stats = self.update(buffer, keep, context.sample_weights)
         t3 = time.perf_counter()
         self.train_seconds += t3 - t0
+        self.train_cpu_seconds += time.process_time() - cpu0
 
         eval_returns = self.evaluate()
         t4 = time.perf_counter()
@@ -322,6 +325,7 @@ class PPO:
             "env_steps": self.env_steps,
             "validation_env_steps": self.validation_env_steps,
             "train_seconds": self.train_seconds,
+            "train_cpu_seconds": self.train_cpu_seconds,
             "collect_seconds": t1 - t0,
             "filter_seconds": t2 - t1,
             "update_seconds": t3 - t2,
@@ -495,6 +499,7 @@ class PPO:
             "env_steps": self.env_steps,
             "validation_env_steps": self.validation_env_steps,
             "train_seconds": self.train_seconds,
+            "train_cpu_seconds": self.train_cpu_seconds,
             "policy": self.policy.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "generator": self.generator.get_state(),
@@ -528,6 +533,7 @@ class PPO:
         if self.validation_stream is not None and "validation_generator" in state:
             self.validation_stream.generator.set_state(state["validation_generator"])
         self.train_seconds = float(state["train_seconds"])
+        self.train_cpu_seconds = float(state.get("train_cpu_seconds", 0.0))
         self._reset_envs(_derived_seed(self.config.seed, self.round, 0))
 
     def save(self, path: str | Path) -> None:
