@@ -124,7 +124,8 @@ class InfluenceScorer(_Seeded):
         order = torch.randperm(len(buffer), generator=self.generator)
         obs, actions, advantages = (buffer.flat(name)[order] for name in ("obs", "actions", "advantages"))
         validation = context.validation
-        target = ReturnTarget(*(validation.flat(k) for k in ("obs", "actions", "advantages"))) if validation else ReturnTarget()
+        target = (ReturnTarget(*(validation.flat(k) for k in ("obs", "actions", "advantages")))
+                  if validation is not None else ReturnTarget())
         shuffled = snapshot_influence(
             context.policy, obs, actions, advantages, target=target,
             advantage_norm=self.advantage_norm, chunk_size=context.batch_size,

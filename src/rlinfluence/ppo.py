@@ -244,7 +244,6 @@ class PPO:
         self.generator = torch.Generator().manual_seed(config.seed)
 
         self.stream = EnvStream(make_vec_env(config.env, config.n_envs), self.generator)
-        self.env = self.stream.env
         self.env.action_space.seed(config.seed)
         # the validation rollout has its own envs and noise, so the training stream stays the same
         self.validation_stream = (
@@ -277,6 +276,11 @@ class PPO:
                 if run_dir is None else RunDirectory.at(run_dir, config.tensorboard)
             )
             self.run.write_config(config.to_dict())
+
+    @property
+    def env(self) -> gym.vector.VectorEnv:
+        """The training envs."""
+        return self.stream.env
 
     # -- the loop -----------------------------------------------------------------------
     def learn(self, total_timesteps: int | None = None, callback: RoundCallback | None = None) -> PPO:
