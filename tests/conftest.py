@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 import torch
 
+from rlinfluence.influence import state as influence_state
 from rlinfluence.ppo import PPOConfig
+
+# Debug mode for the whole suite: every scoring pass checks that it left the policy exactly as it
+# found it (same Parameter objects, requires_grad, values, buffers, training flags; issue 13).
+influence_state.CHECK_MODULE_STATE = True
 
 
 class CountingChain(gym.Env):

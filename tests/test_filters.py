@@ -209,3 +209,52 @@ def test_validation_rollout_is_only_collected_for_scoring_filters_and_resumes(tm
         assert torch.equal(resumed.validation_stream.generator.get_state(), saved["validation_generator"])
         policies.append(resumed.learn().policy.state_dict())
     torch.testing.assert_close(*policies)
+
+
+# -- a round with no attribution signal (issue 13) -------------------------------------------------
+def test_iif_keeps_every_record_when_every_advantage_is_zero():
+    import gymnasium as gym
+
+    from rlinfluence.influence import ZeroTargetGradient, snapshot_influence
+    from rlinfluence.policies import make_policy
+
+    torch.manual_seed(0)
+    policy = make_policy(gym.spaces.Box(-1, 1, (1,)), gym.spaces.Discrete(2), hidden_sizes=(8,))
+    buffer = _buffer(16)  # zero rewards and values: every advantage is exactly 0
+    assert not buffer.flat("advantages").any()
+    for f in (IIFFilter(drop_pct=100, drop_mode="bottom"), RandomFilter(drop_pct=50)):
+        context = FilterContext(policy=policy, round=3, batch_size=4)
+        with pytest.warns(RuntimeWarning, match=r"round 3: \w+ kept every record \(skipped=1\).*zero gradient"):
+            keep = f(buffer, context)
+        assert keep.all() and context.stats["skipped"] == 1.0 and context.stats["minibatch_guard"] == 0.0
+    scored = FilterContext(policy=policy, round=0, batch_size=4)
+    IIFFilter(drop_pct=50)(_buffer(16, rewards=torch.arange(16.0)), scored)
+    assert scored.stats["skipped"] == 0.0
+    # the direct library call still raises, a UserError saying what to do
+    with pytest.raises(ZeroTargetGradient, match="keep every record") as err:
+        snapshot_influence(policy, buffer.flat("obs"), buffer.flat("actions"), buffer.flat("advantages"))
+    assert isinstance(err.value, UserError) and "\n" not in str(err.value)
+
+
+def test_rlhf_iif_keeps_every_sequence_when_the_target_has_no_signal(tmp_path):
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    from rlinfluence.rlhf import RLHFTrainer
+
+    from .test_rlhf import PROMPTS
+    from .test_rlhf import tiny_config as rlhf_config
+
+    config = rlhf_config(tmp_path, algo="grpo", group_size=2, filter="iif", drop_mode="neg", mini_batch_size=2)
+    trainer = RLHFTrainer(config, reward_fn=lambda texts: torch.zeros(len(texts)), train_prompts=PROMPTS,
+                          val_prompts=PROMPTS[:3], test_prompts=PROMPTS[3:], run_dir=False)
+    seen = {}
+    update = trainer.update
+
+    def spy(rollout, keep):
+        seen["keep"] = keep.clone()
+        return update(rollout, keep)
+
+    trainer.update = spy
+    with pytest.warns(RuntimeWarning, match=r"IIF kept every sequence \(skipped=1\).*zero gradient"):
+        metrics = trainer.train_round()
+    assert metrics["skipped"] == 1.0 and seen["keep"].all()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import csv
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("stable_baselines3")
 
@@ -16,6 +18,7 @@ from stable_baselines3.common.callbacks import BaseCallback  # noqa: E402
 from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
 from stable_baselines3.common.envs import FakeImageEnv  # noqa: E402
 from stable_baselines3.common.logger import configure  # noqa: E402
+from stable_baselines3.common.torch_layers import BaseFeaturesExtractor  # noqa: E402
 
 from rlinfluence.filters import drop_lowest, iif_drop_count  # noqa: E402
 from rlinfluence.influence import ActionTarget, snapshot_influence  # noqa: E402
@@ -82,7 +85,7 @@ def brute_force(model, buffer, order: np.ndarray, size: int) -> torch.Tensor:
     for e in range(n_envs):
         for t in range(n_steps):
             obs = torch.as_tensor(buffer.observations[t, e][None])
-            action = torch.as_tensor(buffer.actions[t, e][None])
+            action = torch.as_tensor(buffer.actions[t, e][None].astype(np.float32))  # as SB3's get()
             action = action.long().flatten() if discrete else action
             logp = policy.get_distribution(obs).log_prob(action).sum()
             grads.append(torch.cat([g.flatten() for g in torch.autograd.grad(logp, params)]).double())
@@ -295,3 +298,122 @@ def test_callback_needs_the_filtered_buffer():
         model.learn(32, callback=InfluenceFilterCallback())
     with pytest.raises(ValueError, match="drop_pct"):
         InfluenceFilterCallback(drop_pct=150)
+
+
+# -- every supported space; aliased BatchNorm; degenerate rollouts (issue 13) ------------------------
+class SpaceEnv(gym.Env):
+    """Random observations of ``obs_space``, any ``act_space``; reward ``reward`` (None: a random
+    one from the env's generator); 8-step episodes."""
+
+    def __init__(self, obs_space, act_space, reward=None):
+        self.observation_space, self.action_space, self.reward = obs_space, act_space, reward
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.observation_space.seed(int(self.np_random.integers(1 << 30)))
+        self.t = 0
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        self.t += 1
+        reward = float(self.np_random.normal()) if self.reward is None else self.reward
+        return self.observation_space.sample(), reward, False, self.t >= 8, {}
+
+
+BOX = gym.spaces.Box(-1, 1, (3,), np.float32)
+SPACES = {  # (observation space, action space); image observations: test_cnn_policy_scores_match_brute_force
+    "action Discrete": (BOX, gym.spaces.Discrete(3)),
+    "action Box": (BOX, gym.spaces.Box(-1, 1, (2,), np.float32)),
+    "action MultiDiscrete": (BOX, gym.spaces.MultiDiscrete([3, 2])),
+    "action MultiBinary": (BOX, gym.spaces.MultiBinary(3)),
+    "obs Discrete": (gym.spaces.Discrete(5), gym.spaces.Discrete(3)),
+    "obs MultiDiscrete": (gym.spaces.MultiDiscrete([3, 4]), gym.spaces.Discrete(3)),
+    "obs MultiBinary": (gym.spaces.MultiBinary(4), gym.spaces.Discrete(3)),
+}
+
+
+@pytest.mark.parametrize("space", list(SPACES))
+def test_every_supported_space_matches_brute_force(space):
+    obs_space, act_space = SPACES[space]
+    model = make_model(lambda: SpaceEnv(obs_space, act_space), n_envs=2, n_steps=16, batch_size=8)
+    buffer = collect(model)
+    order = np.random.default_rng(3).permutation(32)
+    assert_scores_close(attribute(model, buffer, order=order), brute_force(model, buffer, order, 8))
+
+
+def test_dict_observations_are_rejected_with_a_clear_error():
+    space = gym.spaces.Dict({"a": BOX})
+    model = PPO("MultiInputPolicy", make_vec_env(lambda: SpaceEnv(space, gym.spaces.Discrete(2)), n_envs=1),
+                n_steps=8, batch_size=8, device="cpu")
+    with pytest.raises(ValueError, match="Dict observation spaces are not supported"):
+        SB3PolicyAdapter(model.policy)
+
+
+class BatchNormExtractor(BaseFeaturesExtractor):
+    """Linear -> BatchNorm1d -> ReLU; shared by actor and critic (SB3 registers it as
+    ``features_extractor`` and ``pi_features_extractor``)."""
+
+    def __init__(self, observation_space, features_dim=16):
+        super().__init__(observation_space, features_dim)
+        self.net = nn.Sequential(nn.Linear(observation_space.shape[0], features_dim), nn.BatchNorm1d(features_dim), nn.ReLU())
+
+    def forward(self, observations):
+        return self.net(observations)
+
+
+def test_batchnorm_features_extractor_at_drop_0_is_plain_sb3_bit_for_bit():
+    def train(callback):
+        model = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=16, n_epochs=2, seed=3, device="cpu",
+                    policy_kwargs=dict(features_extractor_class=BatchNormExtractor),
+                    rollout_buffer_class=FilteredRolloutBuffer if callback else None)
+        model.learn(128, callback=callback)  # 2 rounds
+        return model
+
+    plain = train(None)
+    callback = InfluenceFilterCallback(drop_pct=0)
+    filtered = train(callback)
+    policy = filtered.policy
+    assert policy.pi_features_extractor is policy.features_extractor
+    assert callback.history[-1]["n_negative"] > 0  # it did score (the BatchNorm took forward mode)
+    plain_state, filtered_state = plain.policy.state_dict(), policy.state_dict()
+    assert plain_state.keys() == filtered_state.keys()
+    for name in plain_state:  # weights and BatchNorm running statistics
+        assert torch.equal(plain_state[name], filtered_state[name]), name
+    bn = policy.features_extractor.net[1]
+    optimised = {id(p) for group in policy.optimizer.param_groups for p in group["params"]}
+    for p in (bn.weight, bn.bias):
+        assert isinstance(p, nn.Parameter) and p.requires_grad and id(p) in optimised
+
+
+def test_a_rollout_with_every_advantage_zero_is_kept_and_logged(tmp_path):
+    def train(callback):
+        model = make_model(lambda: SpaceEnv(BOX, gym.spaces.Discrete(2), reward=0.0), n_envs=1, n_steps=32,
+                           batch_size=16, rollout_buffer_class=FilteredRolloutBuffer if callback else None)
+        with torch.no_grad():  # V = 0 and r = 0: every advantage is exactly 0
+            model.policy.value_net.weight.zero_()
+            model.policy.value_net.bias.zero_()
+        model.set_logger(configure(str(tmp_path / str(callback is None)), ["csv"]))
+        model.learn(64, callback=callback)  # 2 rounds
+        return model
+
+    callback = InfluenceFilterCallback(drop_pct=50)
+    with pytest.warns(RuntimeWarning, match=r"rollout 0 kept every record \(influence/skipped = 1\).*zero gradient"):
+        filtered = train(callback)
+    assert [h["skipped"] for h in callback.history] == [1.0, 1.0]
+    assert all(h["kept_fraction"] == 1.0 for h in callback.history) and callback.keep.all()
+    with open(tmp_path / "False" / "progress.csv") as f:
+        assert [float(row["influence/skipped"]) for row in csv.DictReader(f)] == [1.0, 1.0]
+    plain = train(None)
+    for name, value in plain.policy.state_dict().items():  # trained through, exactly as plain SB3
+        assert torch.equal(value, filtered.policy.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("space", [gym.spaces.MultiDiscrete([3, 2]), gym.spaces.MultiBinary(3)])
+def test_iif_on_joint_action_spaces_warns_once(space):
+    model = make_model(lambda: SpaceEnv(BOX, space), n_envs=1, n_steps=16, batch_size=8,
+                       rollout_buffer_class=FilteredRolloutBuffer)
+    callback = InfluenceFilterCallback(drop_pct=12.5)
+    with pytest.warns(UserWarning, match=f"{type(space).__name__} action space") as record:
+        model.learn(16, callback=callback)
+        model.learn(16, callback=callback, reset_num_timesteps=False)
+    assert sum("joint action" in str(w.message) for w in record) == 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -23,7 +24,7 @@ import torch
 
 from rlinfluence.buffer import RolloutBuffer
 from rlinfluence.errors import UserError
-from rlinfluence.influence import ReturnTarget, snapshot_influence
+from rlinfluence.influence import ReturnTarget, ZeroTargetGradient, snapshot_influence
 
 
 @dataclass
@@ -111,6 +112,10 @@ class InfluenceScorer(_Seeded):
     formed by a random permutation (the authors' first-epoch minibatches); ``"batch"`` over the
     whole buffer; ``"none"`` uses raw advantages. The target is ``ReturnTarget()`` over the
     buffer itself, or over ``context.validation`` when the trainer collected one.
+
+    A round whose target has no signal (grad f = 0, e.g. every advantage exactly 0) is not an
+    error: ``scores`` returns None, sets ``context.stats["skipped"] = 1`` (0 on scored rounds) and
+    warns with the reason; the filters then keep every record of that round.
     """
 
     uses_validation = True
@@ -119,21 +124,27 @@ class InfluenceScorer(_Seeded):
         super().__init__(seed)
         self.advantage_norm = advantage_norm
 
-    def scores(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
+    def scores(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor | None:
         start = time.perf_counter()
         order = torch.randperm(len(buffer), generator=self.generator)
         obs, actions, advantages = (buffer.flat(name)[order] for name in ("obs", "actions", "advantages"))
         validation = context.validation
         target = (ReturnTarget(*(validation.flat(k) for k in ("obs", "actions", "advantages")))
                   if validation is not None else ReturnTarget())
-        shuffled = snapshot_influence(
-            context.policy, obs, actions, advantages, target=target,
-            advantage_norm=self.advantage_norm, chunk_size=context.batch_size,
-        )
+        try:
+            shuffled = snapshot_influence(
+                context.policy, obs, actions, advantages, target=target,
+                advantage_norm=self.advantage_norm, chunk_size=context.batch_size,
+            )
+        except ZeroTargetGradient as exc:
+            context.stats.update(skipped=1.0, scoring_seconds=time.perf_counter() - start)
+            warnings.warn(f"round {context.round}: {self.name} kept every record (skipped=1): {exc}",
+                          RuntimeWarning, stacklevel=2)
+            return None
         scores = torch.empty_like(shuffled)
         scores[order] = shuffled
         context.stats.update(
-            n_negative=float((scores < 0).sum()), score_mean=float(scores.mean()),
+            skipped=0.0, n_negative=float((scores < 0).sum()), score_mean=float(scores.mean()),
             score_std=float(scores.std()), scoring_seconds=time.perf_counter() - start,
         )
         return scores
@@ -172,6 +183,9 @@ class IIFFilter(InfluenceScorer):
 
     def __call__(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
         scores = self.scores(buffer, context)
+        if scores is None:  # no attribution signal this round: keep everything
+            context.stats["minibatch_guard"] = 0.0
+            return torch.ones(len(buffer), dtype=torch.bool)
         keep = drop_lowest(scores, iif_drop_count(scores, self.drop_pct, self.drop_mode))
         return guard_minibatch(keep, scores, context)
 
@@ -190,8 +204,9 @@ class RandomFilter(InfluenceScorer):
         self.drop_pct, self.match, self.drop_mode = drop_pct, match, drop_mode
 
     def __call__(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
-        if self.match == "iif":
-            n_drop = iif_drop_count(self.scores(buffer, context), self.drop_pct, self.drop_mode)
+        if self.match == "iif":  # as many as IIF drops: none in a round IIF skips
+            scores = self.scores(buffer, context)
+            n_drop = 0 if scores is None else iif_drop_count(scores, self.drop_pct, self.drop_mode)
         else:
             n_drop = math.floor(self.drop_pct / 100 * len(buffer))
         random_scores = torch.rand(len(buffer), generator=self.generator)

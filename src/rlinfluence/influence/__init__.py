@@ -8,7 +8,10 @@ Scorers (what is computed) and targets (what influence is measured on) are indep
 - targets ``ActionTarget`` (mean log pi(a*|s*)) and ``ReturnTarget`` ((1/n) sum_j A_j log pi(a_j|s_j));
 - ``score_buffer`` scores a ``RolloutBuffer``; ``top_records`` picks proponents / opponents;
 - the engine, for new scorers: ``plan_ghost``, ``per_record_dots`` (d_i = <grad u_i, v> for any
-  row-separable u), ``self_target_dots`` (v = grad of a weighted sum of the same u).
+  row-separable u), ``self_target_dots`` (v = grad of a weighted sum of the same u);
+- ``unchanged(policy)``: every scoring pass runs in eval mode and leaves the policy exactly as it
+  found it (checked after every pass when ``state.CHECK_MODULE_STATE``, as in the tests);
+- ``ZeroTargetGradient``: raised when a target has no signal (grad f = 0, e.g. all advantages 0).
 
 Positive scores are helpful (training on the record increases f), negative harmful.
 """
@@ -16,15 +19,18 @@ Positive scores are helpful (training on the record increases f), negative harmf
 from rlinfluence.influence.api import TopRecords, score_buffer, top_records
 from rlinfluence.influence.ghost import GhostPlan, per_record_dots, plan_ghost, self_target_dots
 from rlinfluence.influence.snapshot import normalize_for_attribution, snapshot_influence
+from rlinfluence.influence.state import unchanged
 from rlinfluence.influence.targets import (
     ActionTarget,
     LogProbTarget,
     Records,
     ReturnTarget,
     Target,
+    ZeroTargetGradient,
     target_gradient,
 )
 from rlinfluence.influence.tracin import tracin_influence
+from rlinfluence.influence.validation import validate
 
 __all__ = [
     "ActionTarget",
@@ -34,6 +40,7 @@ __all__ = [
     "ReturnTarget",
     "Target",
     "TopRecords",
+    "ZeroTargetGradient",
     "normalize_for_attribution",
     "per_record_dots",
     "plan_ghost",
@@ -43,4 +50,6 @@ __all__ = [
     "target_gradient",
     "top_records",
     "tracin_influence",
+    "unchanged",
+    "validate",
 ]

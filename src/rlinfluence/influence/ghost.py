@@ -19,8 +19,8 @@ computed in two parts that are added:
   Nothing of size [n, out, in] is ever formed. A layer called several times adds up its calls
   (the gradient is linear in them).
 - every other attributed parameter (``log_std``, LayerNorm, embeddings, layers of unknown kind)
-  -- the forward-mode derivative of the whole vector u along v, ``torch.func.jvp`` over
-  ``functional_call``: one forward pass gives exactly d_i = <grad u_i, v> for all i, without
+  -- the forward-mode derivative of the whole vector u along v, ``torch.func.jvp`` of the policy
+  with those parameters swapped for dual tensors: one forward pass gives exactly d_i = <grad u_i, v> for all i, without
   materialising per-record gradients. (Forward mode, not ``vmap(grad)``: it needs no per-record
   gradient memory and runs functions that ``vmap`` rejects, such as ``ppo_loss``, whose
   diagnostics call ``.item()``.)
@@ -44,26 +44,51 @@ the next round of IIF -- reuses the verdict and skips the parameter gradients th
 input shape) is verified afresh.
 
 Assumption, as for any per-record gradient: the policy processes the rows of a batch
-independently and in order (no BatchNorm in training mode, no cross-record attention).
+independently and in order (no cross-record attention). Scoring runs in eval mode (``unchanged``):
+BatchNorm uses its running statistics, so rows are independent, and dropout is off.
+
+Scoring never changes the policy (``rlinfluence.influence.state.unchanged``). The forward-mode
+path therefore swaps the dual parameters into every slot that holds them itself and puts the
+originals back (``_substituted``): ``torch.func.functional_call`` does not restore a parameter
+whose submodule is registered under two names (Stable-Baselines3's ``features_extractor`` /
+``pi_features_extractor``), leaving a plain tensor that no optimiser holds.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, jvp
+from torch.func import jvp
 
+from rlinfluence.influence.state import unchanged
 from rlinfluence.influence.targets import check_positive_int
 
 RecordFn = Callable[..., torch.Tensor]
 """``record_fn(policy, *record_tensors) -> Tensor[n]``; row i must depend on record i only."""
+
+@contextmanager
+def _substituted(policy: nn.Module, params: Sequence[nn.Parameter], values: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Every parameter slot of every module of ``policy`` that holds ``params[k]`` holds
+    ``values[k]`` inside the block (aliased modules and tied weights included); the original
+    Parameter objects are put back into exactly those slots afterwards."""
+    value_of = {id(p): v for p, v in zip(params, values, strict=True)}
+    slots = [(m, name, p) for m in policy.modules() for name, p in m._parameters.items()
+             if p is not None and id(p) in value_of]
+    try:
+        for m, name, p in slots:
+            m._parameters[name] = value_of[id(p)]
+        yield
+    finally:
+        for m, name, p in slots:
+            m._parameters[name] = p
 
 
 def check_policy(policy: object) -> None:
@@ -92,7 +117,7 @@ def attributed_parameters(
         chosen = list(policy.policy_parameters())
     else:
         candidates = [p for p in policy.parameters() if p.requires_grad]
-        with torch.enable_grad():
+        with torch.enable_grad(), unchanged(policy):
             logp = policy.log_prob(obs, actions)
         reached = (
             torch.autograd.grad(logp.sum(), candidates, allow_unused=True)
@@ -399,18 +424,6 @@ def _batch_gradients(
     return grads
 
 
-class _Bound(nn.Module):
-    """``forward(*records) = record_fn(policy, *records)``, so ``functional_call`` can swap parameters."""
-
-    def __init__(self, policy: nn.Module, record_fn: RecordFn):
-        super().__init__()
-        self.policy = policy
-        self.record_fn = record_fn
-
-    def forward(self, *records: torch.Tensor) -> torch.Tensor:
-        return self.record_fn(self.policy, *records)
-
-
 def _jvp_dots(
     plan: GhostPlan,
     slots: Sequence[int],
@@ -419,15 +432,20 @@ def _jvp_dots(
     records: Sequence[torch.Tensor],
     direction: Sequence[torch.Tensor],
 ) -> torch.Tensor:
-    """d_i = <grad_{slots} u_i, v_{slots}> for all i: one forward-mode pass."""
-    bound = _Bound(policy, record_fn)
-    keys = [f"policy.{plan.names[s]}" for s in slots]
-    primals = {k: plan.params[s].detach() for k, s in zip(keys, slots, strict=True)}
-    tangents = {k: direction[s].to(plan.params[s].dtype) for k, s in zip(keys, slots, strict=True)}
+    """d_i = <grad_{slots} u_i, v_{slots}> for all i: one forward-mode pass, u = record_fn(policy,
+    *records) with the slots' parameters replaced by dual tensors (primal theta, tangent v)."""
+    params = [plan.params[s] for s in slots]
+    primals = tuple(p.detach() for p in params)
+    tangents = tuple(direction[s].to(plan.params[s].dtype) for s in slots)
+
+    def forward(*values: torch.Tensor) -> torch.Tensor:
+        with _substituted(policy, params, values):
+            return record_fn(policy, *records)
+
     with torch.no_grad(), warnings.catch_warnings():
         # torch's own forward-AD decompositions still call the deprecated torch.jit.script on first use
         warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", DeprecationWarning)
-        u, dots = jvp(lambda p: functional_call(bound, p, tuple(records)), (primals,), (tangents,))
+        u, dots = jvp(forward, primals, tangents)
     _check_output(u, len(records[0]))
     return dots
 
@@ -453,16 +471,17 @@ def per_record_dots(
     n = len(records[0])
     dtype = accumulate_dtype or direction[0].dtype
     dots = torch.zeros(n, dtype=dtype)
-    for start in range(0, n, records_per_pass):
-        chunk = tuple(r[start : start + records_per_pass] for r in records)
-        part = dots[start : start + len(chunk[0])]
-        if plan.layers:
-            u, calls = _run_captured(policy, plan.layers, record_fn, chunk)
-            pairs, failed, _ = _ghost_backward(policy, plan, record_fn, u, calls, retain_graph=False)
-            part += _ghost_dots(pairs, failed, direction, len(part), dtype)
-            plan.demote(failed)
-        if plan.jvp_slots:
-            part += _jvp_dots(plan, plan.jvp_slots, policy, record_fn, chunk, direction).to(dtype)
+    with unchanged(policy):
+        for start in range(0, n, records_per_pass):
+            chunk = tuple(r[start : start + records_per_pass] for r in records)
+            part = dots[start : start + len(chunk[0])]
+            if plan.layers:
+                u, calls = _run_captured(policy, plan.layers, record_fn, chunk)
+                pairs, failed, _ = _ghost_backward(policy, plan, record_fn, u, calls, retain_graph=False)
+                part += _ghost_dots(pairs, failed, direction, len(part), dtype)
+                plan.demote(failed)
+            if plan.jvp_slots:
+                part += _jvp_dots(plan, plan.jvp_slots, policy, record_fn, chunk, direction).to(dtype)
     return dots
 
 
@@ -482,18 +501,19 @@ def self_target_dots(
     ``per_record_dots``); the rest of v comes from autograd on the same graph. All records go in
     one pass.
     """
-    u, calls = _run_captured(policy, plan.layers, record_fn, records)
-    pairs, failed, verified = _ghost_backward(policy, plan, record_fn, u, calls, retain_graph=True)
-    direction = [torch.zeros_like(p) for p in plan.params]
-    for s, grad in _batch_gradients(pairs, verified, plan.params, weights).items():
-        direction[s] = grad
-    dtype = accumulate_dtype or direction[0].dtype
-    dots = _ghost_dots(pairs, failed, direction, len(u), dtype)
-    plan.demote(failed)
-    if plan.jvp_slots and u.requires_grad:
-        target = (weights.to(u.dtype) * u).sum()
-        grads = torch.autograd.grad(target, [plan.params[s] for s in plan.jvp_slots], allow_unused=True)
-        for s, grad in zip(plan.jvp_slots, grads, strict=True):
-            direction[s] = torch.zeros_like(plan.params[s]) if grad is None else grad
-        dots += _jvp_dots(plan, plan.jvp_slots, policy, record_fn, records, direction).to(dtype)
+    with unchanged(policy):
+        u, calls = _run_captured(policy, plan.layers, record_fn, records)
+        pairs, failed, verified = _ghost_backward(policy, plan, record_fn, u, calls, retain_graph=True)
+        direction = [torch.zeros_like(p) for p in plan.params]
+        for s, grad in _batch_gradients(pairs, verified, plan.params, weights).items():
+            direction[s] = grad
+        dtype = accumulate_dtype or direction[0].dtype
+        dots = _ghost_dots(pairs, failed, direction, len(u), dtype)
+        plan.demote(failed)
+        if plan.jvp_slots and u.requires_grad:
+            target = (weights.to(u.dtype) * u).sum()
+            grads = torch.autograd.grad(target, [plan.params[s] for s in plan.jvp_slots], allow_unused=True)
+            for s, grad in zip(plan.jvp_slots, grads, strict=True):
+                direction[s] = torch.zeros_like(plan.params[s]) if grad is None else grad
+            dots += _jvp_dots(plan, plan.jvp_slots, policy, record_fn, records, direction).to(dtype)
     return dots, direction

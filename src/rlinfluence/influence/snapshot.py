@@ -25,6 +25,7 @@ from rlinfluence.influence.ghost import (
     plan_ghost,
     self_target_dots,
 )
+from rlinfluence.influence.state import unchanged
 from rlinfluence.influence.targets import (
     LogProbTarget,
     Records,
@@ -104,6 +105,11 @@ def snapshot_influence(
     forward-mode pass when parameters outside Linear/Conv2d are attributed. Ghost terms are
     verified against autograd once per policy structure (``rlinfluence.influence.ghost``).
     ``accumulate_dtype`` (e.g. ``torch.float64``) sets the dtype of contractions and scores.
+
+    Scores are taken in eval mode and the policy is left exactly as it was
+    (``rlinfluence.influence.state.unchanged``). Raises ``ZeroTargetGradient`` (a ``UserError``)
+    when grad f is exactly zero, e.g. every advantage is 0: then every score would be 0 and there
+    is nothing to attribute; keep every record of such a round (the IIF filters do).
     """
     check_policy(policy)
     check_positive_int("records_per_pass", records_per_pass)
@@ -112,17 +118,18 @@ def snapshot_influence(
     if ent_coef != 0 and not callable(getattr(policy, "evaluate_actions", None)):
         raise ValueError(f"ent_coef={ent_coef} needs policy.evaluate_actions(obs, actions) -> (logp, entropy, value)")
     target = target or ReturnTarget()
-    attributed = attributed_parameters(policy, params, obs[:3], actions[:3])
-    plan = plan_ghost(policy, attributed)
-    target_weights = _weights_on_scored_pairs(target, records)
-    if ent_coef == 0 and target_weights is not None and len(records) <= records_per_pass:
-        dots, direction = self_target_dots(policy, plan, _log_prob, (obs, actions), target_weights, accumulate_dtype)
-        require_nonzero(target, direction)
-        return dots * weights.to(dots.dtype)
-    direction = target_gradient(target, policy, attributed, records, records_per_pass)
-    scores = per_record_dots(policy, plan, _log_prob, (obs, actions), direction, records_per_pass, accumulate_dtype)
-    scores *= weights.to(scores.dtype)
-    if ent_coef != 0:
-        entropy = per_record_dots(policy, plan, _entropy, (obs, actions), direction, records_per_pass, accumulate_dtype)
-        scores += ent_coef * entropy
+    with unchanged(policy):
+        attributed = attributed_parameters(policy, params, obs[:3], actions[:3])
+        plan = plan_ghost(policy, attributed)
+        target_weights = _weights_on_scored_pairs(target, records)
+        if ent_coef == 0 and target_weights is not None and len(records) <= records_per_pass:
+            dots, direction = self_target_dots(policy, plan, _log_prob, (obs, actions), target_weights, accumulate_dtype)
+            require_nonzero(target, direction)
+            return dots * weights.to(dots.dtype)
+        direction = target_gradient(target, policy, attributed, records, records_per_pass)
+        scores = per_record_dots(policy, plan, _log_prob, (obs, actions), direction, records_per_pass, accumulate_dtype)
+        scores *= weights.to(scores.dtype)
+        if ent_coef != 0:
+            entropy = per_record_dots(policy, plan, _entropy, (obs, actions), direction, records_per_pass, accumulate_dtype)
+            scores += ent_coef * entropy
     return scores

@@ -24,6 +24,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rlinfluence.errors import UserError
+from rlinfluence.influence.state import unchanged
+
+
+class ZeroTargetGradient(UserError):
+    """The target's gradient is exactly zero (e.g. every advantage of the rollout is 0): every
+    score would be 0, so the round carries no attribution signal. The IIF filters and callbacks
+    catch it, keep every record that round and log ``skipped = 1``."""
+
 
 def check_per_record(name: str, values: torch.Tensor, n: int) -> None:
     """Raise ValueError unless ``values`` is a finite tensor of shape ``[n]``."""
@@ -183,11 +192,12 @@ def target_gradient(
 ) -> list[torch.Tensor]:
     """grad_theta f at the current parameters, one tensor per entry of ``params``.
 
-    Accumulated over ``target.pieces``. Raises ValueError when the gradient is exactly zero
-    (e.g. a constant target, or all-zero advantages).
+    Accumulated over ``target.pieces``, in eval mode, leaving the policy unchanged
+    (``rlinfluence.influence.state.unchanged``). Raises ``ZeroTargetGradient`` when the gradient
+    is exactly zero (e.g. a constant target, or all-zero advantages).
     """
     grads = [torch.zeros_like(p) for p in params]
-    with torch.enable_grad():
+    with torch.enable_grad(), unchanged(policy):
         for piece in target.pieces(policy, records, records_per_pass):
             if not piece.requires_grad:
                 continue
@@ -198,7 +208,12 @@ def target_gradient(
 
 
 def require_nonzero(target: Target, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``grads`` (a target's gradient); ValueError if exactly zero, since every score would be zero."""
+    """``grads`` (a target's gradient); ``ZeroTargetGradient`` if exactly zero, since every score
+    would be zero."""
     if not any(g.any() for g in grads):
-        raise ValueError(f"target {target!r} has zero gradient w.r.t. the {len(grads)} attributed parameters")
+        raise ZeroTargetGradient(
+            f"target {target!r} has zero gradient w.r.t. the {len(grads)} attributed parameters, so every score "
+            "would be 0 (e.g. every advantage is exactly 0: constant rewards and values); nothing to attribute "
+            "in this round: keep every record (IIF does so and logs skipped=1) or use a target with signal"
+        )
     return grads

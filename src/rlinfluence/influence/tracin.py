@@ -39,6 +39,7 @@ from rlinfluence.influence.ghost import (
     per_record_dots,
     plan_ghost,
 )
+from rlinfluence.influence.state import unchanged
 from rlinfluence.influence.targets import (
     Records,
     ReturnTarget,
@@ -134,7 +135,9 @@ def tracin_influence(
 ) -> torch.Tensor:
     """Full local TracIn I_i of every buffer record for one round, shape ``[N]`` (module docstring).
 
-    ``policy`` is at theta(k) and is not modified (the round is replayed on a deep copy).
+    ``policy`` is at theta(k) and is not modified (the round is replayed on a deep copy, whose
+    optimiser steps run in the policy's own training mode; gradients of f and the per-record dots
+    are taken in eval mode, ``rlinfluence.influence.state.unchanged``).
     Records are flat buffer fields (``RolloutBuffer.flat``); ``advantages`` raw; ``schedule`` the
     round's optimiser steps in order. The PPO settings must be the trainer's.
 
@@ -162,7 +165,8 @@ def tracin_influence(
     record_fn = partial(_ppo_gain, loss_kwargs=loss_kwargs)
     target = target or ReturnTarget()
 
-    names = parameter_names(policy, attributed_parameters(policy, params, obs[:3], actions[:3]))
+    with unchanged(policy):
+        names = parameter_names(policy, attributed_parameters(policy, params, obs[:3], actions[:3]))
     replica = copy.deepcopy(policy)
     replica_params = dict(replica.named_parameters())
     attributed = [replica_params[name] for name in names]

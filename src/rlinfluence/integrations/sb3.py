@@ -27,13 +27,24 @@ is not shared, ``vf_features_extractor``): the policy feature extractor (shared 
 policy MLP, ``action_net`` and a Gaussian ``log_std``. ``nn.Linear``/``nn.Conv2d`` weights take
 ghost dot products, everything else (``log_std``) exact per-record gradients.
 
+Spaces (one test per space in ``tests/test_sb3_adapter.py``, scores equal to per-record
+autograd): actions ``Discrete``, ``Box`` (diagonal Gaussian with ``log_std``), ``MultiDiscrete``
+and ``MultiBinary``; observations ``Box`` (vectors and images), ``Discrete``, ``MultiDiscrete``,
+``MultiBinary`` (SB3's own one-hot / float preprocessing). Not supported: ``Dict`` observation
+spaces (``DictRolloutBuffer``). On ``MultiDiscrete`` / ``MultiBinary`` actions the scores are
+exact but one record is the whole joint action, and IIF measured worse than dropping as many
+records at random on SB3's identity tasks (``docs/sb3.md``), so the callback warns once.
+
+A rollout whose target has zero gradient (every advantage exactly 0) is kept whole: the callback
+logs ``influence/skipped = 1``, warns with the reason and lets ``train()`` run as plain SB3.
+
 stable-baselines3 is optional; this module needs it (``pip install "rlinfluence[sb3]"``).
-Dict observation spaces (``DictRolloutBuffer``) are not supported.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -54,11 +65,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from rlinfluence.filters import FilterContext, drop_lowest, guard_minibatch, iif_drop_count
-from rlinfluence.influence import ReturnTarget, Target, snapshot_influence
+from rlinfluence.influence import ReturnTarget, Target, ZeroTargetGradient, snapshot_influence
 
 __all__ = ["FilteredRolloutBuffer", "InfluenceFilterCallback", "SB3PolicyAdapter", "attribute", "next_permutation"]
 
 ADVANTAGE_NORMS = ("auto", "chunk", "batch", "none")
+JOINT_ACTION_SPACES = (spaces.MultiDiscrete, spaces.MultiBinary)
+"""Action spaces where one record is a joint action over several dimensions (IIF warns)."""
 
 
 # -- the policy adapter ---------------------------------------------------------------------------
@@ -299,8 +312,12 @@ class InfluenceFilterCallback(BaseCallback):
     ``PPO(..., rollout_buffer_class=FilteredRolloutBuffer)``.
 
     Logged through SB3's logger each rollout: ``influence/kept_fraction``, ``influence/n_negative``,
-    ``influence/n_dropped``, ``influence/minibatch_guard``, ``influence/seconds`` (scoring and
-    masking time). ``history`` keeps the same numbers per rollout; ``scores``, ``keep`` and
+    ``influence/n_dropped``, ``influence/minibatch_guard``, ``influence/skipped``,
+    ``influence/seconds`` (scoring and masking time). ``skipped = 1``: the return target had zero
+    gradient (every advantage exactly 0, e.g. constant rewards and values), every score is 0,
+    every record is kept and a RuntimeWarning says why; training goes on as plain SB3.
+    On ``MultiDiscrete`` / ``MultiBinary`` action spaces the callback warns once (see
+    ``docs/sb3.md``: IIF measured worse than random drops there). ``history`` keeps the same numbers per rollout; ``scores``, ``keep`` and
     ``order`` (the chunk order of ``advantage_norm="chunk"``) are the last rollout's.
     ``advantage_norm``, ``chunk_size``, ``ent_coef`` and other keyword arguments are
     ``attribute``'s.
@@ -331,6 +348,7 @@ class InfluenceFilterCallback(BaseCallback):
         self.scores: torch.Tensor | None = None
         self.keep: torch.Tensor | None = None
         self.order: np.ndarray | None = None
+        self._warned_joint_actions = False
 
     def _init_callback(self) -> None:
         if not isinstance(self.model.rollout_buffer, FilteredRolloutBuffer):
@@ -338,6 +356,15 @@ class InfluenceFilterCallback(BaseCallback):
                 "InfluenceFilterCallback needs the model built with "
                 "rollout_buffer_class=FilteredRolloutBuffer (from rlinfluence.integrations.sb3), "
                 f"got {type(self.model.rollout_buffer).__name__}"
+            )
+        space = self.model.action_space
+        if isinstance(space, JOINT_ACTION_SPACES) and self.drop_pct > 0 and not self._warned_joint_actions:
+            self._warned_joint_actions = True
+            warnings.warn(
+                f"InfluenceFilterCallback on a {type(space).__name__} action space: scores are exact, but a "
+                "record is the whole joint action and IIF learned worse than dropping as many records at "
+                "random on SB3's identity tasks (docs/sb3.md, 'Multi-dimensional discrete actions')",
+                UserWarning, stacklevel=2,
             )
 
     def _on_step(self) -> bool:
@@ -349,14 +376,22 @@ class InfluenceFilterCallback(BaseCallback):
         n = buffer.buffer_size * buffer.n_envs
         norm = _resolve_norm(self.model, self.advantage_norm)
         self.order = next_permutation(n) if norm == "chunk" else None
-        scores = attribute(
-            self.model, buffer, self.target, advantage_norm=norm, chunk_size=self.chunk_size,
-            order=self.order, ent_coef=self.ent_coef, **self.score_kwargs,
-        )
-        n_drop = iif_drop_count(scores, self.drop_pct, self.drop_mode)
         context = FilterContext(policy=self.model.policy, round=len(self.history),
                                 batch_size=getattr(self.model, "batch_size", None) or n)
-        keep = guard_minibatch(drop_lowest(scores, n_drop), scores, context)
+        try:
+            scores = attribute(
+                self.model, buffer, self.target, advantage_norm=norm, chunk_size=self.chunk_size,
+                order=self.order, ent_coef=self.ent_coef, **self.score_kwargs,
+            )
+        except ZeroTargetGradient as exc:  # no attribution signal: every score is 0, keep everything
+            warnings.warn(f"InfluenceFilterCallback: rollout {context.round} kept every record "
+                          f"(influence/skipped = 1): {exc}", RuntimeWarning, stacklevel=2)
+            scores, keep = torch.zeros(n), torch.ones(n, dtype=torch.bool)
+            context.stats.update(minibatch_guard=0.0, skipped=1.0)
+        else:
+            n_drop = iif_drop_count(scores, self.drop_pct, self.drop_mode)
+            keep = guard_minibatch(drop_lowest(scores, n_drop), scores, context)
+            context.stats["skipped"] = 0.0
         buffer.set_keep_mask(keep)
         self.scores, self.keep = scores, keep
         stats = {
@@ -364,6 +399,7 @@ class InfluenceFilterCallback(BaseCallback):
             "n_negative": float((scores < 0).sum()),
             "n_dropped": float(n - int(keep.sum())),
             "minibatch_guard": context.stats["minibatch_guard"],
+            "skipped": context.stats["skipped"],
             "seconds": time.perf_counter() - start,
         }
         for key, value in stats.items():

@@ -41,7 +41,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from rlinfluence.influence import per_record_dots, plan_ghost
+from rlinfluence.influence import ZeroTargetGradient, per_record_dots, plan_ghost, unchanged
 from rlinfluence.rlhf.core import masked_mean
 from rlinfluence.rlhf.rollout import Rollout
 
@@ -114,7 +114,11 @@ def sequence_influence(
     """Influence score of every sequence of ``rollout`` on ``target``, shape [N] (module docstring).
 
     ``validation`` is required for ``target="seq"``. ``policy`` must be at theta(k), the
-    parameters that sampled ``rollout``; ``beta`` is GRPO's KL coefficient of the round. Cost:
+    parameters that sampled ``rollout``; ``beta`` is GRPO's KL coefficient of the round. Scoring
+    runs in eval mode and leaves the policy unchanged (``rlinfluence.influence.unchanged``).
+    Raises ``ZeroTargetGradient`` when grad f is exactly zero (e.g. every advantage of the
+    target's rollout is 0: all rewards of every group equal); the trainer then keeps every
+    sequence and logs ``skipped = 1``. Cost:
     one forward + backward over the validation set (or the rollout, for ``return``) for grad f,
     one forward + backward over the rollout for the scores, ``records_per_pass`` sequences at a
     time.
@@ -126,15 +130,22 @@ def sequence_influence(
     params = policy.lora_parameters()
     if not params:
         raise ValueError("the policy has no trainable LoRA parameters")
-    direction = target_direction(policy, params, validation if target == "seq" else rollout, target, records_per_pass)
-    plan = plan_ghost(policy, params)
+    with unchanged(policy):
+        direction = target_direction(policy, params, validation if target == "seq" else rollout, target, records_per_pass)
+        if not any(g.any() for g in direction):
+            raise ZeroTargetGradient(
+                f"target {target!r} has zero gradient w.r.t. the {len(params)} LoRA parameters, so every score "
+                "would be 0 (e.g. every advantage is exactly 0: equal rewards within every group); nothing to "
+                "attribute in this round: keep every sequence (IIF does so and logs skipped=1)"
+            )
+        plan = plan_ghost(policy, params)
 
-    def objective(model: nn.Module, *records: torch.Tensor) -> torch.Tensor:
-        return record_objective(model, *records, algo=algo, value_loss=value_loss, vf_coef=vf_coef, beta=beta)
+        def objective(model: nn.Module, *records: torch.Tensor) -> torch.Tensor:
+            return record_objective(model, *records, algo=algo, value_loss=value_loss, vf_coef=vf_coef, beta=beta)
 
-    records = (rollout.input_ids, rollout.attention_mask, rollout.mask, rollout.token_advantages,
-               rollout.returns, rollout.ref_logp)
-    scores = per_record_dots(policy, plan, objective, records, direction, records_per_pass, accumulate_dtype)
+        records = (rollout.input_ids, rollout.attention_mask, rollout.mask, rollout.token_advantages,
+                   rollout.returns, rollout.ref_logp)
+        scores = per_record_dots(policy, plan, objective, records, direction, records_per_pass, accumulate_dtype)
     if plan.jvp_parameter_names:  # a LoRA layer the ghost path could not verify took forward mode
         import warnings
 

@@ -21,6 +21,7 @@ import dataclasses
 import math
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -36,6 +37,7 @@ from rlinfluence.filters import (
     guard_minibatch,
     iif_drop_count,
 )
+from rlinfluence.influence import ZeroTargetGradient
 from rlinfluence.progress import progress_bar
 from rlinfluence.rlhf.core import AdaptiveKLController, grpo_loss, ppo_losses
 from rlinfluence.rlhf.data import load_prompts
@@ -312,12 +314,18 @@ class RLHFTrainer:
         stats: dict[str, float] = {}
         keep = torch.ones(len(rollout), dtype=torch.bool)
         if cfg.filter == "iif":
-            scores, stats = self.scores(rollout)
-            keep = drop_lowest(scores, iif_drop_count(scores, cfg.drop_pct, cfg.drop_mode))
-            context = FilterContext(self.policy, self.round, cfg.mini_batch_size)
-            keep = guard_minibatch(keep, scores, context)
-            stats.update(context.stats)
-            self.last_scores = scores
+            try:
+                scores, stats = self.scores(rollout)
+            except ZeroTargetGradient as exc:  # no attribution signal: keep every sequence
+                warnings.warn(f"round {self.round}: IIF kept every sequence (skipped=1): {exc}", RuntimeWarning, stacklevel=2)
+                stats = {"skipped": 1.0, "minibatch_guard": 0.0, "n_negative": 0.0}
+                self.last_scores = torch.zeros(len(rollout))
+            else:
+                keep = drop_lowest(scores, iif_drop_count(scores, cfg.drop_pct, cfg.drop_mode))
+                context = FilterContext(self.policy, self.round, cfg.mini_batch_size)
+                keep = guard_minibatch(keep, scores, context)
+                stats.update(context.stats, skipped=0.0)
+                self.last_scores = scores
         t2 = time.perf_counter()
         update = self.update(rollout, keep)
         t3 = time.perf_counter()
