@@ -36,7 +36,7 @@ from rlinfluence.analysis.timeline import (
 )
 from rlinfluence.buffer import RolloutBuffer
 from rlinfluence.errors import UserError
-from rlinfluence.ppo import PPO
+from rlinfluence.ppo import PPO, load_round
 
 from .conftest import tiny_config
 
@@ -220,6 +220,17 @@ def test_intervention_is_deterministic_and_reproduces_the_run(frozenlake_run):
     assert 0 < first["dropped"] < first["records"]
     assert first["delta_b"] == pytest.approx(first["R_b"] - first["R_a"])
     assert first["delta_c"] == pytest.approx(first["R_c"] - first["R_a"])
+    assert first["b_minus_d"] == pytest.approx(first["R_b"] - first["R_d"])
+
+
+def test_arm_d_matches_the_approx_kl_of_arm_b(frozenlake_run):
+    row = intervene_round(frozenlake_run, 2, eval_episodes=4)
+    assert row["kl_b"] != pytest.approx(row["kl_a"], rel=0.1)  # otherwise the test shows nothing
+    assert row["kl_d"] == pytest.approx(row["kl_b"], rel=0.10)
+    assert 1 <= row["d_retrains"] <= 8 and row["d_lr_scale"] != 1.0
+    # the full buffer at the chosen scale, retrained again, gives the same approx_kl (deterministic)
+    saved = load_round(frozenlake_run, 2)
+    assert saved.retrain(lr_scale=row["d_lr_scale"])["approx_kl"] == pytest.approx(row["kl_d"])
 
 
 def test_parse_rounds():

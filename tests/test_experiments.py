@@ -86,13 +86,15 @@ def test_ci95_uses_the_t_quantile():
     assert mean == 3.0 and hi - mean == pytest.approx(2.776 * (2.5 ** 0.5) / 5 ** 0.5, rel=1e-3)
 
 
-def test_overrides_parse_and_reject_unknown_keys():
-    assert parse_overrides(["optimizer=adam", "learning_rate=1e-3", "max_grad_norm=null"]) == {
-        "optimizer": "adam", "learning_rate": 1e-3, "max_grad_norm": None}
-    with pytest.raises(UserError, match="bad override 'colour=red'"):
+def test_overrides_parse_and_reject_unknown_keys_and_wrong_types():
+    assert parse_overrides(["optimizer=adam", "learning_rate=1e-3", "max_grad_norm=null", "n_epochs=4"]) == {
+        "optimizer": "adam", "learning_rate": 1e-3, "max_grad_norm": None, "n_epochs": 4}
+    with pytest.raises(UserError, match="unknown PPOConfig key 'colour'"):
         parse_overrides(["colour=red"])
-    with pytest.raises(UserError, match="must include ppo"):
-        CompareConfig(methods="iif,random").method_list()
+    with pytest.raises(UserError, match="n_steps=abc: expected int"):
+        parse_overrides(["n_steps=abc"])
+    with pytest.raises(UserError, match="optimizer=rmsprop: expected one of adam, sgd"):
+        parse_overrides(["optimizer=rmsprop"])
 
 
 def _tiny_compare(out, **kw):
@@ -133,10 +135,10 @@ def test_compare_with_ray(tmp_path):
 
 
 def test_a_second_comparison_in_the_same_folder_is_refused(tmp_path):
-    from rlinfluence.experiments import _folder_lock
+    from rlinfluence.experiments import folder_lock
 
     tmp_path.mkdir(exist_ok=True)
-    with _folder_lock(tmp_path), pytest.raises(UserError, match="another comparison is running"):
+    with folder_lock(tmp_path), pytest.raises(UserError, match="another comparison is running"):
         compare(_tiny_compare(tmp_path, workers=1))
 
 
@@ -147,5 +149,5 @@ def test_resuming_a_pair_with_other_settings_is_refused(tmp_path):
     run_pair(config.to_dict(), str(tmp_path / "pair"))
     (tmp_path / "pair" / "done.json").unlink()  # as if killed before the end
     changed = {**config.to_dict(), "learning_rate": 0.1}
-    with pytest.raises(UserError, match="started with other settings \\(learning_rate\\)"):
+    with pytest.raises(UserError, match="run with other settings \\(learning_rate: 0.0003 -> 0.1\\)"):
         run_pair(changed, str(tmp_path / "pair"))

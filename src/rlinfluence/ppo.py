@@ -17,6 +17,7 @@ One round k:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import random
@@ -576,6 +577,30 @@ class SavedRound:
     buffer: RolloutBuffer
     keep: torch.Tensor
     schedule: list[MinibatchStep]
+    start: dict[str, Any]
+    """the trainer's state at theta(k) (policy, optimiser, generator), for ``retrain``"""
+
+    def retrain(self, keep: torch.Tensor | None = None, lr_scale: float = 1.0) -> dict[str, float]:
+        """Redo round k's update from theta(k) on the records ``keep`` (default: all) with the
+        learning rate scaled by ``lr_scale``; the trainer is left at the retrained theta.
+
+        The trainer is first restored to theta(k) with its optimiser state and minibatch
+        generator, and the generator is advanced past the round's collection draw, as in
+        training: so a standard run's round retrained on every record at scale 1 reproduces
+        its own theta(k+1) exactly. Returns the update's statistics (approx_kl, ...).
+        """
+        trainer, cfg = self.trainer, self.trainer.config
+        trainer.load_state_dict(copy.deepcopy(self.start))
+        trainer.policy.noise((cfg.n_steps, cfg.n_envs), trainer.generator)
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = cfg.learning_rate * lr_scale
+        if keep is None:
+            keep = torch.ones(len(self.buffer), dtype=torch.bool)
+        try:
+            return trainer.update(self.buffer, keep)
+        finally:
+            for group in trainer.optimizer.param_groups:
+                group["lr"] = cfg.learning_rate
 
 
 def load_round(run_dir: str | Path, round_index: int) -> SavedRound:
@@ -588,12 +613,13 @@ def load_round(run_dir: str | Path, round_index: int) -> SavedRound:
     if not checkpoint.is_file():
         raise UserError(f"no checkpoint for theta({round_index}) ({str(checkpoint)!r})")
     trainer = PPO(config, run_dir=False)
-    trainer.load_state_dict(load_checkpoint(checkpoint), source=repr(str(checkpoint)))
+    state = load_checkpoint(checkpoint)
+    trainer.load_state_dict(state, source=repr(str(checkpoint)))
     schedule = []
     if "schedule_indices" in tensors:
         schedule = [MinibatchStep(int(e), idx, float(lr)) for e, idx, lr in zip(
             tensors["schedule_epochs"], tensors["schedule_indices"], tensors["schedule_lr"], strict=True)]
-    return SavedRound(trainer, RolloutBuffer.from_tensors(tensors), tensors["keep"], schedule)
+    return SavedRound(trainer, RolloutBuffer.from_tensors(tensors), tensors["keep"], schedule, state)
 
 
 def _derived_seed(seed: int, round_index: int, stream: int) -> int:

@@ -7,21 +7,25 @@ state, the trainer's own ``update`` runs on
     (b) the buffer without every negatively influential record (return target, IIF's scorer,
         ``drop_mode="neg"``: p = 100% of the negatives),
     (c) the buffer without a uniformly random subset of the same size,
+    (d) the full buffer with the learning rate scaled by s, s chosen by bisection (at most
+        ``D_RETRAINS`` retrains, geometric in s) so that approx_kl(d) = approx_kl(b): the same
+        step length as (b) with every record, so R(b) - R(d) is what the choice of records adds
+        beyond how far the update goes,
 
 each from a deep copy of the same trainer state, so the minibatch generator starts from the same
-state in all three. Before updating, the generator is advanced past the round's collection
+state in all four. Before updating, the generator is advanced past the round's collection
 draw, exactly as in training, so (a) reproduces the run's own update: its parameters are
-compared with the saved theta(k+1) (``a_matches_run``). The three policies are then evaluated
+compared with the saved theta(k+1) (``a_matches_run``). The four policies are then evaluated
 on the same episode seeds with the same action-sampling generator (``PPO.evaluate``), and
 
-    delta_b = R(b) - R(a),   delta_c = R(c) - R(a).
+    delta_b = R(b) - R(a),   delta_c = R(c) - R(a),   delta_d = R(d) - R(a),   b_minus_d = R(b) - R(d).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -32,7 +36,11 @@ from rlinfluence.errors import UserError
 from rlinfluence.filters import FilterContext, IIFFilter, drop_lowest
 from rlinfluence.rundir import RunDirectory, load_checkpoint
 
-VARIANTS = ("a", "b", "c")
+if TYPE_CHECKING:
+    from rlinfluence.ppo import SavedRound
+
+VARIANTS = ("a", "b", "c", "d")
+D_RETRAINS = 8
 
 
 def parse_rounds(text: str) -> list[int]:
@@ -63,7 +71,6 @@ def intervene_round(run_dir: str | Path, round_index: int, eval_episodes: int = 
     if cfg.filter != "none":
         raise UserError(f"{str(run_dir)!r} is a {cfg.filter!r} run; the intervention needs a standard PPO run "
                         "(filter none), whose round-k update trained on the whole buffer")
-    start = copy.deepcopy(trainer.state_dict())
 
     # (b): IIF's scorer with its own seed for the chunk permutation, dropping every negative record
     context = FilterContext(trainer.policy, round_index, cfg.batch_size, cfg.gamma)
@@ -75,24 +82,54 @@ def intervene_round(run_dir: str | Path, round_index: int, eval_episodes: int = 
     keep_c = drop_lowest(torch.rand(len(buffer), generator=generator), n_drop)
     keeps = {"a": torch.ones(len(buffer), dtype=torch.bool), "b": keep_b, "c": keep_c}
 
-    returns, a_matches = {}, None
-    for variant in VARIANTS:
-        trainer.load_state_dict(copy.deepcopy(start))
-        # training drew the round's sampling noise from this generator before updating
-        trainer.policy.noise((cfg.n_steps, cfg.n_envs), trainer.generator)
-        trainer.update(buffer, keeps[variant])
+    returns, kl, a_matches = {}, {}, None
+    for variant in ("a", "b", "c"):
+        kl[variant] = saved.retrain(keeps[variant])["approx_kl"]
         if variant == "a":
-            a_matches = _matches_checkpoint(trainer, run_dir, round_index + 1)
+            a_matches = matches_checkpoint(trainer, run_dir, round_index + 1)
         returns[variant] = trainer.evaluate(eval_episodes)
+    scale, kl["d"], retrains = match_kl(saved, kl["b"], kl["a"])
+    saved.retrain(lr_scale=scale)
+    returns["d"] = trainer.evaluate(eval_episodes)
     r = {v: float(returns[v].mean()) for v in VARIANTS}
     return {
         "run": Path(run_dir).name, "env": cfg.env, "seed": cfg.seed, "round": round_index,
         "records": len(buffer), "dropped": n_drop, "guarded": bool(context.stats.get("minibatch_guard", 0.0)),
         "R_a": r["a"], "R_b": r["b"], "R_c": r["c"],
-        "delta_b": r["b"] - r["a"], "delta_c": r["c"] - r["a"],
+        "R_d": r["d"], "delta_b": r["b"] - r["a"], "delta_c": r["c"] - r["a"], "delta_d": r["d"] - r["a"],
+        "b_minus_d": r["b"] - r["d"],
         "se_delta_b": _paired_se(returns["b"], returns["a"]), "se_delta_c": _paired_se(returns["c"], returns["a"]),
+        "se_delta_d": _paired_se(returns["d"], returns["a"]), "se_b_minus_d": _paired_se(returns["b"], returns["d"]),
+        **{f"kl_{v}": kl[v] for v in VARIANTS}, "d_lr_scale": scale, "d_retrains": retrains,
         "eval_episodes": eval_episodes, "a_matches_run": a_matches,
     }
+
+
+def match_kl(saved: SavedRound, target_kl: float, kl_at_one: float, max_retrains: int = D_RETRAINS) -> tuple[float, float, int]:
+    """(s, approx_kl at s, retrains): the learning-rate scale s of a full-buffer retrain whose
+    approx_kl is closest to ``target_kl`` among the scales tried (kl(1) = ``kl_at_one`` is known).
+
+    approx_kl grows with s, so: double (or halve) s until the target is bracketed, then bisect
+    geometrically, stopping within 2% of the target or after ``max_retrains`` retrains.
+    """
+    tried = {1.0: kl_at_one}
+    if not (target_kl > 0 and kl_at_one > 0):
+        return 1.0, kl_at_one, 0
+    lo, hi = (1.0, None) if target_kl > kl_at_one else (None, 1.0)
+    for _ in range(max_retrains):
+        if lo is not None and hi is not None:
+            scale = math.sqrt(lo * hi)
+        else:
+            scale = 2.0 * lo if lo is not None else 0.5 * hi
+        tried[scale] = saved.retrain(lr_scale=scale)["approx_kl"]
+        if abs(tried[scale] / target_kl - 1) < 0.02:
+            break
+        if tried[scale] < target_kl:
+            lo = scale
+        else:
+            hi = scale
+    best = min(tried, key=lambda s: abs(math.log(max(tried[s], 1e-12) / target_kl)))
+    return best, tried[best], len(tried) - 1
 
 
 def _paired_se(x: np.ndarray, y: np.ndarray) -> float:
@@ -101,7 +138,7 @@ def _paired_se(x: np.ndarray, y: np.ndarray) -> float:
     return float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else math.nan
 
 
-def _matches_checkpoint(trainer, run_dir: str | Path, n_rounds: int) -> bool | None:
+def matches_checkpoint(trainer, run_dir: str | Path, n_rounds: int) -> bool | None:
     """Whether the trainer's policy equals the run's saved theta(n_rounds) (None if not saved)."""
     path = RunDirectory.open_existing(run_dir, tensorboard=False).checkpoint_path(n_rounds)
     if not path.is_file():
@@ -120,7 +157,9 @@ def intervene(run_dirs: list[str | Path], rounds: list[int], eval_episodes: int 
             if progress:
                 row = rows[-1]
                 print(f"{row['run']} round {k}: R(a) {row['R_a']:.4g}  dB {row['delta_b']:+.4g}  "
-                      f"dC {row['delta_c']:+.4g}  dropped {row['dropped']}/{row['records']}", flush=True)
+                      f"dC {row['delta_c']:+.4g}  dD {row['delta_d']:+.4g} (lr x{row['d_lr_scale']:.3g}, "
+                      f"kl {row['kl_d']:.3g} vs b {row['kl_b']:.3g})  dropped {row['dropped']}/{row['records']}",
+                      flush=True)
     return pd.DataFrame(rows)
 
 
@@ -136,6 +175,11 @@ def summarise(rows: pd.DataFrame) -> pd.DataFrame:
             "R_a": float(g["R_a"].mean()),
             "delta_b": float(g["delta_b"].mean()), "se_b": se(g["delta_b"]), "b_better": int((g["delta_b"] > 0).sum()),
             "delta_c": float(g["delta_c"].mean()), "se_c": se(g["delta_c"]), "c_better": int((g["delta_c"] > 0).sum()),
+            "delta_d": float(g["delta_d"].mean()), "se_d": se(g["delta_d"]),
+            "b_minus_d": float(g["b_minus_d"].mean()), "se_b_minus_d": se(g["b_minus_d"]),
+            "b_beats_d": int((g["b_minus_d"] > 0).sum()),
+            "kl_a": float(g["kl_a"].mean()), "kl_b": float(g["kl_b"].mean()), "kl_d": float(g["kl_d"].mean()),
+            "d_lr_scale": float(g["d_lr_scale"].mean()),
         })
     return pd.DataFrame(out)
 
@@ -147,14 +191,15 @@ def bar_png(rows: pd.DataFrame) -> bytes:
     for ax, env in zip(axes[0], envs, strict=True):
         s = summary[summary["env"] == env]
         x = np.arange(len(s))
-        ax.bar(x - 0.2, s["delta_b"], 0.4, yerr=s["se_b"].fillna(0), capsize=3, color="tab:green",
-               label="(b) drop negatives")
-        ax.bar(x + 0.2, s["delta_c"], 0.4, yerr=s["se_c"].fillna(0), capsize=3, color="tab:gray",
-               label="(c) drop random, same size")
-        for _, g in rows[rows["env"] == env].groupby("round"):
-            i = int(np.flatnonzero(s["round"].to_numpy() == g["round"].iloc[0])[0])
-            ax.scatter(np.full(len(g), i - 0.2), g["delta_b"], s=10, color="k", zorder=3)
-            ax.scatter(np.full(len(g), i + 0.2), g["delta_c"], s=10, color="k", zorder=3)
+        arms = [("b", "tab:green", "(b) drop negatives"), ("c", "tab:gray", "(c) drop random, same size"),
+                ("d", "tab:orange", "(d) full buffer, lr scaled to (b)'s approx_kl")]
+        for j, (arm, color, label) in enumerate(arms):
+            offset = (j - 1) * 0.27
+            ax.bar(x + offset, s[f"delta_{arm}"], 0.27, yerr=s[f"se_{arm}"].fillna(0), capsize=3, color=color,
+                   label=label)
+            for _, g in rows[rows["env"] == env].groupby("round"):
+                i = int(np.flatnonzero(s["round"].to_numpy() == g["round"].iloc[0])[0])
+                ax.scatter(np.full(len(g), i + offset), g[f"delta_{arm}"], s=10, color="k", zorder=3)
         ax.axhline(0, color="k", lw=0.8)
         ax.set_xticks(x, [str(k) for k in s["round"]])
         ax.set(xlabel="round k", ylabel="return change vs (a)", title=f"{env} ({int(s['runs'].max())} runs)")
@@ -168,9 +213,11 @@ def intervention_section(rows: pd.DataFrame) -> Section:
     n_eval = sorted(set(rows["eval_episodes"]))
     section.paragraphs.append(
         "Round k retrained from theta(k) on (a) the full buffer, (b) without all negatively influential "
-        "records (return target), (c) without a random subset of the same size; evaluated on the same "
+        "records (return target), (c) without a random subset of the same size, (d) the full buffer with the "
+        "learning rate scaled so that its approx_kl equals (b)'s; evaluated on the same "
         f"{', '.join(map(str, n_eval))} episode seeds. Bars: mean over runs (+/- s.e. across runs), dots: runs. "
-        "The paper finds (b) consistently improves and (c) does not.")
+        "The paper finds (b) consistently improves and (c) does not; (b) - (d) is what the choice of records "
+        "adds beyond the longer step.")
     matches = rows["a_matches_run"].dropna()
     if len(matches):
         section.paragraphs.append(f"(a) reproduced the run's own theta(k+1) exactly in {int(matches.sum())} of "
@@ -178,8 +225,9 @@ def intervention_section(rows: pd.DataFrame) -> Section:
     summary = summarise(rows)
     section.tables.append(Table("Across runs", list(summary.columns),
                                 [list(r) for r in summary.itertuples(index=False)]))
-    columns = ["run", "seed", "round", "dropped", "R_a", "R_b", "R_c", "delta_b", "se_delta_b", "delta_c",
-               "se_delta_c", "a_matches_run"]
+    columns = ["run", "seed", "round", "dropped", "R_a", "R_b", "R_c", "R_d", "delta_b", "se_delta_b", "delta_c",
+               "se_delta_c", "delta_d", "b_minus_d", "se_b_minus_d", "kl_a", "kl_b", "kl_d", "d_lr_scale",
+               "a_matches_run"]
     section.tables.append(Table("Per run (se_delta: paired s.e. over evaluation episodes)", columns,
                                 [[v.item() if isinstance(v, np.generic) else v for v in r]
                                  for r in rows[columns].itertuples(index=False)]))

@@ -1,0 +1,200 @@
+"""Several compare folders (one per env) -> one table and rliable's plots (``rlinfluence aggregate``).
+
+Each folder's ``scores.csv`` holds every evaluation run's normalised scores against that
+folder's reference (``statistics``). Across envs they form, per method, a [runs, tasks] matrix
+(the first n seeds of each env, n = the fewest any env has), from which rliable gives
+
+    IQM and mean over all runs and envs, with stratified-bootstrap 95% intervals;
+    P(method > reference), averaged over envs, with its interval;
+    performance profiles: the fraction of runs whose score exceeds tau, for tau on a grid.
+
+Outputs: aggregate.md, aggregate.csv, intervals.png, performance_profile.png,
+probability_of_improvement.png and aggregate.html (self-contained, images embedded).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from rlinfluence.errors import UserError
+from rlinfluence.experiments.comparison import markdown_table
+from rlinfluence.experiments.statistics import (
+    DEFAULT_REPS,
+    interval_estimates,
+    probability_of_improvement,
+)
+from rlinfluence.rundir import atomic_write
+
+KINDS = ("auc", "final")
+
+
+def _load(folder: Path) -> tuple[str, str, pd.DataFrame]:
+    """(env, reference, scores) of one compare folder."""
+    scores_path, config_path = folder / "scores.csv", folder / "compare.json"
+    if not scores_path.is_file() or not config_path.is_file():
+        raise UserError(f"{str(folder)!r} is not a finished compare folder (no scores.csv / compare.json): "
+                        "run or re-run `rlinfluence compare --out` on it first")
+    config = json.loads(config_path.read_text())
+    scores = pd.read_csv(scores_path)
+    return config["env"], str(scores["reference"].iloc[0]), scores
+
+
+def score_matrices(folders: Sequence[str | Path]) -> tuple[list[str], str, list[str], dict[str, dict[str, np.ndarray]]]:
+    """(envs, reference, methods, {kind: {method: [runs, envs]}}) of the methods every folder has."""
+    if not folders:
+        raise UserError("aggregate needs at least one compare folder")
+    loaded = [_load(Path(f)) for f in folders]
+    envs = [env for env, _, _ in loaded]
+    if len(set(envs)) < len(envs):
+        raise UserError(f"two folders are for the same env ({envs}); aggregate one folder per env")
+    references = {ref for _, ref, _ in loaded}
+    if len(references) > 1:
+        raise UserError(f"the folders use different references {sorted(references)}")
+    reference = references.pop()
+    methods = [m for m in dict.fromkeys(loaded[0][2]["method"])
+               if all(m in set(s["method"]) for _, _, s in loaded)]
+    n_runs = min(int((s["method"] == reference).sum()) for _, _, s in loaded)
+    matrices: dict[str, dict[str, np.ndarray]] = {kind: {} for kind in KINDS}
+    for kind in KINDS:
+        for m in methods:
+            columns = [s[s["method"] == m].sort_values("seed")[kind].to_numpy()[:n_runs] for _, _, s in loaded]
+            matrices[kind][m] = np.stack(columns, axis=1)
+    return envs, reference, methods, matrices
+
+
+def aggregate(folders: Sequence[str | Path], out: str | Path, reps: int = DEFAULT_REPS) -> Path:
+    """Write the aggregate table, plots and HTML page into ``out``; returns ``out``."""
+    from rlinfluence.analysis.report import Section, Table, write_html
+
+    envs, reference, methods, matrices = score_matrices(folders)
+    for kind in KINDS:
+        bad = [m for m, x in matrices[kind].items() if not np.isfinite(x).all()]
+        if bad:
+            raise UserError(f"{kind} scores of {bad} are undefined in some env (its reference did not move)")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    estimates = {kind: interval_estimates(matrices[kind], reps) for kind in KINDS}
+    rows: list[dict[str, Any]] = []
+    for m in methods:
+        row: dict[str, Any] = {"method": m, "envs": len(envs), "runs_per_env": matrices["auc"][m].shape[0]}
+        for kind in KINDS:
+            for stat in ("iqm", "mean"):
+                row[f"{stat}_{kind}"], row[f"{stat}_{kind}_lo"], row[f"{stat}_{kind}_hi"] = estimates[kind][m][stat]
+            row[f"poi_{kind}"], row[f"poi_{kind}_lo"], row[f"poi_{kind}_hi"] = probability_of_improvement(
+                matrices[kind][m], matrices[kind][reference], reps)
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    atomic_write(out / "aggregate.csv", lambda p: table.to_csv(p, index=False))
+
+    def cell(r: dict[str, Any], key: str) -> str:
+        return f"{r[key]:.2f} [{r[key + '_lo']:.2f}, {r[key + '_hi']:.2f}]"
+
+    columns = ["method", "IQM auc", "mean auc", "IQM final", "mean final", f"P(> {reference}) auc",
+               f"P(> {reference}) final"]
+    body = [[r["method"], *(cell(r, k) for k in ("iqm_auc", "mean_auc", "iqm_final", "mean_final", "poi_auc",
+                                                 "poi_final"))] for r in rows]
+    note = (f"Envs: {', '.join(envs)}; {rows[0]['runs_per_env']} evaluation runs per env and method. Scores "
+            f"normalised per env to {reference} (0 = its first-round return, 1 = its plateau); auc = mean of the "
+            f"normalised curve over rounds, final = normalised plateau. 95% stratified-bootstrap intervals "
+            f"(rliable, {reps} replications).")
+    lines = [f"# Aggregate over {len(envs)} envs against {reference}", "", note, ""]
+    atomic_write(out / "aggregate.md", lambda p: p.write_text("\n".join(lines + markdown_table(columns, body)) + "\n"))
+
+    figures = {"intervals": _intervals_png(estimates, methods), "performance_profile": _profile_png(matrices, methods),
+               "probability_of_improvement": _poi_png(matrices, methods, reference, reps)}
+    section = Section("aggregate", f"Aggregate over {len(envs)} envs against {reference}", paragraphs=[note])
+    section.tables.append(Table("Aggregate (point [95% CI])", columns, body))
+    captions = {"intervals": "IQM and mean of the normalised scores with 95% stratified-bootstrap intervals.",
+                "performance_profile": "Fraction of runs (all envs) whose normalised score exceeds tau.",
+                "probability_of_improvement": f"P(method > {reference}) with 95% intervals."}
+    for name, png in figures.items():
+        atomic_write(out / f"{name}.png", lambda p, png=png: p.write_bytes(png))
+        section.figures[name] = (png, captions[name])
+    write_html(out / "aggregate.html", section.title, [section])
+    return out
+
+
+def _rliable_plot(draw: Any) -> bytes:
+    """Run an rliable plotting call on a fresh pyplot figure and return the PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from rlinfluence.analysis.report import figure_png
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fig = draw(plt)
+    png = figure_png(fig, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def _intervals_png(estimates: dict[str, dict[str, dict[str, tuple[float, float, float]]]], methods: list[str]) -> bytes:
+    from rliable import plot_utils
+
+    def draw(plt: Any) -> Any:
+        names = [f"{stat.upper()} {kind}" for kind in KINDS for stat in ("iqm", "mean")]
+        points = {m: np.array([estimates[k][m][s][0] for k in KINDS for s in ("iqm", "mean")]) for m in methods}
+        cis = {m: np.array([[estimates[k][m][s][i] for k in KINDS for s in ("iqm", "mean")] for i in (1, 2)])
+               for m in methods}
+        fig, _ = plot_utils.plot_interval_estimates(points, cis, metric_names=names, algorithms=methods,
+                                                    xlabel="normalised score", xlabel_y_coordinate=-0.3)
+        return fig
+
+    return _rliable_plot(draw)
+
+
+def _profile_png(matrices: dict[str, dict[str, np.ndarray]], methods: list[str]) -> bytes:
+    from matplotlib.lines import Line2D
+    from rliable import library, plot_utils
+
+    colors = {m: f"C{i}" for i, m in enumerate(methods)}
+
+    def draw(plt: Any) -> Any:
+        fig, axes = plt.subplots(1, len(KINDS), figsize=(6 * len(KINDS), 4))
+        for ax, kind in zip(axes, KINDS, strict=True):
+            values = np.concatenate([x.ravel() for x in matrices[kind].values()])
+            taus = np.linspace(min(0.0, values.min()), max(1.2, values.max()), 81)
+            profiles, cis = library.create_performance_profile(matrices[kind], taus, reps=500)
+            plot_utils.plot_performance_profiles(profiles, taus, performance_profile_cis=cis, colors=colors, ax=ax,
+                                                 xlabel=rf"normalised {kind} score $\tau$", labelsize="medium")
+            ax.set_title(kind)
+            ax.legend([Line2D([], [], color=colors[m]) for m in methods], methods, fontsize=8)
+        fig.tight_layout()
+        return fig
+
+    return _rliable_plot(draw)
+
+
+def _poi_png(matrices: dict[str, dict[str, np.ndarray]], methods: list[str], reference: str, reps: int) -> bytes:
+    others = [m for m in methods if m != reference]
+
+    def draw(plt: Any) -> Any:
+        fig, ax = plt.subplots(figsize=(6, 0.6 + 0.5 * len(others) * len(KINDS)))
+        labels, points, lows, highs = [], [], [], []
+        for kind in KINDS:
+            for m in others:
+                p, lo, hi = probability_of_improvement(matrices[kind][m], matrices[kind][reference], reps)
+                labels.append(f"{m} ({kind})")
+                points.append(p)
+                lows.append(p - lo)
+                highs.append(hi - p)
+        y = np.arange(len(labels))
+        ax.errorbar(points, y, xerr=[lows, highs], fmt="o", capsize=4)
+        ax.axvline(0.5, color="k", lw=0.8, ls="--")
+        ax.set_yticks(y, labels)
+        ax.set(xlim=(0, 1), xlabel=f"P(method > {reference})")
+        ax.grid(alpha=0.3, axis="x")
+        fig.tight_layout()
+        return fig
+
+    return _rliable_plot(draw)

@@ -1,0 +1,130 @@
+"""Running (method, seed) pairs: one at a time, in a local process pool, or as Ray tasks.
+
+A pair is a top-level function of plain data (its ``PPOConfig`` as a dict and its folder), so
+the executor does not change its result. A finished pair (``done.json``) is skipped; an
+unfinished one resumes from its last checkpoint. A tuning pair may fail as a result (a learning
+rate so large that the values diverge): it then ends with ``failed.json`` (round and reason)
+instead of stopping the comparison, and counts as the worst candidate.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rlinfluence.errors import UserError
+from rlinfluence.experiments.specs import config_difference
+from rlinfluence.ppo import PPO, PPOConfig
+
+Job = tuple[dict[str, Any], str]
+
+
+def check_existing(jobs: list[Job]) -> None:
+    """``UserError`` if a pair's folder was started with other settings than ``jobs`` ask for:
+    its results would silently stand for a different method."""
+    for config, run_dir in jobs:
+        path = Path(run_dir) / "config.json"
+        if not path.is_file():
+            continue
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            raise UserError(f"{str(path)!r} is unreadable; remove {run_dir!r} to rerun that pair") from None
+        changed = config_difference(saved, config)
+        if changed:
+            detail = ", ".join(f"{k}: {saved.get(k)!r} -> {config.get(k)!r}" for k in changed[:4])
+            raise UserError(f"{run_dir} was run with other settings ({detail}); use another --out")
+
+
+def finished(run_dir: str | Path) -> bool:
+    """Whether a pair has ended, completed (``done.json``) or failed (``failed.json``)."""
+    return (Path(run_dir) / "done.json").exists() or (Path(run_dir) / "failed.json").exists()
+
+
+def failure(run_dir: str | Path) -> dict[str, Any] | None:
+    """A failed pair's ``{"round": k, "error": reason}``; None if it did not fail."""
+    path = Path(run_dir) / "failed.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def run_pair(config: dict[str, Any], run_dir: str, may_fail: bool = False) -> str:
+    """Train one (method, seed) pair into ``run_dir``; resume it if a checkpoint exists.
+
+    A training failure (``UserError`` from a round, e.g. non-finite advantages, or the
+    ``ValueError`` / ``RuntimeError`` torch raises on a policy whose weights became NaN) is
+    recorded in ``failed.json`` if ``may_fail``; a ``UserError`` is otherwise raised naming the pair.
+    """
+    path = Path(run_dir)
+    if finished(path):
+        return run_dir
+    check_existing([(config, run_dir)])
+    has_checkpoint = path.exists() and any((path / "checkpoints").glob("round_*.pt"))
+    trainer = PPO.resume(path) if has_checkpoint else PPO(PPOConfig.from_dict(config), run_dir=path)
+    try:
+        trainer.learn()
+    except (UserError, ValueError, RuntimeError) as exc:
+        if not may_fail:
+            if isinstance(exc, UserError):
+                raise UserError(f"{run_dir}: {exc}") from None
+            raise
+        if trainer.run is not None:
+            trainer.run.close()
+        (path / "failed.json").write_text(json.dumps({"round": trainer.round, "error": str(exc)}))
+        return run_dir
+    (path / "done.json").write_text(json.dumps({"round": trainer.round, "train_seconds": trainer.train_seconds}))
+    return run_dir
+
+
+def run_jobs(jobs: list[Job], workers: int, ray_address: str | None, on_done: Callable[[str], None],
+             may_fail: bool = False) -> None:
+    """Run every job not yet finished, calling ``on_done(run_dir)`` as each ends."""
+    todo = [job for job in jobs if not finished(job[1])]
+    if ray_address:
+        _run_ray(todo, ray_address, on_done, may_fail)
+    else:
+        _run_local(todo, workers, on_done, may_fail)
+
+
+def _run_local(jobs: list[Job], workers: int, on_done: Callable[[str], None], may_fail: bool) -> None:
+    if workers <= 1:
+        for config, run_dir in jobs:
+            on_done(run_pair(config, run_dir, may_fail))
+        return
+    import multiprocessing
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(run_pair, config, run_dir, may_fail) for config, run_dir in jobs]
+        for future in as_completed(futures):
+            on_done(future.result())
+
+
+def _run_ray(jobs: list[Job], address: str, on_done: Callable[[str], None], may_fail: bool) -> None:
+    try:
+        import ray
+    except ImportError:
+        raise UserError("--ray-address needs ray: pip install 'rlinfluence[ray]'") from None
+    if not ray.is_initialized():
+        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    remote = ray.remote(num_cpus=1)(run_pair)
+    pending = [remote.remote(config, run_dir, may_fail) for config, run_dir in jobs]
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        on_done(ray.get(done[0]))
+
+
+@contextmanager
+def folder_lock(out: Path) -> Iterator[None]:
+    """Exclusive lock on ``out`` while a comparison runs: two comparisons writing the same
+    pairs would interleave their files."""
+    import fcntl
+
+    with (out / ".lock").open("w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"another comparison is running in {str(out)!r}") from None
+        yield

@@ -1,0 +1,267 @@
+"""Method specs: ``FILTER[@key=value[,key=value...]]``, optionally named ``NAME=SPEC``.
+
+A spec is a filter (``ppo`` = standard PPO, or any filter of ``rlinfluence.filters``) with
+``PPOConfig`` overrides, e.g. ``iif@learning_rate=0.02,drop_pct=25`` or
+``fast=ppo@learning_rate=0.04``. A comma-separated list of specs is split so that a
+``key=value`` whose key is a ``PPOConfig`` field continues the spec before it:
+
+    ppo,iif,ppo@learning_rate=0.02,iif@learning_rate=0.02,drop_pct=25
+    -> ppo | iif | ppo@learning_rate=0.02 | iif@learning_rate=0.02,drop_pct=25
+
+Every key and value is checked against ``PPOConfig``'s field types here, before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rlinfluence.errors import UserError
+from rlinfluence.filters import FILTER_NAMES
+from rlinfluence.ppo import PPOConfig
+
+FIELD_TYPES: dict[str, Any] = typing.get_type_hints(PPOConfig)
+# keys that define the pair rather than the method: a spec must not change them
+PAIR_KEYS = ("env", "seed", "filter", "method", "run_root", "progress")
+# keys that change only how a run is shown or stored, never its numbers
+PRESENTATION_KEYS = ("method", "progress", "run_root", "tensorboard", "save_checkpoints")
+METHOD_FILTERS = ("ppo", *(name for name in FILTER_NAMES if name != "none"))
+
+
+def coerce(key: str, text: str | Any) -> Any:
+    """The value of ``PPOConfig.key`` written as ``text`` (JSON where it parses), type-checked.
+
+    ``UserError`` names the key, the value and the expected type.
+    """
+    key = key.strip().replace("-", "_")
+    if key not in FIELD_TYPES:
+        raise UserError(f"unknown PPOConfig key {key!r}")
+    value = text
+    if isinstance(text, str):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+    try:
+        return _check(FIELD_TYPES[key], value)
+    except (TypeError, ValueError):
+        raise UserError(f"{key}={text!s}: expected {_type_name(FIELD_TYPES[key])}") from None
+
+
+def _check(tp: Any, value: Any) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+        if is_none and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check(arg, value)
+            except (TypeError, ValueError):
+                continue
+        raise TypeError
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ValueError
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            value = [value]
+        return tuple(_check(args[0], v) for v in value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise TypeError
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise TypeError
+    if tp is str:
+        return value if isinstance(value, str) else json.dumps(value)
+    raise TypeError
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, args))
+    if origin is tuple:
+        return f"a list of {_type_name(args[0])}"
+    return "None" if tp is type(None) else tp.__name__
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method of a comparison: a filter and its ``PPOConfig`` overrides."""
+
+    label: str
+    """how tables, plots and run directories name it (the spec text, or its NAME)"""
+    filter: str
+    """``ppo`` (standard PPO) or a filter name"""
+    overrides: tuple[tuple[str, Any], ...] = ()
+    """(key, value) pairs in the order given"""
+
+    @property
+    def override_dict(self) -> dict[str, Any]:
+        return dict(self.overrides)
+
+    def with_overrides(self, extra: dict[str, Any]) -> MethodSpec:
+        """The same method with more overrides (a tuning candidate); label gets them appended."""
+        merged = {**self.override_dict, **extra}
+        suffix = ",".join(f"{k}={_format(v)}" for k, v in extra.items())
+        sep = "," if "@" in self.label else "@"
+        return MethodSpec(f"{self.label}{sep}{suffix}" if extra else self.label, self.filter,
+                          tuple(merged.items()))
+
+    @property
+    def dirname(self) -> str:
+        """A file-system-safe folder prefix for this method's runs."""
+        return dirname_of(self.label)
+
+    def config_overrides(self) -> dict[str, Any]:
+        return {"filter": "none" if self.filter == "ppo" else self.filter, "method": self.dirname,
+                **self.override_dict}
+
+
+def dirname_of(label: str) -> str:
+    """A method label as a file-system-safe folder prefix."""
+    return re.sub(r"[^A-Za-z0-9._=@,+-]", "_", label)
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, tuple):
+        return json.dumps(list(value), separators=(",", ":"))
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+def split_top_level(text: str) -> list[str]:
+    """``a=1,b=[2,3]`` -> ``["a=1", "b=[2,3]"]``: split at commas outside brackets, drop blanks."""
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch in "[("
+        depth -= ch in "])"
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    return [p for p in (p.strip() for p in parts) if p]
+
+
+def split_specs(text: str) -> list[str]:
+    """Split a comma-separated spec list; a ``key=value`` token whose key is a ``PPOConfig``
+    field joins the spec before it."""
+    specs: list[str] = []
+    for token in split_top_level(text):
+        key = token.split("=", 1)[0].strip().replace("-", "_")
+        if "@" not in token and "=" in token and key in FIELD_TYPES:
+            if not specs or "@" not in specs[-1]:
+                raise UserError(f"{token!r} has no method before it (write FILTER@{token})")
+            specs[-1] += "," + token
+        else:
+            specs.append(token)
+    return specs
+
+
+def parse_spec(text: str) -> MethodSpec:
+    """One spec ``[NAME=]FILTER[@key=value,...]`` -> ``MethodSpec`` (``UserError`` if invalid)."""
+    text = text.strip()
+    head, at, tail = text.partition("@")
+    name = None
+    if "=" in head:
+        name, _, head = (part.strip() for part in head.partition("="))
+        if not re.fullmatch(r"[A-Za-z0-9._+-]+", name or ""):
+            raise UserError(f"method name {name!r} in {text!r}: use letters, digits and . _ + -")
+        if name in FIELD_TYPES:
+            raise UserError(f"method name {name!r} in {text!r} is a PPOConfig key; choose another name")
+    filter_name = head.strip()
+    if filter_name not in METHOD_FILTERS:
+        raise UserError(f"unknown method {filter_name!r} in {text!r} (filters: {', '.join(METHOD_FILTERS)})")
+    overrides: dict[str, Any] = {}
+    if at:
+        for pair in split_top_level(tail):
+            key, sep, value = pair.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep or not key:
+                raise UserError(f"bad override {pair!r} in {text!r}: expected key=value")
+            if key in PAIR_KEYS:
+                raise UserError(f"{key!r} cannot be set per method in {text!r} (it defines the run, not the method)")
+            overrides[key] = coerce(key, value.strip())
+    return MethodSpec(name or text, filter_name, tuple(overrides.items()))
+
+
+def parse_methods(text: str) -> list[MethodSpec]:
+    """A comma-separated spec list -> specs, with unique labels (``UserError`` otherwise)."""
+    specs = [parse_spec(s) for s in split_specs(text)]
+    if not specs:
+        raise UserError("--methods is empty")
+    labels = [s.label for s in specs]
+    dup = next((lab for lab in labels if labels.count(lab) > 1), None)
+    if dup is not None:
+        raise UserError(f"method {dup!r} is listed twice")
+    dirs = [s.dirname for s in specs]
+    if len(set(dirs)) < len(dirs):
+        raise UserError(f"methods {labels} collide as folder names; name them (NAME=SPEC)")
+    return specs
+
+
+def find_reference(specs: Sequence[MethodSpec], reference: str) -> MethodSpec:
+    """The spec ``reference`` names (by label, or by the same filter and overrides)."""
+    for spec in specs:
+        if spec.label == reference:
+            return spec
+    wanted = parse_spec(reference)
+    for spec in specs:
+        if (spec.filter, dict(spec.overrides)) == (wanted.filter, dict(wanted.overrides)):
+            return spec
+    raise UserError(f"--reference {reference!r} is not among the methods ({', '.join(s.label for s in specs)})")
+
+
+def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
+    """``key=value`` strings -> type-checked PPOConfig overrides."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise UserError(f"bad override {pair!r}: expected key=value with a PPOConfig field as key")
+        out[key.strip().replace("-", "_")] = coerce(key, value.strip())
+    return out
+
+
+def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
+    """``--tune key=v1,v2,...`` (repeatable) -> {key: [values]}; several keys = their product."""
+    grid: dict[str, list[Any]] = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not values.strip():
+            raise UserError(f"bad --tune {item!r}: expected key=v1,v2,...")
+        if key in PAIR_KEYS:
+            raise UserError(f"--tune cannot vary {key!r}")
+        if key in grid:
+            raise UserError(f"--tune lists {key!r} twice")
+        parsed = [coerce(key, v) for v in split_top_level(values)]
+        if len(set(map(repr, parsed))) < len(parsed):
+            raise UserError(f"--tune {key} repeats a value")
+        grid[key] = parsed
+    return grid
+
+
+def config_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """Keys whose values differ between two config dicts, presentation-only keys excepted."""
+    saved, wanted = json.loads(json.dumps(saved)), json.loads(json.dumps(wanted))  # tuples -> lists
+    keys = (set(saved) | set(wanted)) - set(PRESENTATION_KEYS)
+    return sorted(k for k in keys if saved.get(k) != wanted.get(k))
+
