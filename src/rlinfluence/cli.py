@@ -23,8 +23,12 @@ commands:
              rlinfluence train --env LunarLander-v3 [--seed 3] [--total-timesteps N] ...
              rlinfluence train --resume RUN_DIR   (continue from the last completed round)
              rlinfluence train --env Acrobot-v1 --filter iif --drop-pct 50
-  compare    multi-seed comparison with standard PPO: SE_ave, SE_peak, RT_peak, curves.png
+  compare    multi-seed comparison against a reference: SE/RT metrics, IQM, P(improvement), curves.png
              rlinfluence compare --env LunarLander-v3 --methods ppo,iif,random --seeds 5
+             rlinfluence compare --env FrozenLake-v1 --methods 'ppo,iif,iif@drop_pct=25' \
+                 --tune learning_rate=0.01,0.02,0.04,0.08 --tune-seeds 2   (tuned on other seeds)
+  aggregate  several compare folders (one per env) -> IQM, P(improvement), performance profiles
+             rlinfluence aggregate DIR [DIR ...] [--out DIR]
   attribute  influence of every record of a saved round (train with --save-buffers)
              rlinfluence attribute RUN_DIR --round 5 --target return|action [--state-index I] [--mode full]
   diagnose   harmful records of a saved round vs Monte-Carlo advantages (small discrete envs)
@@ -33,6 +37,8 @@ commands:
              rlinfluence timeline RUN_DIR --state-index I [--state-round K] [--action A] [--html]
   intervene  retrain rounds without their negatively influential records vs a random drop
              rlinfluence intervene RUN_DIR [RUN_DIR ...] --rounds 5,10,20 [--eval-episodes 100] [--html]
+  validate   counterfactual check of the scores: LDS over retrains on random subsets of a round
+             rlinfluence validate RUN_DIR --round 0,5,10 [--subsets 30] [--mode snapshot full]
   report     one self-contained HTML file: learning curve, influence statistics, saved analyses
              rlinfluence report RUN_DIR [--out report.html]
 
@@ -84,7 +90,7 @@ def train(args: list[str]) -> int:
 
 
 def compare(args: list[str]) -> int:
-    """Multi-seed comparison of methods against standard PPO; prints the summary table."""
+    """Multi-seed comparison of methods against a reference; prints the summary tables."""
     from rlinfluence.experiments import CompareConfig
     from rlinfluence.experiments import compare as run_compare
 
@@ -92,6 +98,32 @@ def compare(args: list[str]) -> int:
     out = run_compare(config)
     print((out / "summary.md").read_text())
     print(f"curves: {out / 'curves.png'}")
+    return 0
+
+
+@dataclass
+class AggregateArgs:
+    """Combine compare folders of several envs into one table with rliable's statistics and plots
+    (IQM and mean with stratified-bootstrap intervals, performance profiles, P(improvement))."""
+
+    folders: tyro.conf.Positional[tuple[str, ...]]
+    """compare output folders, one per env (same reference method)"""
+    out: str = "runs/aggregate"
+    """output folder: aggregate.md/.csv/.html and the PNG plots"""
+    bootstrap_reps: int = 2000
+    """bootstrap replications of every interval"""
+
+
+def aggregate(args: list[str]) -> int:
+    """Aggregate compare folders; prints the table."""
+    from rlinfluence.experiments.aggregate import aggregate as run_aggregate
+
+    a = tyro.cli(AggregateArgs, args=args, prog="rlinfluence aggregate")
+    if a.bootstrap_reps < 1:
+        raise UserError(f"--bootstrap-reps must be >= 1, got {a.bootstrap_reps}")
+    out = run_aggregate(a.folders, a.out, a.bootstrap_reps)
+    print((out / "aggregate.md").read_text())
+    print(f"wrote {out / 'aggregate.html'}")
     return 0
 
 
@@ -330,6 +362,84 @@ def report(args: list[str]) -> int:
     return 0
 
 
+@dataclass
+class ValidateArgs:
+    """Counterfactual check of the scores of saved rounds: retrain each round from theta(k) on
+    --subsets random subsets of --fraction of its records and report the linear datamodeling
+    score LDS = Spearman(sum of scores over the subset, real change of the target) with a 95%
+    bootstrap interval, and the real change without the lowest-scored 5/10/25% vs a random drop.
+    Runs of this library's trainer only (not Stable-Baselines3: it saves no run directory)."""
+
+    run_dir: tyro.conf.Positional[str]
+    """run directory trained with --save-buffers"""
+    round: str
+    """round k, or comma-separated rounds (0,5,10: LDS per round as a curve)"""
+    subsets: int = 30
+    """M random subsets, each retrained (at least 5)"""
+    fraction: float = 0.5
+    """fraction of the records kept in each subset, in (0, 1)"""
+    target: Literal["return", "action"] = "return"
+    """return: mean A log pi over the buffer; action: log pi(a|s) of the record --state-index"""
+    state_index: int | None = None
+    """flat buffer index of the (state, action) of the action target"""
+    mode: tuple[Literal["snapshot", "full"], ...] = ("snapshot",)
+    """scorers: snapshot (at theta(k)) and/or full (TracIn over the round's optimiser steps)"""
+    advantage_norm: tuple[Literal["chunk", "batch", "none"], ...] = ("batch",)
+    """snapshot mode's training-side advantages, one scorer each: chunk (IIF's: random chunks of
+    batch_size records), batch (whole buffer), none (raw); full mode ignores it"""
+    random_draws: int = 5
+    """random drops per percentage in the drop test"""
+    seed: int = 0
+    """seed of the subsets, random drops, chunking and bootstrap"""
+    html: bool = False
+    """also write RUN_DIR/analyses/validation.html"""
+
+
+def validate(args: list[str]) -> int:
+    """Validate saved rounds; write RUN_DIR/analyses/validation.{json,csv,png} (in the report)."""
+    from rlinfluence.analysis.intervention import parse_rounds
+    from rlinfluence.analysis.report import ANALYSES_DIR, save_section, write_html
+    from rlinfluence.analysis.validation import (
+        drop_rows,
+        lds_rows,
+        scorer_names,
+        validate_rounds,
+        validation_section,
+    )
+    from rlinfluence.influence.validation import check_settings
+
+    a = tyro.cli(ValidateArgs, args=args, prog="rlinfluence validate")
+    check_settings(a.subsets, a.fraction)
+    if a.seed < 0:
+        raise UserError(f"--seed must be >= 0, got {a.seed}")
+    try:
+        rounds = parse_rounds(a.round)
+    except UserError:
+        raise UserError(f"--round must be round numbers >= 0, comma-separated, got {a.round!r}"
+                        ) from None
+    results = validate_rounds(
+        a.run_dir, rounds, progress=True, target=a.target, state_index=a.state_index,
+        scorers=scorer_names(a.mode, a.advantage_norm), subsets=a.subsets, fraction=a.fraction,
+        random_draws=a.random_draws, seed=a.seed,
+    )
+    lds, drops = lds_rows(results), drop_rows(results)
+    fmt = {"float_format": lambda v: f"{v:.4g}", "index": False}
+    print(lds[["round", "scorer", "lds", "lds_low", "lds_high", "full_change", "retrain_seconds",
+               "reproduces_run"]].to_string(**fmt))
+    print(drops.drop(columns="run").to_string(**fmt))
+    for message in dict.fromkeys(m for m in lds["message"] if m):
+        print(f"LDS undefined: {message}")
+    section = validation_section(results)
+    folder = Path(a.run_dir) / ANALYSES_DIR
+    save_section(folder, section)
+    atomic_write(folder / "validation.csv", lambda p: lds.to_csv(p, index=False))
+    atomic_write(folder / "validation_drops.csv", lambda p: drops.to_csv(p, index=False))
+    print(f"wrote {folder / 'validation.json'}, validation.csv, validation_drops.csv")
+    if a.html:
+        print(f"wrote {write_html(folder / 'validation.html', section.title, [section])}")
+    return 0
+
+
 def rlhf(args: list[str]) -> int:
     """PPO / GRPO for causal language models, optionally with IIF (needs rlinfluence[rlhf])."""
     from rlinfluence.rlhf.cli import rlhf_command
@@ -338,8 +448,9 @@ def rlhf(args: list[str]) -> int:
 
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
-    "train": train, "compare": compare, "attribute": attribute,
+    "train": train, "compare": compare, "aggregate": aggregate, "attribute": attribute,
     "diagnose": diagnose, "timeline": timeline, "intervene": intervene, "report": report,
+    "validate": validate,
     "rlhf": rlhf,
 }
 
