@@ -87,10 +87,14 @@ def test_resume_with_corrupt_or_mismatched_checkpoint(tmp_path):
     run = _run_dir(tmp_path / "runs")
     before = (run / "metrics.csv").read_text()
 
-    corrupt = tmp_path / "corrupt"
+    corrupt = tmp_path / "corrupt"  # the newest checkpoint is skipped for the next older one
     shutil.copytree(run, corrupt)
     (corrupt / "checkpoints" / "round_0002.pt").write_bytes(b"\x00garbage")
-    _assert_one_line_error(rlinfluence("train", "--resume", corrupt), "cannot load checkpoint", "round_0002.pt")
+    out = rlinfluence("train", "--resume", corrupt)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert "cannot load checkpoint" in out.stderr and "resuming from round_0001.pt" in out.stderr
+    assert "weights_only" not in out.stderr
+    assert (corrupt / "metrics.csv").read_text().splitlines()[0] == before.splitlines()[0]
 
     mismatched = tmp_path / "mismatched"
     shutil.copytree(run, mismatched)

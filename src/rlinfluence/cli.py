@@ -5,16 +5,20 @@ Bad input (a ``UserError``) is printed as one line ``error: ...`` with exit code
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import tyro
 
 from rlinfluence.errors import UserError
-from rlinfluence.rundir import atomic_write
+from rlinfluence.rundir import atomic_write, check_output_file
+
+if TYPE_CHECKING:
+    from rlinfluence.ppo import PPO
 
 USAGE = """usage: rlinfluence <command> [flags]
 
@@ -72,6 +76,8 @@ def train(args: list[str]) -> int:
         if args:
             raise UserError(f"--resume continues with the run's saved config; unexpected flags {args}")
         trainer = PPO.resume(resume)
+        print(f"resuming {trainer.run.path} from theta({trainer.round}): environment episodes "
+              "restart (the envs are reset with a seed derived from (seed, round))")
     else:
         env = _pop_flag(list(args), "--env") or PPOConfig.env
         config = tyro.cli(
@@ -80,13 +86,30 @@ def train(args: list[str]) -> int:
             "for its six environments). Add --resume RUN_DIR (alone) to continue a run.",
         )
         trainer = PPO(config)
-    trainer.learn()
+    _learn(trainer, fresh=resume is None)
     last = trainer.run.rows[-1] if trainer.run and trainer.run.rows else None
     if last is not None:
         print(f"round {last['round']}: eval_return {last['eval_return_mean']:.3f} "
               f"+/- {last['eval_return_std']:.3f}, train_seconds {last['train_seconds']:.1f}")
     print(f"run directory: {trainer.run.path}")
     return 0
+
+
+def _learn(trainer: PPO, fresh: bool) -> None:
+    """``trainer.learn()``. A fresh run that fails before completing its first round leaves no
+    directory; a later failure keeps the completed rounds and says how to resume."""
+    try:
+        trainer.learn()
+    except BaseException as exc:
+        path = trainer.run.path
+        if fresh and trainer.round == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        if not isinstance(exc, UserError | OSError):
+            raise
+        if fresh and trainer.round == 0:
+            raise UserError(f"{exc} (no round completed; {str(path)!r} removed)") from None
+        raise UserError(f"{exc}; the {trainer.round} completed rounds are kept: continue with "
+                        f"rlinfluence train --resume {path}") from None
 
 
 def compare(args: list[str]) -> int:
@@ -156,6 +179,9 @@ def attribute(args: list[str]) -> int:
     from rlinfluence.ppo import load_round
 
     a = tyro.cli(AttributeArgs, args=args, prog="rlinfluence attribute")
+    if a.top < 0:
+        raise UserError(f"--top must be >= 0, got {a.top}")
+    out = check_output_file(a.out or Path(a.run_dir) / f"attribution_round_{a.round}.parquet")
     saved = load_round(a.run_dir, a.round)
     buffer, trainer = saved.buffer, saved.trainer
     if a.target == "action":
@@ -178,7 +204,7 @@ def attribute(args: list[str]) -> int:
             max_grad_norm=cfg.max_grad_norm, optimizer=trainer.optimizer if cfg.optimizer == "adam" else None,
         )
     table = attribution_table(buffer, scores)
-    out = Path(a.out or Path(a.run_dir) / f"attribution_round_{a.round}.parquet")
+    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, lambda p: table.to_parquet(p, index=False))
     print_records(table, a.top, title=f"round {a.round}, target {a.target}, {a.mode} influence")
     print(f"wrote {out}")
@@ -265,6 +291,8 @@ def timeline(args: list[str]) -> int:
     from rlinfluence.analysis.timeline import timeline as run_timeline
 
     a = tyro.cli(TimelineArgs, args=args, prog="rlinfluence timeline")
+    if a.top < 1:
+        raise UserError(f"--top must be >= 1, got {a.top}")
     target = select_state_action(a.run_dir, state_round=a.state_round, state_index=a.state_index,
                                  state=a.state, action=a.action)
     print(target.description)
@@ -312,6 +340,12 @@ def intervene(args: list[str]) -> int:
     from rlinfluence.analysis.report import ANALYSES_DIR, save_section, write_html
 
     a = tyro.cli(InterveneArgs, args=args, prog="rlinfluence intervene")
+    if not a.run_dirs:
+        raise UserError("intervene needs at least one RUN_DIR (a standard PPO run with --save-buffers)")
+    if a.eval_episodes < 1:
+        raise UserError(f"--eval-episodes must be >= 1, got {a.eval_episodes}")
+    if a.out and Path(a.out).exists() and not Path(a.out).is_dir():
+        raise UserError(f"--out {a.out!r} is a file; give a folder")
     rounds = parse_rounds(a.rounds)
     rows = run_intervention(list(a.run_dirs), rounds, a.eval_episodes, a.advantage_norm, progress=True)
     print(summarise(rows).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
@@ -352,6 +386,8 @@ def report(args: list[str]) -> int:
     a = tyro.cli(ReportArgs, args=args, prog="rlinfluence report")
     if a.score_rounds < 0:
         raise UserError(f"--score-rounds must be >= 0, got {a.score_rounds}")
+    if a.out is not None:
+        check_output_file(a.out)
     if not a.html:
         run = RunDirectory.open_existing(a.run_dir, tensorboard=False)
         print("sections: learning curve, influence statistics, "

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from rlinfluence.errors import UserError
+
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -200,11 +202,17 @@ def make_policy(
     hidden_sizes: Sequence[int] = (64, 64),
     encoder: str = "auto",
 ) -> ActorCritic:
-    """Build the actor-critic for a space pair; ``encoder='auto'`` picks the CNN for HWC uint8 images."""
+    """Build the actor-critic for a space pair; ``encoder='auto'`` picks the CNN for HWC uint8 images.
+
+    ``UserError`` for a space it cannot handle, listing the supported ones.
+    """
     if not isinstance(observation_space, gym.spaces.Box):
-        raise ValueError(
-            f"observation space {observation_space} is not a Box; wrap the env (see rlinfluence.envs)"
+        raise UserError(
+            f"observation space {observation_space} is not supported; supported: Box, Discrete "
+            f"(one-hot), Dict with an 'image' entry (MiniGrid)"
         )
+    if not isinstance(action_space, gym.spaces.Box | gym.spaces.Discrete):
+        raise UserError(f"action space {action_space} is not supported; supported: Discrete, Box")
     if encoder == "auto":
         is_image = observation_space.dtype == np.uint8 and len(observation_space.shape) == 3
         encoder = "cnn" if is_image else "flatten"

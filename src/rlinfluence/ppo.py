@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import random
+import sys
 import time
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +44,7 @@ from rlinfluence.filters import Filter, FilterContext, check_drop_pct, make_filt
 from rlinfluence.losses import ppo_loss
 from rlinfluence.policies import ActorCritic, make_policy, rollout_actor
 from rlinfluence.progress import progress_bar
-from rlinfluence.rundir import RunDirectory, load_checkpoint
+from rlinfluence.rundir import CheckpointError, RunDirectory, load_checkpoint
 
 
 @dataclass
@@ -150,6 +154,10 @@ class PPOConfig:
 
     def validate(self) -> None:
         """Raise ``UserError`` naming the first invalid value."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"{f.name} must be a finite number, got {value}")
         positive_ints = ("total_timesteps", "n_envs", "n_steps", "batch_size", "n_epochs",
                          "eval_envs", "torch_threads")
         for name in positive_ints:
@@ -170,24 +178,110 @@ class PPOConfig:
             if value is not None and not value > 0:
                 raise UserError(f"{name} must be > 0 (or None), got {value}")
         check_drop_pct(self.drop_pct)
-        for name in ("eval_episodes", "validation_steps"):
+        for name in ("seed", "eval_seed", "eval_episodes", "validation_steps"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.seed >= 2**32:
+            raise UserError(f"seed must be < 2**32, got {self.seed}")
+        if not self.adam_eps > 0:
+            raise UserError(f"adam_eps must be > 0, got {self.adam_eps}")
+        if self.vf_coef < 0:
+            raise UserError(f"vf_coef must be >= 0, got {self.vf_coef}")
+        if any(size < 1 for size in self.hidden_sizes):
+            raise UserError(f"hidden_sizes must all be >= 1, got {list(self.hidden_sizes)}")
+        if self.method is not None and (
+            not self.method or any(sep in self.method for sep in "/\\") or self.method in (".", "..")
+        ):
+            raise UserError(f"method must be a plain name (no path separator, not '..'), got {self.method!r}")
         check_env_id(self.env)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PPOConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> PPOConfig:
+        """The config ``to_dict`` wrote, every value type-checked against its field
+        (``UserError`` naming ``source`` and the first bad key)."""
+        if not isinstance(data, dict):
+            raise UserError(f"{source} is not a JSON object of PPOConfig keys")
+        unknown = sorted(set(data) - set(FIELD_TYPES))
         if unknown:
-            raise UserError(f"unknown config keys {unknown}")
-        data = dict(data)
-        if "hidden_sizes" in data:
-            data["hidden_sizes"] = tuple(data["hidden_sizes"])
-        return cls(**data)
+            raise UserError(f"{source}: unknown config keys {unknown}")
+        try:
+            return cls(**{key: coerce(key, value) for key, value in data.items()})
+        except UserError as exc:
+            raise UserError(f"{source}: {exc}") from None
+
+
+FIELD_TYPES: dict[str, Any] = typing.get_type_hints(PPOConfig)
+
+
+def coerce(key: str, text: str | Any) -> Any:
+    """The value of ``PPOConfig.key`` written as ``text`` (JSON where it parses), type-checked.
+
+    ``UserError`` names the key, the value and the expected type.
+    """
+    key = key.strip().replace("-", "_")
+    if key not in FIELD_TYPES:
+        raise UserError(f"unknown PPOConfig key {key!r}")
+    value = text
+    if isinstance(text, str):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+    try:
+        return _check(FIELD_TYPES[key], value)
+    except (TypeError, ValueError):
+        raise UserError(f"{key}={text!s}: expected {_type_name(FIELD_TYPES[key])}") from None
+
+
+def _check(tp: Any, value: Any) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+        if is_none and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check(arg, value)
+            except (TypeError, ValueError):
+                continue
+        raise TypeError
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ValueError
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            value = [value]
+        return tuple(_check(args[0], v) for v in value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise TypeError
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise TypeError
+    if tp is str:
+        return value if isinstance(value, str) else json.dumps(value)
+    raise TypeError
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, args))
+    if origin is tuple:
+        return f"a list of {_type_name(args[0])}"
+    return "None" if tp is type(None) else tp.__name__
 
 
 RoundCallback = Callable[["PPO", dict[str, Any]], "bool | None"]
@@ -293,14 +387,16 @@ class PPO:
         n_rounds = math.ceil((total_timesteps or cfg.total_timesteps) / cfg.rollout_size)
         if self.run is not None and cfg.save_checkpoints and self.round == 0:
             self.run.save_checkpoint(0, self.state_dict())  # theta(0): attribution of round 0 needs it
-        with progress_bar(cfg.progress, cfg.env, n_rounds, self.round) as advance:
-            while self.round < n_rounds:
-                metrics = self.train_round()
-                advance(f"eval {metrics['eval_return_mean']:.3g}  kept {metrics['kept_fraction']:.2f}")
-                if callback is not None and callback(self, metrics) is False:
-                    break
-        if self.run is not None:
-            self.run.close()
+        try:
+            with progress_bar(cfg.progress, cfg.env, n_rounds, self.round) as advance:
+                while self.round < n_rounds:
+                    metrics = self.train_round()
+                    advance(f"eval {metrics['eval_return_mean']:.3g}  kept {metrics['kept_fraction']:.2f}")
+                    if callback is not None and callback(self, metrics) is False:
+                        break
+        finally:
+            if self.run is not None:
+                self.run.close()
         return self
 
     def train_round(self) -> dict[str, Any]:
@@ -318,6 +414,7 @@ class PPO:
         keep = self.filter(buffer, context)
         t2 = time.perf_counter()
         update_stats = self.update(buffer, keep, context.sample_weights)
+        self._check_weights(buffer.round)
         t3 = time.perf_counter()
         self.train_seconds += t3 - t0
         self.train_cpu_seconds += time.process_time() - cpu0
@@ -401,6 +498,8 @@ class PPO:
             stream.track(rewards, terminated | truncated)
             obs = next_obs
         stream.obs = obs
+        _check_finite(b_rew, "reward", self.round)
+        _check_finite(b_obs, "observation", self.round)
         buf.last_values = self.policy.value(torch.as_tensor(obs))
         if stream is self.stream:
             self.env_steps += len(buf)
@@ -451,6 +550,12 @@ class PPO:
                     clip_range_vf=cfg.clip_range_vf, vf_coef=cfg.vf_coef, ent_coef=cfg.ent_coef,
                     normalize_advantage=cfg.normalize_advantage,
                 )
+                if not torch.isfinite(out.loss):
+                    raise UserError(
+                        f"round {buffer.round}: non-finite loss {float(out.loss.detach())} at epoch {epoch} "
+                        f"(policy_loss {out.policy_loss}, value_loss {out.value_loss}); stopped before "
+                        f"the round's checkpoint (check the env's reward scale)"
+                    )
                 if cfg.target_kl is not None and out.approx_kl > 1.5 * cfg.target_kl:
                     stop = True
                     break
@@ -473,6 +578,14 @@ class PPO:
         stats["kept_fraction"] = len(kept) / len(buffer)
         stats["n_updates"] = n_updates
         return stats
+
+    def _check_weights(self, round_index: int) -> None:
+        """``UserError`` if the update left a non-finite parameter (before any checkpoint of it)."""
+        for name, param in self.policy.named_parameters():
+            if not torch.isfinite(param).all():
+                bad = param[~torch.isfinite(param)][0]
+                raise UserError(f"round {round_index}: parameter {name!r} became {float(bad)} in the "
+                                f"update; stopped before the round's checkpoint (lower learning_rate?)")
 
     # -- 5. evaluate --------------------------------------------------------------------
     def evaluate(self, n_episodes: int | None = None) -> np.ndarray:
@@ -516,8 +629,10 @@ class PPO:
         """Restore a ``state_dict``; ``UserError`` if it belongs to another env or network.
 
         The environments are reset (episodes cannot be restored) with a seed derived from
-        (seed, round), so a resumed run is itself reproducible.
+        (seed, round), so a resumed run is itself reproducible. A state with missing or malformed
+        entries is a ``CheckpointError``, raised before anything is restored.
         """
+        _check_state(state, source)
         if state.get("env") != self.config.env:
             raise UserError(f"{source} is for env {state.get('env')!r}, not {self.config.env!r}")
         expected = {k: tuple(v.shape) for k, v in self.policy.state_dict().items()}
@@ -558,13 +673,28 @@ class PPO:
 
     @classmethod
     def resume(cls, run_dir: str | Path, filter: Filter | None = None) -> PPO:
-        """Continue a run from its last completed round (same config, same directory)."""
+        """Continue a run from its newest loadable checkpoint (same config, same directory).
+
+        An unreadable checkpoint (corrupt, truncated, empty, malformed) is skipped, with a warning
+        on stderr, for the next older one; one of another env or network is a ``UserError``.
+        """
         run = RunDirectory.open_existing(run_dir)
-        config = PPOConfig.from_dict(run.read_config())
-        checkpoint = run.latest_checkpoint()
-        state = load_checkpoint(checkpoint)
+        run.check_writable()
+        config = PPOConfig.from_dict(run.read_config(), source=repr(str(run.path / "config.json")))
+        checkpoints = run.checkpoints()
         trainer = cls(config, filter=filter, run_dir=run)
-        trainer.load_state_dict(state, source=repr(str(checkpoint)))
+        skipped: list[str] = []
+        for checkpoint in checkpoints:
+            try:
+                trainer.load_state_dict(load_checkpoint(checkpoint), source=repr(str(checkpoint)))
+                break
+            except CheckpointError as exc:
+                skipped.append(f"{checkpoint.name} ({exc})")
+        else:
+            raise UserError(f"no checkpoint of {str(run.path)!r} loads; newest: {skipped[0]}")
+        if skipped:
+            print(f"warning: skipped unusable checkpoint {'; '.join(skipped)}; resuming from "
+                  f"{checkpoint.name}", file=sys.stderr)
         run.truncate(trainer.round)
         return trainer
 
@@ -613,6 +743,7 @@ def load_round(run_dir: str | Path, round_index: int) -> SavedRound:
     if not checkpoint.is_file():
         raise UserError(f"no checkpoint for theta({round_index}) ({str(checkpoint)!r})")
     trainer = PPO(config, run_dir=False)
+    _check_buffer_fits(tensors, trainer, run.buffer_path(round_index))
     state = load_checkpoint(checkpoint)
     trainer.load_state_dict(state, source=repr(str(checkpoint)))
     schedule = []
@@ -620,6 +751,48 @@ def load_round(run_dir: str | Path, round_index: int) -> SavedRound:
         schedule = [MinibatchStep(int(e), idx, float(lr)) for e, idx, lr in zip(
             tensors["schedule_epochs"], tensors["schedule_indices"], tensors["schedule_lr"], strict=True)]
     return SavedRound(trainer, RolloutBuffer.from_tensors(tensors), tensors["keep"], schedule, state)
+
+
+def _check_buffer_fits(tensors: dict[str, torch.Tensor], trainer: PPO, path: Path) -> None:
+    """``UserError`` if a saved buffer's observations or actions do not fit the run's env."""
+    space, continuous = trainer.env.single_observation_space, trainer.policy.continuous
+    action_shape = tuple(trainer.env.single_action_space.shape) if continuous else ()
+    for name, expected in (("obs", tuple(space.shape)), ("actions", action_shape)):
+        found = tuple(tensors[name].shape[1:])
+        if found != expected:
+            raise UserError(f"buffer {str(path)!r} does not fit env {trainer.config.env}: {name} of "
+                            f"shape {found} per record, expected {expected} (a buffer of another run?)")
+
+
+_STATE_KEYS = ("round", "env_steps", "train_seconds", "policy", "optimizer", "generator")
+
+
+def _check_state(state: dict[str, Any], source: str) -> None:
+    """``CheckpointError`` if ``state`` lacks an entry of ``PPO.state_dict`` or one is malformed."""
+    missing = [key for key in _STATE_KEYS if key not in state]
+    if missing:
+        raise CheckpointError(f"{source} lacks {', '.join(missing)} (not a PPO checkpoint)")
+    if not isinstance(state["round"], int) or state["round"] < 0:
+        raise CheckpointError(f"{source} has a malformed round {state['round']!r}")
+    if not isinstance(state["policy"], dict) or not all(isinstance(v, torch.Tensor) for v in state["policy"].values()):
+        raise CheckpointError(f"{source} has a malformed policy state")
+    for key in ("generator", "validation_generator"):
+        if key in state:
+            try:
+                torch.Generator().set_state(state[key])
+            except (RuntimeError, TypeError, ValueError):
+                raise CheckpointError(f"{source} has a malformed RNG state ({key})") from None
+
+
+def _check_finite(values: np.ndarray, what: str, round_index: int) -> None:
+    """``UserError`` naming the first non-finite entry of a collected ``[n_steps, n_envs, ...]`` array."""
+    if values.dtype.kind != "f":
+        return
+    bad = ~np.isfinite(values)
+    if bad.any():
+        where = tuple(np.argwhere(bad)[0])
+        raise UserError(f"round {round_index}: the env returned a non-finite {what} ({values[where]}) "
+                        f"at step {where[0]} of env {where[1]}")
 
 
 def _derived_seed(seed: int, round_index: int, stream: int) -> int:

@@ -10,12 +10,14 @@ Layout of ``runs/<env>__<method>__<seed>__<time>/``::
                                     the initial policy); torch.load(weights_only=True)
     buffers/round_0003.safetensors  round 3's records and update schedule (``save_buffers``)
 
-Every file is written to a temporary name in the same folder and renamed into place, so a
-killed run never leaves a half-written file; ``metrics.csv`` is rewritten whole each round.
+Every file is written to a temporary name in the same folder, flushed to disk and renamed
+into place, so a killed run never leaves a half-written file; ``metrics.csv`` is rewritten whole
+each round. Every file read back is checked: an unusable one is a one-line ``UserError``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -37,14 +39,49 @@ _TB_GROUPS = {
 }
 
 
+class CheckpointError(UserError):
+    """A checkpoint that cannot be used: unreadable, truncated, or missing or malformed entries."""
+
+
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` on a temporary sibling of ``path``, then rename it onto ``path``."""
+    """Call ``write(tmp)`` on a temporary sibling of ``path``, fsync it, then rename it onto
+    ``path``; an ``OSError`` (full disk, read-only folder) is a ``UserError`` naming ``path``."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         write(tmp)
+        _fsync(tmp)
         os.replace(tmp, path)
+        if os.name == "posix":  # the rename itself (Windows cannot open a folder to fsync it)
+            _fsync(path.parent)
+    except OSError as exc:
+        raise UserError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only folder: nothing was written
+            tmp.unlink(missing_ok=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_output_file(path: str | Path, flag: str = "--out") -> Path:
+    """``path`` as an output file: ``UserError`` if it is a directory or a parent is a file."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {str(path)!r} is a directory; give a file name")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"{flag} {str(path)!r}: {str(parent)!r} is a file, not a directory")
+            if not os.access(parent, os.W_OK):
+                raise UserError(f"{flag} {str(path)!r}: {str(parent)!r} is not writable")
+            break
+    return path
 
 
 def round_name(round_index: int) -> str:
@@ -94,9 +131,14 @@ class RunDirectory:
             raise UserError(f"{str(run.path)!r} is not a run directory (no config.json)")
         metrics = run.path / "metrics.csv"
         if metrics.is_file():
-            with metrics.open(newline="") as f:
-                run.rows = [_parse_row(row) for row in csv.DictReader(f)]
+            run.rows = _read_metrics(metrics)
         return run
+
+    def check_writable(self) -> None:
+        """``UserError`` unless the run's files can be written (before resuming it)."""
+        for folder in (self.path, self.path / "checkpoints"):
+            if folder.is_dir() and not os.access(folder, os.W_OK):
+                raise UserError(f"run directory {str(folder)!r} is not writable: cannot resume")
 
     # -- config -----------------------------------------------------------------------
     def write_config(self, config: dict[str, Any]) -> None:
@@ -123,15 +165,24 @@ class RunDirectory:
             self._log_tensorboard(metrics)
 
     def truncate(self, n_rounds: int) -> None:
-        """Forget rows of rounds >= ``n_rounds`` (used when resuming from a checkpoint)."""
-        self.rows = [row for row in self.rows if int(row["round"]) < n_rounds]
+        """Forget rows of rounds >= ``n_rounds`` (used when resuming from a checkpoint);
+        ``UserError`` unless the rows left are rounds 0..n_rounds-1, each once."""
+        self.rows = [row for row in self.rows if row["round"] < n_rounds]
+        rounds = [row["round"] for row in self.rows]
+        if rounds != list(range(n_rounds)):
+            missing = sorted(set(range(n_rounds)) - set(rounds))
+            repeated = sorted({r for r in rounds if rounds.count(r) > 1})
+            problem = f"rows missing for rounds {_spans(missing)}" if missing else (
+                f"rounds {_spans(repeated)} repeated" if repeated else "rounds out of order")
+            raise UserError(f"{str(self.path / 'metrics.csv')!r} does not match the checkpoint of "
+                            f"round {n_rounds} ({problem}): restore it or start a new run")
 
     def _log_tensorboard(self, metrics: dict[str, Any]) -> None:
-        if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(str(self.path))
         step = int(metrics["env_steps"])
+        if self._writer is None:  # purge_step: a resumed run's redone rounds replace the old events
+            self._writer = SummaryWriter(str(self.path), purge_step=step)
         for key, value in metrics.items():
             if key in ("round", "env_steps") or not isinstance(value, (int, float)):
                 continue
@@ -151,14 +202,25 @@ class RunDirectory:
     def save_checkpoint(self, n_rounds: int, state: dict[str, Any]) -> Path:
         """State after ``n_rounds`` completed rounds; loadable with ``weights_only=True``."""
         path = self.checkpoint_path(n_rounds)
-        atomic_write(path, lambda p: torch.save(state, p))
+
+        def save(tmp: Path) -> None:
+            try:
+                torch.save(state, tmp)
+            except RuntimeError as exc:  # torch reports a failed write (a full disk) this way
+                raise OSError(_first_line(exc)) from None
+
+        atomic_write(path, save)
         return path
 
-    def latest_checkpoint(self) -> Path:
-        paths = sorted((self.path / "checkpoints").glob("round_*.pt"))
+    def checkpoints(self) -> list[Path]:
+        """The run's checkpoints, newest first; ``UserError`` if there is none."""
+        paths = sorted((self.path / "checkpoints").glob("round_*.pt"), reverse=True)
         if not paths:
             raise UserError(f"no checkpoint in {str(self.path / 'checkpoints')!r} to resume from")
-        return paths[-1]
+        return paths
+
+    def latest_checkpoint(self) -> Path:
+        return self.checkpoints()[0]
 
     # -- buffers ----------------------------------------------------------------------
     def buffer_path(self, round_index: int) -> Path:
@@ -180,27 +242,99 @@ class RunDirectory:
             saved = sorted(int(p.stem.split("_")[1]) for p in (self.path / "buffers").glob("round_*.safetensors"))
             hint = f"saved rounds: {saved[0]}..{saved[-1]}" if saved else "train with --save-buffers"
             raise UserError(f"no saved buffer for round {round_index} in {str(self.path)!r} ({hint})")
-        return load_file(str(path))
+        try:
+            tensors = load_file(str(path))
+        except Exception as exc:  # safetensors' own error type: corrupt header, truncated data
+            raise UserError(f"cannot read buffer {str(path)!r}: {_first_line(exc)}") from None
+        _check_buffer(tensors, round_index, path)
+        return tensors
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """``torch.load(path, weights_only=True)`` with a one-line ``UserError`` if it is unusable."""
+    """``torch.load(path, weights_only=True)``; a one-line ``CheckpointError`` if it is unusable."""
     try:
         state = torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as exc:  # corrupt zip, truncated file, unpickling refused...
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"cannot load checkpoint {str(path)!r}: {first_line}") from None
+    except Exception as exc:  # corrupt zip, truncated or empty file, unpickling refused...
+        # torch's own messages suggest weights_only=False, which would run arbitrary code
+        text = str(exc)
+        if "Unsupported global" in text:
+            reason = "it holds objects a weights-only load refuses (not written by rlinfluence)"
+        elif isinstance(exc, EOFError) or not Path(path).stat().st_size:
+            reason = "the file is empty"
+        elif "zip archive" in text or "weights_only" in text or "Weights only" in text:
+            reason = "the file is corrupt or truncated"
+        else:
+            reason = _first_line(exc)
+        raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {reason}") from None
     if not isinstance(state, dict) or "policy" not in state:
-        raise UserError(f"{str(path)!r} is not an rlinfluence checkpoint")
+        raise CheckpointError(f"{str(path)!r} is not an rlinfluence checkpoint")
     return state
 
 
-def _parse_row(row: dict[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in row.items():
-        try:
-            number = float(value)
+_BUFFER_KEYS = ("record_ids", "obs", "actions", "rewards", "logp", "values", "advantages", "keep")
+
+
+def _check_buffer(tensors: dict[str, torch.Tensor], round_index: int, path: Path) -> None:
+    """``UserError`` if a saved buffer lacks a field, its fields disagree in length, or it is
+    another round's."""
+    missing = [key for key in _BUFFER_KEYS if key not in tensors]
+    if missing:
+        raise UserError(f"buffer {str(path)!r} lacks {', '.join(missing)} (not a saved round)")
+    ids = tensors["record_ids"]
+    if ids.ndim != 2 or ids.shape[1] != 3 or not len(ids):
+        raise UserError(f"buffer {str(path)!r} has malformed record_ids of shape {tuple(ids.shape)}")
+    lengths = {key: len(value) for key, value in tensors.items()
+               if key not in ("last_values",) and not key.startswith("schedule_")}
+    wrong = sorted(key for key, n in lengths.items() if n != len(ids))
+    if wrong:
+        raise UserError(f"buffer {str(path)!r}: {wrong[0]} has {lengths[wrong[0]]} records, "
+                        f"record_ids {len(ids)}")
+    if int(ids[0, 0]) != round_index:
+        raise UserError(f"buffer {str(path)!r} holds round {int(ids[0, 0])}, not {round_index}")
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    """``metrics.csv`` as rows of numbers (an empty cell is left out); ``UserError`` naming the
+    line and column of the first cell that is not a number, or a file that is not such a CSV."""
+    try:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            columns = reader.fieldnames or []
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise UserError(f"cannot read {str(path)!r}: {_first_line(exc)}") from None
+    if rows and "round" not in columns:
+        raise UserError(f"{str(path)!r} has no 'round' column (columns: {', '.join(columns[:5])})")
+    parsed = []
+    for line, row in enumerate(rows, start=2):
+        out: dict[str, Any] = {}
+        for key, value in row.items():
+            if key is None or value is None:
+                raise UserError(f"{str(path)!r} line {line}: {len(columns)} columns expected")
+            if value == "":
+                continue
+            try:
+                number = float(value)
+            except ValueError:
+                raise UserError(f"{str(path)!r} line {line}, column {key!r}: {value!r} is not a number") from None
             out[key] = int(number) if number.is_integer() and "." not in value and "e" not in value else number
-        except (TypeError, ValueError):
-            out[key] = value
-    return out
+        if not isinstance(out.get("round"), int) or out["round"] < 0:
+            raise UserError(f"{str(path)!r} line {line}: round {row.get('round')!r} is not a round number")
+        parsed.append(out)
+    return parsed
+
+
+def _spans(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0..2, 5``."""
+    spans: list[str] = []
+    for v in values:
+        if spans and int(spans[-1].split("..")[-1]) == v - 1:
+            spans[-1] = f"{spans[-1].split('..')[0]}..{v}"
+        else:
+            spans.append(str(v))
+    return ", ".join(spans)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -205,6 +205,9 @@ def learning_section(run: RunDirectory, config: dict[str, Any]) -> Section:
     if not rows:
         section.paragraphs.append("metrics.csv has no completed round yet.")
         return section
+    if not any("eval_return_mean" in r for r in rows):
+        raise UserError(f"{str(run.path / 'metrics.csv')!r} has no eval_return_mean column "
+                        "(not written by rlinfluence train?)")
     rounds = np.array([r["round"] for r in rows], dtype=float)
 
     def column(name: str) -> np.ndarray:

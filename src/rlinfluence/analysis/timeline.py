@@ -120,9 +120,12 @@ def action_probability(policy: torch.nn.Module, obs: torch.Tensor, action: torch
 
 def _parse_floats(text: str, what: str) -> list[float]:
     try:
-        return [float(v) for v in text.replace(" ", "").split(",") if v != ""]
+        values = [float(v) for v in text.replace(" ", "").split(",") if v != ""]
     except ValueError:
         raise UserError(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if not all(math.isfinite(v) for v in values):
+        raise UserError(f"{what} must be finite numbers, got {text!r}")
+    return values
 
 
 @dataclass

@@ -2,14 +2,21 @@
 
 A pair is a top-level function of plain data (its ``PPOConfig`` as a dict and its folder), so
 the executor does not change its result. A finished pair (``done.json``) is skipped; an
-unfinished one resumes from its last checkpoint. A tuning pair may fail as a result (a learning
-rate so large that the values diverge): it then ends with ``failed.json`` (round and reason)
-instead of stopping the comparison, and counts as the worst candidate.
+unfinished one resumes from its last checkpoint. A pair may fail as a result (a learning rate so
+large that the values diverge): it then ends with ``failed.json`` (round and reason) instead of
+stopping the comparison; a failed tuning candidate is never chosen, and a failed evaluation pair
+counts with the worst return of the comparison (``comparison.load_curves``). Local workers die with
+the comparison's process (even on kill -9), so its folder lock covers every pair it started.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
@@ -96,10 +103,35 @@ def _run_local(jobs: list[Job], workers: int, on_done: Callable[[str], None], ma
         return
     import multiprocessing
 
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
         futures = [pool.submit(run_pair, config, run_dir, may_fail) for config, run_dir in jobs]
         for future in as_completed(futures):
             on_done(future.result())
+
+
+def die_with_parent(parent: int) -> None:
+    """Make this (worker) process end when ``parent`` does, however it ends: an orphaned worker
+    would finish its pair after the comparison's folder lock is released.
+
+    Linux: the kernel's parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``); elsewhere a
+    daemon thread that polls the parent pid.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0:  # 1 = PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # the parent died before the signal was armed
+                os._exit(1)
+            return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="die-with-parent").start()
 
 
 def _run_ray(jobs: list[Job], address: str, on_done: Callable[[str], None], may_fail: bool) -> None:

@@ -15,90 +15,19 @@ from __future__ import annotations
 
 import json
 import re
-import types
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from rlinfluence.errors import UserError
 from rlinfluence.filters import FILTER_NAMES
-from rlinfluence.ppo import PPOConfig
+from rlinfluence.ppo import FIELD_TYPES, coerce  # coerce lives in ppo (PPOConfig.from_dict uses it)
 
-FIELD_TYPES: dict[str, Any] = typing.get_type_hints(PPOConfig)
 # keys that define the pair rather than the method: a spec must not change them
 PAIR_KEYS = ("env", "seed", "filter", "method", "run_root", "progress")
 # keys that change only how a run is shown or stored, never its numbers
 PRESENTATION_KEYS = ("method", "progress", "run_root", "tensorboard", "save_checkpoints")
 METHOD_FILTERS = ("ppo", *(name for name in FILTER_NAMES if name != "none"))
-
-
-def coerce(key: str, text: str | Any) -> Any:
-    """The value of ``PPOConfig.key`` written as ``text`` (JSON where it parses), type-checked.
-
-    ``UserError`` names the key, the value and the expected type.
-    """
-    key = key.strip().replace("-", "_")
-    if key not in FIELD_TYPES:
-        raise UserError(f"unknown PPOConfig key {key!r}")
-    value = text
-    if isinstance(text, str):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = text
-    try:
-        return _check(FIELD_TYPES[key], value)
-    except (TypeError, ValueError):
-        raise UserError(f"{key}={text!s}: expected {_type_name(FIELD_TYPES[key])}") from None
-
-
-def _check(tp: Any, value: Any) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
-        if is_none and type(None) in args:
-            return None
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _check(arg, value)
-            except (TypeError, ValueError):
-                continue
-        raise TypeError
-    if origin is Literal:
-        if value in args:
-            return value
-        raise ValueError
-    if origin is tuple:
-        if not isinstance(value, list | tuple):
-            value = [value]
-        return tuple(_check(args[0], v) for v in value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise TypeError
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise TypeError
-    if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        raise TypeError
-    if tp is str:
-        return value if isinstance(value, str) else json.dumps(value)
-    raise TypeError
-
-
-def _type_name(tp: Any) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in args)
-    if origin is Literal:
-        return "one of " + ", ".join(map(str, args))
-    if origin is tuple:
-        return f"a list of {_type_name(args[0])}"
-    return "None" if tp is type(None) else tp.__name__
 
 
 @dataclass(frozen=True)
