@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 
 import numpy as np
 import pytest
@@ -48,6 +49,7 @@ def test_the_issue_example_parses_into_five_methods():
     ("ppo,iif@seed=4", "'seed' cannot be set per method"),
     ("ppo,ppo", "listed twice"),
     ("learning_rate=0.1,ppo", "has no method before it"),
+    ("ppo,iif@eval_episodes=0", "a comparison needs eval_episodes >= 1, got 0"),
 ])
 def test_a_bad_spec_is_one_error_line_and_writes_nothing(tmp_path, capsys, methods, message):
     out = tmp_path / "out"
@@ -193,7 +195,18 @@ def test_a_diverging_tuning_candidate_is_recorded_and_never_chosen(tmp_path):
     failed = json.loads((out / "tune" / "ppo@learning_rate=1000000000000.0__seed1001" / "failed.json").read_text())
     assert "non-finite" in failed["error"]
     assert json.loads((out / "compare.json").read_text())["chosen"] == {"ppo": {"learning_rate": 0.001}}
-    assert "seed 1001 failed: round 1: non-finite advantages" in (out / "summary.md").read_text()
+    assert re.search(r"seed 1001 failed: round \d+: non-finite", (out / "summary.md").read_text())
     with pytest.raises(UserError, match="every tuning candidate failed"):
         compare(_tiny(tmp_path / "all", methods="ppo", seeds=1, set=sgd, tune=("learning_rate=1e12,1e13",),
                       tune_seeds=1))
+
+
+def test_a_diverging_evaluation_pair_is_kept_at_the_worst_return(tmp_path):
+    sgd = (*TINY_SET, "optimizer=sgd", "max_grad_norm=null", "learning_rate=0.001")
+    out = compare(_tiny(tmp_path, methods="ppo,wild=ppo@learning_rate=1e12", rounds=3, set=sgd))
+    assert "non-finite" in json.loads((out / "wild__seed1" / "failed.json").read_text())["error"]
+    rows = {r["method"]: r for r in csv.DictReader((out / "summary.csv").open())}
+    assert rows["wild"]["failed_seeds"] == "1 2" and str(rows["ppo"]["failed_seeds"]) in ("", "nan")
+    scores = list(csv.DictReader((out / "scores.csv").open()))
+    assert len(scores) == 4  # the failed pairs are in the statistics, not dropped
+    assert "**Failed pairs** (training diverged): wild (seeds 1 2)" in (out / "summary.md").read_text()

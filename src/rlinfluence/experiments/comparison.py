@@ -86,8 +86,8 @@ class CompareConfig:
     set: tuple[str, ...] = ()
     """further PPOConfig overrides for every run, as key=value (e.g. optimizer=adam)"""
     tune: tuple[str, ...] = ()
-    """tune every method over key=v1,v2,... (repeat for several keys: their product) on the
-    tuning seeds, then evaluate each with its best value"""
+    """tune every method over key=v1,v2,... (several keys, space-separated: their product) on
+    the tuning seeds, then evaluate each with its best value"""
     tune_seeds: int = 2
     """number of tuning seeds (tune_first_seed, ...), disjoint from the evaluation seeds"""
     tune_first_seed: int = 1001
@@ -132,6 +132,8 @@ class CompareConfig:
             config.validate()
         except UserError as exc:
             raise UserError(f"method {spec.label!r}: {exc}") from None
+        if config.eval_episodes < 1:  # every metric is computed on the evaluation curve
+            raise UserError(f"a comparison needs eval_episodes >= 1, got {config.eval_episodes}")
         return config
 
 
@@ -216,7 +218,7 @@ def compare(cfg: CompareConfig) -> Path:
         check_existing(eval_jobs)
         atomic_write(out / "compare.json", lambda p: p.write_text(json.dumps(
             {**asdict(cfg), "chosen": chosen}, indent=2)))
-        _run(cfg, eval_jobs, "pairs")
+        _run(cfg, eval_jobs, "pairs", may_fail=True)
         write_summary(out, plan.labels, plan.seeds, cfg.smooth, cfg.clock, plan.reference.label,
                       chosen=chosen, tuning=tuning_table, reps=cfg.bootstrap_reps)
     return out
@@ -267,12 +269,35 @@ _COLUMNS = [
     ("rounds_to_ppo_peak", "rounds to ref peak"), ("seconds_to_ppo_peak", "seconds to ref peak"),
     ("auc", "mean return over rounds"),
 ]
-_BOOTSTRAPPED = ("se_50pct", "se_80pct", "se_90pct", "rt_80pct")
+_BOOTSTRAPPED = ("se_50pct", "se_80pct", "se_90pct", "rt_50pct", "rt_80pct", "rt_90pct")
 
 
 def load_curves(out: Path, methods: Sequence[str], seeds: Sequence[int], window: int = 1,
                 clock: Clock = "wall") -> dict[tuple[str, int], Curve]:
-    return {(m, s): Curve.from_run(out / f"{dirname_of(m)}__seed{s}", window, clock) for m in methods for s in seeds}
+    """Every evaluation pair's curve. A pair that failed (its values diverged) is kept, not
+    dropped, which would flatter its method: after its last completed round its curve stays at
+    the worst return any pair of the comparison reached, its seconds stop and its approx_kl is NaN."""
+    curves, failed = {}, []
+    for m in methods:
+        for s in seeds:
+            run_dir = out / f"{dirname_of(m)}__seed{s}"
+            if failure(run_dir) is not None:
+                failed.append((m, s))
+                if not (run_dir / "metrics.csv").is_file() or len(pd.read_csv(run_dir / "metrics.csv")) == 0:
+                    curves[m, s] = Curve(np.zeros(0), np.zeros(0), np.zeros(0))
+                    continue
+            curves[m, s] = Curve.from_run(run_dir, window, clock)
+    if failed:
+        n = max(len(c.returns) for c in curves.values())
+        worst = min(float(c.returns.min()) for c in curves.values() if len(c.returns))
+        for key in failed:
+            c, pad = curves[key], n - len(curves[key].returns)
+            last_second = float(c.seconds[-1]) if len(c.seconds) else 0.0
+            kl = c.approx_kl if c.approx_kl is not None else np.full(len(c.returns), np.nan)
+            curves[key] = Curve(np.concatenate([c.returns, np.full(pad, worst)]),
+                                np.concatenate([c.seconds, np.full(pad, last_second)]),
+                                np.concatenate([kl, np.full(pad, np.nan)]))
+    return curves
 
 
 def normalised_scores(curves: dict[tuple[str, int], Curve], methods: Sequence[str], seeds: Sequence[int],
@@ -326,8 +351,11 @@ def summarize(out: Path, methods: Sequence[str], seeds: Sequence[int], window: i
             else:
                 p = (math.nan,) * 3
             row[f"poi_{kind}"], row[f"poi_{kind}_lo"], row[f"poi_{kind}_hi"] = p
-        kls = [float(np.nanmean(curves[method, s].approx_kl)) for s in seeds if curves[method, s].approx_kl is not None]
+        kls = [float(np.nanmean(curves[method, s].approx_kl)) for s in seeds
+               if curves[method, s].approx_kl is not None and np.isfinite(curves[method, s].approx_kl).any()]
         row["approx_kl_mean"] = float(np.mean(kls)) if kls else math.nan
+        row["failed_seeds"] = " ".join(str(s) for s in seeds
+                                       if failure(out / f"{dirname_of(method)}__seed{s}") is not None)
         rows.append(row)
     return rows
 
@@ -366,8 +394,14 @@ def write_summary(
     reference: str = "ppo", chosen: dict[str, dict[str, Any]] | None = None,
     tuning: pd.DataFrame | None = None, reps: int = DEFAULT_REPS,
 ) -> None:
-    """summary.md, summary.csv, scores.csv (normalised scores per run) and curves.png."""
+    """summary.md, summary.csv, scores.csv (normalised scores per run) and curves.png; the tuning
+    choice and table default to the folder's own (compare.json, tuning.csv)."""
     rows = summarize(out, methods, seeds, window, clock, reference, reps)
+    if chosen is None and (out / "compare.json").is_file():
+        chosen = json.loads((out / "compare.json").read_text()).get("chosen")
+    if tuning is None and (out / "tuning.csv").is_file():
+        tuning = pd.read_csv(out / "tuning.csv")
+        tuning[["at_edge", "failed"]] = tuning[["at_edge", "failed"]].fillna("")
     chosen = chosen or {}
     for row in rows:
         row["chosen"] = json.dumps(chosen.get(row["method"], {}))
@@ -413,8 +447,13 @@ def write_summary(
         [[r["method"], _interval(r, "iqm_auc_norm"), _interval(r, "mean_auc_norm"), _interval(r, "iqm_final_norm"),
           _interval(r, "poi_auc"), _interval(r, "poi_final"), _reduction_interval(r, "se_80pct"),
           _reduction_interval(r, "rt_80pct"), f"{r['approx_kl_mean']:.3g}"] for r in rows])
+    failed = [f"{r['method']} (seeds {r['failed_seeds']})" for r in rows if r["failed_seeds"]]
+    if failed:
+        lines += ["", f"**Failed pairs** (training diverged): {', '.join(failed)}. Each is kept in every "
+                  "statistic, its curve after the last completed round set to the worst return any pair "
+                  "of the comparison reached (failed.json in its folder says where and why)."]
     atomic_write(out / "summary.md", lambda p: p.write_text("\n".join(lines) + "\n"))
-    plot_curves(out, methods, seeds, window, clock)
+    plot_curves(out, methods, seeds, window, clock, chosen)
 
 
 def _chosen_text(point: dict[str, Any] | None) -> str:
@@ -422,10 +461,11 @@ def _chosen_text(point: dict[str, Any] | None) -> str:
 
 
 def plot_curves(
-    out: Path, methods: Sequence[str], seeds: Sequence[int], window: int = 1, clock: Clock = "wall"
+    out: Path, methods: Sequence[str], seeds: Sequence[int], window: int = 1, clock: Clock = "wall",
+    chosen: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
     """curves.png: eval return vs rounds and vs training seconds, and approx_kl vs rounds,
-    mean +/- s.e. band over seeds per method."""
+    mean +/- s.e. band over seeds per method (labelled with its tuned values, if any)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -435,18 +475,19 @@ def plot_curves(
     curves = load_curves(out, methods, seeds, window, clock)
     for method in methods:
         runs = [curves[method, s] for s in seeds]
+        label = f"{method} (tuned: {_chosen_text(chosen[method])})" if chosen and chosen.get(method) else method
         n = min(len(c.returns) for c in runs)
         y = np.stack([c.returns[:n] for c in runs])
         rounds = np.arange(n)
-        _band(ax_rounds, rounds, y, method)
+        _band(ax_rounds, rounds, y, label)
         t_max = min(c.seconds[n - 1] for c in runs)
         grid = np.linspace(0, t_max, 200)
         # each seed's curve as a step function of time: the return of the last finished round
         yt = np.stack([c.returns[np.clip(np.searchsorted(c.seconds[:n], grid, side="right") - 1, 0, n - 1)]
                        for c in runs])
-        _band(ax_time, grid, yt, method)
+        _band(ax_time, grid, yt, label)
         if all(c.approx_kl is not None for c in runs):
-            _band(ax_kl, rounds, np.stack([c.approx_kl[:n] for c in runs]), method)
+            _band(ax_kl, rounds, np.stack([c.approx_kl[:n] for c in runs]), label)
     env = json.loads((out / "compare.json").read_text()).get("env", out.name) if (out / "compare.json").is_file() else out.name
     ax_rounds.set(xlabel="round k (after the update theta(k) -> theta(k+1))", ylabel="eval return", title=env)
     ax_time.set(xlabel=f"training seconds, {clock} clock (evaluation excluded)", ylabel="eval return")
@@ -454,7 +495,8 @@ def plot_curves(
     for ax in (ax_rounds, ax_time, ax_kl):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, title=f"mean +/- s.e. over {len(seeds)} seeds", title_fontsize=7)
-    ax_rounds.xaxis.get_major_locator().set_params(integer=True)
+    for ax in (ax_rounds, ax_kl):
+        ax.xaxis.get_major_locator().set_params(integer=True)
     fig.tight_layout()
     path = out / "curves.png"
     atomic_write(path, lambda p: fig.savefig(p, dpi=110, format="png"))
