@@ -210,3 +210,22 @@ def test_a_diverging_evaluation_pair_is_kept_at_the_worst_return(tmp_path):
     scores = list(csv.DictReader((out / "scores.csv").open()))
     assert len(scores) == 4  # the failed pairs are in the statistics, not dropped
     assert "**Failed pairs** (training diverged): wild (seeds 1 2)" in (out / "summary.md").read_text()
+
+
+def test_an_interrupted_pair_is_trained_again_from_its_start(tmp_path):
+    from rlinfluence.experiments import run_pair
+
+    config = _tiny(tmp_path, rounds=3).run_config("ppo", 1)
+    run_pair(config.to_dict(), str(tmp_path / "whole"))
+    run_pair(config.to_dict(), str(tmp_path / "cut"))
+    cut = tmp_path / "cut"  # as if killed during the last round: no done.json, no last checkpoint
+    (cut / "done.json").unlink()
+    (cut / "checkpoints" / "round_0003.pt").unlink()
+    lines = (cut / "metrics.csv").read_text().splitlines()
+    (cut / "metrics.csv").write_text("\n".join(lines[:-1]) + "\n")
+    run_pair(config.to_dict(), str(cut))
+
+    def returns(run):
+        return [row["eval_return_mean"] for row in csv.DictReader((run / "metrics.csv").open())]
+
+    assert returns(cut) == returns(tmp_path / "whole") and len(returns(cut)) == 3

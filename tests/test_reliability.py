@@ -133,6 +133,7 @@ def run_copy(trained, tmp_path) -> Path:
     (["--env", "DictObservation-v0"], ["Dict", "not supported", "Box", "Discrete", "image"]),
     (["--env", "NanReward-v0", "--filter", "iif"], ["round 0", "non-finite reward", "nan"]),
     (["--env", "HugeReward-v0"], ["round 0", "non-finite loss", "inf"]),
+    (["--env", "Acrobot-v1", "--filter", "advantage"], ["--filter advantage", "continuous observations"]),
 ])
 def test_train_refuses_and_leaves_no_directory(capsys, tmp_path, args, fragments):
     root = tmp_path / "runs"
@@ -391,3 +392,8 @@ def test_compare_workers_die_with_their_parent(tmp_path):
             parent.kill()
         for w in filter(_alive, workers):
             os.kill(w, signal.SIGKILL)
+
+
+def test_iif_whose_guard_keeps_every_record_says_it_is_plain_ppo():
+    with pytest.warns(UserWarning, match="keeps every record .* this run is plain PPO"):
+        tiny_config(filter="iif", n_steps=64, batch_size=64).validate()

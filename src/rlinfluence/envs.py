@@ -123,6 +123,24 @@ def make_env(env_id: str, **kwargs: Any) -> gym.Env:
     return env
 
 
+def mc_unavailable_reason(env_id: str) -> str | None:
+    """Why Monte-Carlo advantages cannot be computed for ``env_id`` (None if they can).
+
+    They need discrete actions and a small discrete state space that the observation
+    identifies: a ``Discrete`` observation (FrozenLake, one-hot encoded) or a MiniGrid image.
+    """
+    env = make_env(env_id)
+    try:
+        if not isinstance(env.action_space, gym.spaces.Discrete):
+            return f"{env_id} has continuous actions ({env.action_space})"
+        if isinstance(env.unwrapped.observation_space, gym.spaces.Discrete) or isinstance(env, ImageObservation):
+            return None
+        return (f"{env_id} has continuous observations ({env.observation_space}); Monte-Carlo "
+                "advantages need a small discrete state space (FrozenLake, MiniGrid)")
+    finally:
+        env.close()
+
+
 def make_vec_env(env_id: str, n_envs: int) -> gym.vector.SyncVectorEnv:
     """``n_envs`` copies in one process. SAME_STEP autoreset, as SB3: a finished episode's last
     observation comes in ``info["final_obs"]`` and the returned observation starts the next one."""

@@ -26,6 +26,7 @@ import sys
 import time
 import types
 import typing
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ import torch
 from torch import nn
 
 from rlinfluence.buffer import MinibatchStep, RolloutBuffer
-from rlinfluence.envs import PRESETS, check_env_id, make_env, make_vec_env
+from rlinfluence.envs import PRESETS, check_env_id, make_env, make_vec_env, mc_unavailable_reason
 from rlinfluence.errors import UserError
 from rlinfluence.evaluation import Evaluator
 from rlinfluence.filters import Filter, FilterContext, check_drop_pct, make_filter
@@ -194,6 +195,12 @@ class PPOConfig:
         ):
             raise UserError(f"method must be a plain name (no path separator, not '..'), got {self.method!r}")
         check_env_id(self.env)
+        if self.filter == "advantage" and (reason := mc_unavailable_reason(self.env)) is not None:
+            raise UserError(f"--filter advantage needs Monte-Carlo advantages: {reason}")
+        if self.filter in ("iif", "random") and self.batch_size == self.rollout_size:
+            warnings.warn(f"{self.filter} with batch_size = n_steps * n_envs = {self.rollout_size} keeps every "
+                          "record (its guard keeps at least one full minibatch): this run is plain PPO",
+                          UserWarning, stacklevel=2)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import gymnasium as gym
 import numpy as np
 import pandas as pd
 import torch
@@ -26,27 +25,9 @@ import torch
 from rlinfluence.analysis.report import Section, Table, figure_png, new_figure
 from rlinfluence.analysis.tables import attribution_table
 from rlinfluence.buffer import RolloutBuffer
-from rlinfluence.envs import ImageObservation, make_env
+from rlinfluence.envs import make_env, mc_unavailable_reason
 from rlinfluence.errors import UserError
 from rlinfluence.influence import ReturnTarget, score_buffer, top_records
-
-
-def mc_unavailable_reason(env_id: str) -> str | None:
-    """Why Monte-Carlo advantages cannot be computed for ``env_id`` (None if they can).
-
-    They need discrete actions and a small discrete state space that the observation
-    identifies: a ``Discrete`` observation (FrozenLake, one-hot encoded) or a MiniGrid image.
-    """
-    env = make_env(env_id)
-    try:
-        if not isinstance(env.action_space, gym.spaces.Discrete):
-            return f"{env_id} has continuous actions ({env.action_space})"
-        if isinstance(env.unwrapped.observation_space, gym.spaces.Discrete) or isinstance(env, ImageObservation):
-            return None
-        return (f"{env_id} has continuous observations ({env.observation_space}); Monte-Carlo "
-                "advantages need a small discrete state space (FrozenLake, MiniGrid)")
-    finally:
-        env.close()
 
 
 def monte_carlo_advantages(buffer: RolloutBuffer, env_id: str, gamma: float) -> torch.Tensor:

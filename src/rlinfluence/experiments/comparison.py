@@ -11,8 +11,8 @@
     4. summarise the paper's SE/RT metrics per seed pair against the reference, rliable's IQM,
                  mean and probability of improvement with bootstrap intervals, tables and plots
 
-Pairs run in a process pool or as Ray tasks; a re-run with the same folder skips finished pairs
-and resumes unfinished ones, and refuses pairs that were started with other settings.
+Pairs run in a process pool or as Ray tasks; a re-run with the same folder skips finished pairs,
+trains unfinished ones again from their start, and refuses pairs started with other settings.
 """
 
 from __future__ import annotations

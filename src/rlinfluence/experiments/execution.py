@@ -2,7 +2,7 @@
 
 A pair is a top-level function of plain data (its ``PPOConfig`` as a dict and its folder), so
 the executor does not change its result. A finished pair (``done.json``) is skipped; an
-unfinished one resumes from its last checkpoint. A pair may fail as a result (a learning rate so
+unfinished one is trained again from its start (pairs are short). A pair may fail as a result (a learning rate so
 large that the values diverge): it then ends with ``failed.json`` (round and reason) instead of
 stopping the comparison; a failed tuning candidate is never chosen, and a failed evaluation pair
 counts with the worst return of the comparison (``comparison.load_curves``). Local workers die with
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -59,7 +60,9 @@ def failure(run_dir: str | Path) -> dict[str, Any] | None:
 
 
 def run_pair(config: dict[str, Any], run_dir: str, may_fail: bool = False) -> str:
-    """Train one (method, seed) pair into ``run_dir``; resume it if a checkpoint exists.
+    """Train one (method, seed) pair into ``run_dir``. An unfinished pair (killed part-way) is
+    trained again from its first round: a resumed run re-seeds its env resets and so would differ
+    from an uninterrupted one, and a pair must be a pure function of its config.
 
     A training failure (``UserError`` from a round, e.g. non-finite advantages, or the
     ``ValueError`` / ``RuntimeError`` torch raises on a policy whose weights became NaN) is
@@ -69,8 +72,9 @@ def run_pair(config: dict[str, Any], run_dir: str, may_fail: bool = False) -> st
     if finished(path):
         return run_dir
     check_existing([(config, run_dir)])
-    has_checkpoint = path.exists() and any((path / "checkpoints").glob("round_*.pt"))
-    trainer = PPO.resume(path) if has_checkpoint else PPO(PPOConfig.from_dict(config), run_dir=path)
+    if path.exists():
+        shutil.rmtree(path)
+    trainer = PPO(PPOConfig.from_dict(config), run_dir=path)
     try:
         trainer.learn()
     except (UserError, ValueError, RuntimeError) as exc:
