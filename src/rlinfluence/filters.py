@@ -24,7 +24,7 @@ import torch
 
 from rlinfluence.buffer import RolloutBuffer
 from rlinfluence.errors import UserError
-from rlinfluence.influence import ReturnTarget, ZeroTargetGradient, snapshot_influence
+from rlinfluence.influence import ReturnTarget, ZeroTargetGradient, snapshot_influence, unchanged
 
 
 @dataclass
@@ -105,6 +105,9 @@ class _Seeded:
             self.generator.set_state(state["generator"])
 
 
+GATE_SPLITS = 8
+
+
 class InfluenceScorer(_Seeded):
     """Snapshot ``return`` influence of every record at theta(k) (spec 4.2).
 
@@ -116,13 +119,59 @@ class InfluenceScorer(_Seeded):
     A round whose target has no signal (grad f = 0, e.g. every advantage exactly 0) is not an
     error: ``scores`` returns None, sets ``context.stats["skipped"] = 1`` (0 on scored rounds) and
     warns with the reason; the filters then keep every record of that round.
+
+    ``gate="split-half"`` estimates whether the target has signal this round: the buffer's
+    episodes are split into two random halves A and B, and the round is filtered only if the
+    return target's gradients on the two halves agree,
+
+        gate_reliability = mean over GATE_SPLITS random splits of cos(g_A, g_B) >= gate_threshold,
+        g_S = grad (1/|S|) sum_{j in S} A_j log pi(a_j|s_j)
+
+    (split-half reliability: with g_S = signal + independent noise, cos estimates the share of
+    the signal; one split is noisy with few episodes, hence the mean over splits). When every episode ends the same way the target is value noise, the halves
+    disagree, and ``scores`` returns None with ``context.stats["gated"] = 1`` (every record kept).
+    Scores are <training gradient_i, g>, so halves whose gradients agree rank records alike.
     """
 
     uses_validation = True
 
-    def __init__(self, advantage_norm: Literal["chunk", "batch", "none"] = "chunk", seed: int = 0):
+    def __init__(self, advantage_norm: Literal["chunk", "batch", "none"] = "chunk", seed: int = 0,
+                 gate: Literal["none", "split-half"] = "none", gate_threshold: float = 0.3):
         super().__init__(seed)
-        self.advantage_norm = advantage_norm
+        if gate not in ("none", "split-half"):
+            raise UserError(f"unknown gate {gate!r} (none or split-half)")
+        self.advantage_norm, self.gate, self.gate_threshold = advantage_norm, gate, gate_threshold
+
+    def _snapshot(self, context: FilterContext, obs: torch.Tensor, actions: torch.Tensor,
+                  advantages: torch.Tensor, target: ReturnTarget) -> torch.Tensor:
+        return snapshot_influence(context.policy, obs, actions, advantages, target=target,
+                                  advantage_norm=self.advantage_norm, chunk_size=context.batch_size)
+
+    def split_half_reliability(self, context: FilterContext, obs: torch.Tensor, actions: torch.Tensor,
+                               advantages: torch.Tensor, episode_ids: torch.Tensor) -> float:
+        """Mean over ``GATE_SPLITS`` random splits of cos(g_A, g_B), the return target's
+        gradients on two halves of the episodes (of the records' time order when there are fewer
+        than 4 episodes: then one split); NaN if a half has no gradient."""
+        episodes = torch.unique(episode_ids)
+        params = [p for p in context.policy.parameters() if p.requires_grad]
+        cosines = []
+        for _ in range(GATE_SPLITS if len(episodes) >= 4 else 1):
+            if len(episodes) >= 4:
+                half = episodes[torch.randperm(len(episodes), generator=self.generator)[: len(episodes) // 2]]
+                in_a = torch.isin(episode_ids, half)
+            else:
+                in_a = torch.arange(len(obs)) < len(obs) // 2
+            grads = []
+            with torch.enable_grad(), unchanged(context.policy):
+                for mask in (in_a, ~in_a):
+                    f = (advantages[mask] * context.policy.log_prob(obs[mask], actions[mask])).mean()
+                    parts = torch.autograd.grad(f, params, allow_unused=True)
+                    grads.append(torch.cat([g.flatten() for g in parts if g is not None]))
+            norms = grads[0].norm() * grads[1].norm()
+            if not norms > 0:
+                return math.nan
+            cosines.append(float(grads[0] @ grads[1] / norms))
+        return sum(cosines) / len(cosines)
 
     def scores(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor | None:
         start = time.perf_counter()
@@ -131,11 +180,16 @@ class InfluenceScorer(_Seeded):
         validation = context.validation
         target = (ReturnTarget(*(validation.flat(k) for k in ("obs", "actions", "advantages")))
                   if validation is not None else ReturnTarget())
+        if self.gate == "split-half":
+            reliability = self.split_half_reliability(context, obs, actions, advantages,
+                                                      buffer.flat("episode_ids")[order])
+            gated = not reliability >= self.gate_threshold  # NaN (no signal at all) is gated too
+            context.stats.update(gate_reliability=reliability, gated=float(gated))
+            if gated:
+                context.stats.update(skipped=0.0, scoring_seconds=time.perf_counter() - start)
+                return None
         try:
-            shuffled = snapshot_influence(
-                context.policy, obs, actions, advantages, target=target,
-                advantage_norm=self.advantage_norm, chunk_size=context.batch_size,
-            )
+            shuffled = self._snapshot(context, obs, actions, advantages, target)
         except ZeroTargetGradient as exc:
             context.stats.update(skipped=1.0, scoring_seconds=time.perf_counter() - start)
             warnings.warn(f"round {context.round}: {self.name} kept every record (skipped=1): {exc}",
@@ -175,15 +229,16 @@ class IIFFilter(InfluenceScorer):
     name = "iif"
 
     def __init__(self, drop_pct: float, drop_mode: DropMode = "neg-bottom",
-                 advantage_norm: Literal["chunk", "batch", "none"] = "chunk", seed: int = 0):
+                 advantage_norm: Literal["chunk", "batch", "none"] = "chunk", seed: int = 0,
+                 gate: Literal["none", "split-half"] = "none", gate_threshold: float = 0.3):
         check_drop_pct(drop_pct)
         iif_drop_count(torch.zeros(1), drop_pct, drop_mode)  # validates drop_mode
-        super().__init__(advantage_norm, seed)
+        super().__init__(advantage_norm, seed, gate, gate_threshold)
         self.drop_pct, self.drop_mode = drop_pct, drop_mode
 
     def __call__(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
         scores = self.scores(buffer, context)
-        if scores is None:  # no attribution signal this round: keep everything
+        if scores is None:  # no attribution signal this round (skipped or gated): keep everything
             context.stats["minibatch_guard"] = 0.0
             return torch.ones(len(buffer), dtype=torch.bool)
         keep = drop_lowest(scores, iif_drop_count(scores, self.drop_pct, self.drop_mode))
@@ -198,9 +253,9 @@ class RandomFilter(InfluenceScorer):
 
     def __init__(self, drop_pct: float, match: Literal["iif", "pct"] = "iif",
                  drop_mode: DropMode = "neg-bottom", advantage_norm: Literal["chunk", "batch", "none"] = "chunk",
-                 seed: int = 0):
+                 seed: int = 0, gate: Literal["none", "split-half"] = "none", gate_threshold: float = 0.3):
         check_drop_pct(drop_pct)
-        super().__init__(advantage_norm, seed)
+        super().__init__(advantage_norm, seed, gate, gate_threshold)
         self.drop_pct, self.match, self.drop_mode = drop_pct, match, drop_mode
 
     def __call__(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
@@ -294,14 +349,16 @@ def make_filter(
     advantage_norm: Literal["chunk", "batch", "none"] = "chunk",
     random_match: Literal["iif", "pct"] = "iif",
     heuristic: Literal["H1", "H2"] = "H1",
+    gate: Literal["none", "split-half"] = "none",
+    gate_threshold: float = 0.3,
 ) -> Filter:
     """Build a filter by name (``none`` = standard PPO), passing each the options it uses."""
     if name == "none":
         return KeepAll()
     if name == "iif":
-        return IIFFilter(drop_pct, drop_mode, advantage_norm, seed)
+        return IIFFilter(drop_pct, drop_mode, advantage_norm, seed, gate, gate_threshold)
     if name == "random":
-        return RandomFilter(drop_pct, random_match, drop_mode, advantage_norm, seed)
+        return RandomFilter(drop_pct, random_match, drop_mode, advantage_norm, seed, gate, gate_threshold)
     if name == "advantage":
         return AdvantageFilter(drop_pct, heuristic, seed)
     if name == "td-error":

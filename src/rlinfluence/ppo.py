@@ -42,7 +42,7 @@ from rlinfluence.envs import PRESETS, check_env_id, make_env, make_vec_env, mc_u
 from rlinfluence.errors import UserError
 from rlinfluence.evaluation import Evaluator
 from rlinfluence.filters import Filter, FilterContext, check_drop_pct, make_filter
-from rlinfluence.losses import ppo_loss
+from rlinfluence.losses import normalize_advantages, ppo_loss
 from rlinfluence.policies import ActorCritic, make_policy, rollout_actor
 from rlinfluence.progress import progress_bar
 from rlinfluence.rundir import CheckpointError, RunDirectory, load_checkpoint
@@ -104,6 +104,15 @@ class PPOConfig:
     """random: drop as many records as iif would (iif) or p% of all records (pct)"""
     heuristic: Literal["H1", "H2"] = "H1"
     """advantage: H1 = largest |A_bar - A_hat|, H2 = smallest A_bar * A_hat among sign mismatches"""
+    step_control: Literal["none", "norm"] = "none"
+    """filtered rounds: norm = scale the round's learning rate by |g_all| / |g_kept|, the lengths
+    of the policy-gradient of all and of the kept records at theta(k), so that dropping records
+    (whose gradients disagreed with the rest) does not lengthen the update step"""
+    gate: Literal["none", "split-half"] = "none"
+    """iif/random: split-half = filter only if the return target's gradients on two random halves
+    of the buffer's episodes agree (cosine >= gate_threshold); otherwise keep every record"""
+    gate_threshold: float = 0.3
+    """the split-half reliability (cosine) below which a round is not filtered"""
     validation_steps: int = 0
     """iif/random scoring target: 0 = the buffer itself (the authors); k > 0 = a separate rollout
     of k steps per env with pi_theta(k) on its own envs each round (extra env steps, counted in
@@ -179,6 +188,8 @@ class PPOConfig:
             if value is not None and not value > 0:
                 raise UserError(f"{name} must be > 0 (or None), got {value}")
         check_drop_pct(self.drop_pct)
+        if not -1 <= self.gate_threshold <= 1:
+            raise UserError(f"gate_threshold must be in [-1, 1] (a cosine), got {self.gate_threshold}")
         for name in ("seed", "eval_seed", "eval_episodes", "validation_steps"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -336,6 +347,7 @@ class PPO:
             config.filter, drop_pct=config.drop_pct, seed=_derived_seed(config.seed, 0, 2),
             drop_mode=config.drop_mode, advantage_norm=config.advantage_norm,
             random_match=config.random_match, heuristic=config.heuristic,
+            gate=config.gate, gate_threshold=config.gate_threshold,
         )
 
         # Seeding: once, everything, before anything random is built (CleanRL).
@@ -419,8 +431,9 @@ class PPO:
         t1 = time.perf_counter()
         context = FilterContext(self.policy, self.round, cfg.batch_size, cfg.gamma, validation=validation)
         keep = self.filter(buffer, context)
+        step_scale = self.step_scale(buffer, keep) if cfg.step_control == "norm" else 1.0
         t2 = time.perf_counter()
-        update_stats = self.update(buffer, keep, context.sample_weights)
+        update_stats = self.update(buffer, keep, context.sample_weights, lr_scale=step_scale)
         self._check_weights(buffer.round)
         t3 = time.perf_counter()
         self.train_seconds += t3 - t0
@@ -445,6 +458,7 @@ class PPO:
             "train_return_mean": float(np.mean(self.stream.finished_returns)) if self.stream.finished_returns else float("nan"),
             "train_episodes": len(self.stream.finished_returns),
             **update_stats,
+            "step_scale": step_scale,
             **context.stats,
         }
         if self.run is not None:
@@ -515,14 +529,44 @@ class PPO:
         return buf
 
     # -- 4. optimise --------------------------------------------------------------------
+    def step_scale(self, buffer: RolloutBuffer, keep: torch.Tensor) -> float:
+        """|g(all records)| / |g(kept records)| at theta(k), with g(S) the gradient of the
+        policy loss -(1/|S|) sum_{i in S} A_i log pi(a_i|s_i), advantages normalised over S (the
+        first step of the round's update on S); exactly 1 when every record is kept."""
+        keep = torch.as_tensor(keep, dtype=torch.bool)
+        if bool(keep.all()):
+            return 1.0
+        obs, actions, advantages = (buffer.flat(name) for name in ("obs", "actions", "advantages"))
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+
+        def grad_norm(idx: torch.Tensor) -> float:
+            loss = -(normalize_advantages(advantages[idx]) * self.policy.log_prob(obs[idx], actions[idx])).mean()
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            return float(torch.sqrt(sum((g * g).sum() for g in grads if g is not None)))
+
+        kept_norm = grad_norm(keep.nonzero().squeeze(1))
+        return grad_norm(torch.arange(len(buffer))) / kept_norm if kept_norm > 0 else 1.0
+
     def update(
-        self, buffer: RolloutBuffer, keep: torch.Tensor, sample_weights: torch.Tensor | None = None
+        self, buffer: RolloutBuffer, keep: torch.Tensor, sample_weights: torch.Tensor | None = None,
+        lr_scale: float = 1.0,
     ) -> dict[str, float]:
-        """PPO epochs on the kept records: full minibatches of a fresh permutation per epoch.
+        """PPO epochs on the kept records: full minibatches of a fresh permutation per epoch, at
+        ``lr_scale`` times the configured learning rate.
 
         With ``sample_weights`` each epoch instead draws |kept| records with replacement,
         with probability proportional to their weights (prioritised minibatches).
         """
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.learning_rate * lr_scale
+        try:
+            return self._update(buffer, keep, sample_weights)
+        finally:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.config.learning_rate
+
+    def _update(self, buffer: RolloutBuffer, keep: torch.Tensor, sample_weights: torch.Tensor | None
+                ) -> dict[str, float]:
         cfg = self.config
         keep = torch.as_tensor(keep, dtype=torch.bool)
         if keep.shape != (len(buffer),):
@@ -729,15 +773,9 @@ class SavedRound:
         trainer, cfg = self.trainer, self.trainer.config
         trainer.load_state_dict(copy.deepcopy(self.start))
         trainer.policy.noise((cfg.n_steps, cfg.n_envs), trainer.generator)
-        for group in trainer.optimizer.param_groups:
-            group["lr"] = cfg.learning_rate * lr_scale
         if keep is None:
             keep = torch.ones(len(self.buffer), dtype=torch.bool)
-        try:
-            return trainer.update(self.buffer, keep)
-        finally:
-            for group in trainer.optimizer.param_groups:
-                group["lr"] = cfg.learning_rate
+        return trainer.update(self.buffer, keep, lr_scale=lr_scale)
 
 
 def load_round(run_dir: str | Path, round_index: int) -> SavedRound:

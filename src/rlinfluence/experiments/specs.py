@@ -13,6 +13,7 @@ Every key and value is checked against ``PPOConfig``'s field types here, before 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Sequence
@@ -21,7 +22,11 @@ from typing import Any
 
 from rlinfluence.errors import UserError
 from rlinfluence.filters import FILTER_NAMES
-from rlinfluence.ppo import FIELD_TYPES, coerce  # coerce lives in ppo (PPOConfig.from_dict uses it)
+from rlinfluence.ppo import (  # coerce lives in ppo (from_dict uses it)
+    FIELD_TYPES,
+    PPOConfig,
+    coerce,
+)
 
 # keys that define the pair rather than the method: a spec must not change them
 PAIR_KEYS = ("env", "seed", "filter", "method", "run_root", "progress")
@@ -189,8 +194,11 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
 
 
 def config_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
-    """Keys whose values differ between two config dicts, presentation-only keys excepted."""
-    saved, wanted = json.loads(json.dumps(saved)), json.loads(json.dumps(wanted))  # tuples -> lists
+    """Keys whose values differ between two config dicts, presentation-only keys excepted. A key
+    one side lacks (a config saved before that option existed) counts as the option's default,
+    which is what that run did."""
+    defaults = json.loads(json.dumps(dataclasses.asdict(PPOConfig())))
+    saved, wanted = ({**defaults, **json.loads(json.dumps(d))} for d in (saved, wanted))  # tuples -> lists
     keys = (set(saved) | set(wanted)) - set(PRESENTATION_KEYS)
     return sorted(k for k in keys if saved.get(k) != wanted.get(k))
 
