@@ -233,6 +233,21 @@ def test_arm_d_matches_the_approx_kl_of_arm_b(frozenlake_run):
     assert saved.retrain(lr_scale=row["d_lr_scale"])["approx_kl"] == pytest.approx(row["kl_d"])
 
 
+def test_match_kl_bisects_and_treats_a_diverging_scale_as_too_large():
+    from rlinfluence.analysis.intervention import match_kl
+
+    class Round:  # approx_kl grows as scale^2; the update diverges past scale 5
+        def retrain(self, lr_scale):
+            if lr_scale > 5:
+                raise UserError("round 3: non-finite loss inf")
+            return {"approx_kl": 0.001 * lr_scale ** 2}
+
+    scale, kl, retrains = match_kl(Round(), target_kl=0.001 * 3.0 ** 2, kl_at_one=0.001)
+    assert kl == pytest.approx(0.009, rel=0.05) and scale == pytest.approx(3.0, rel=0.03) and retrains <= 8
+    scale, kl, _ = match_kl(Round(), target_kl=1.0, kl_at_one=0.001)  # unreachable without diverging
+    assert scale <= 5 and math.isfinite(kl)
+
+
 def test_parse_rounds():
     assert parse_rounds("20, 5,10,5") == [5, 10, 20]
     for bad in ("a,b", "", "-1"):

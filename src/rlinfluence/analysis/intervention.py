@@ -110,7 +110,8 @@ def match_kl(saved: SavedRound, target_kl: float, kl_at_one: float, max_retrains
     approx_kl is closest to ``target_kl`` among the scales tried (kl(1) = ``kl_at_one`` is known).
 
     approx_kl grows with s, so: double (or halve) s until the target is bracketed, then bisect
-    geometrically, stopping within 2% of the target or after ``max_retrains`` retrains.
+    geometrically, stopping within 2% of the target or after ``max_retrains`` retrains. A scale
+    whose update diverges counts as too large.
     """
     tried = {1.0: kl_at_one}
     if not (target_kl > 0 and kl_at_one > 0):
@@ -121,7 +122,10 @@ def match_kl(saved: SavedRound, target_kl: float, kl_at_one: float, max_retrains
             scale = math.sqrt(lo * hi)
         else:
             scale = 2.0 * lo if lo is not None else 0.5 * hi
-        tried[scale] = saved.retrain(lr_scale=scale)["approx_kl"]
+        try:
+            tried[scale] = saved.retrain(lr_scale=scale)["approx_kl"]
+        except UserError:  # the update diverged (non-finite loss): this scale is too large
+            tried[scale] = math.inf
         if abs(tried[scale] / target_kl - 1) < 0.02:
             break
         if tried[scale] < target_kl:
