@@ -14,6 +14,7 @@ probability_of_improvement.png and aggregate.html (self-contained, images embedd
 
 from __future__ import annotations
 
+import io
 import json
 import warnings
 from collections.abc import Sequence
@@ -128,14 +129,13 @@ def _rliable_plot(draw: Any) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rlinfluence.analysis.report import figure_png
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fig = draw(plt)
-    png = figure_png(fig, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")  # rliable's labels sit outside the axes
     plt.close(fig)
-    return png
+    return buf.getvalue()
 
 
 def _intervals_png(estimates: dict[str, dict[str, dict[str, tuple[float, float, float]]]], methods: list[str]) -> bytes:
@@ -147,7 +147,8 @@ def _intervals_png(estimates: dict[str, dict[str, dict[str, tuple[float, float, 
         cis = {m: np.array([[estimates[k][m][s][i] for k in KINDS for s in ("iqm", "mean")] for i in (1, 2)])
                for m in methods}
         fig, _ = plot_utils.plot_interval_estimates(points, cis, metric_names=names, algorithms=methods,
-                                                    xlabel="normalised score", xlabel_y_coordinate=-0.3)
+                                                    xlabel="normalised score", xlabel_y_coordinate=-0.45,
+                                                    row_height=0.5)
         return fig
 
     return _rliable_plot(draw)
