@@ -397,3 +397,8 @@ def test_compare_workers_die_with_their_parent(tmp_path):
 def test_iif_whose_guard_keeps_every_record_says_it_is_plain_ppo():
     with pytest.warns(UserWarning, match="keeps every record .* this run is plain PPO"):
         tiny_config(filter="iif", n_steps=64, batch_size=64).validate()
+
+
+def test_a_run_killed_before_its_config_was_written_says_so_on_resume(tmp_path, capsys):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # created, then killed
+    assert_refused(capsys, ["train", "--resume", tmp_path / "run"], "no config.json", "no round ran")

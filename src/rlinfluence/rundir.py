@@ -128,7 +128,10 @@ class RunDirectory:
         """An existing run directory (for resume/analysis); ``UserError`` if it is not one."""
         run = cls(path, tensorboard)
         if not (run.path / "config.json").is_file():
-            raise UserError(f"{str(run.path)!r} is not a run directory (no config.json)")
+            started = run.path.is_dir() and (run.path / "checkpoints").is_dir()
+            hint = (": the run was stopped before its config was written, so no round ran; remove it and "
+                    "train again") if started else ""
+            raise UserError(f"{str(run.path)!r} is not a run directory (no config.json){hint}")
         metrics = run.path / "metrics.csv"
         if metrics.is_file():
             run.rows = _read_metrics(metrics)
