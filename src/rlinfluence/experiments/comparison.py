@@ -316,13 +316,15 @@ def normalised_scores(curves: dict[tuple[str, int], Curve], methods: Sequence[st
 
 
 def summarize(out: Path, methods: Sequence[str], seeds: Sequence[int], window: int = 1, clock: Clock = "wall",
-              reference: str = "ppo", reps: int = DEFAULT_REPS) -> list[dict[str, Any]]:
+              reference: str = "ppo", reps: int = DEFAULT_REPS,
+              curves: dict[tuple[str, int], Curve] | None = None) -> list[dict[str, Any]]:
     """Per method: each paper metric's mean, s.e. and number of seed pairs where it is defined
     (against ``reference``), bootstrap intervals of the fraction-of-range reductions, and
-    rliable's IQM / mean of the normalised scores and P(method > reference)."""
+    rliable's IQM / mean of the normalised scores and P(method > reference). ``curves``
+    (``load_curves``'s result) saves reading the runs again."""
     if reference not in methods:
         raise UserError(f"reference {reference!r} is not among the methods {list(methods)}")
-    curves = load_curves(out, methods, seeds, window, clock)
+    curves = curves if curves is not None else load_curves(out, methods, seeds, window, clock)
     scores = normalised_scores(curves, methods, seeds, reference)
     matrices = {kind: {m: scores[scores.method == m][kind].to_numpy()[:, None] for m in methods}
                 for kind in ("auc", "final")}
@@ -396,7 +398,8 @@ def write_summary(
 ) -> None:
     """summary.md, summary.csv, scores.csv (normalised scores per run) and curves.png; the tuning
     choice and table default to the folder's own (compare.json, tuning.csv)."""
-    rows = summarize(out, methods, seeds, window, clock, reference, reps)
+    curves = load_curves(out, methods, seeds, window, clock)
+    rows = summarize(out, methods, seeds, window, clock, reference, reps, curves)
     if chosen is None and (out / "compare.json").is_file():
         chosen = json.loads((out / "compare.json").read_text()).get("chosen")
     if tuning is None and (out / "tuning.csv").is_file():
@@ -406,7 +409,7 @@ def write_summary(
     for row in rows:
         row["chosen"] = json.dumps(chosen.get(row["method"], {}))
     atomic_write(out / "summary.csv", lambda p: pd.DataFrame(rows).to_csv(p, index=False))
-    scores = normalised_scores(load_curves(out, methods, seeds, window, clock), methods, seeds, reference)
+    scores = normalised_scores(curves, methods, seeds, reference)
     atomic_write(out / "scores.csv", lambda p: scores.assign(reference=reference).to_csv(p, index=False))
     lines = [f"# {out.name}: {', '.join(methods)} against {reference}, seeds {list(seeds)}", ""]
     if tuning is not None:
@@ -453,7 +456,7 @@ def write_summary(
                   "statistic, its curve after the last completed round set to the worst return any pair "
                   "of the comparison reached (failed.json in its folder says where and why)."]
     atomic_write(out / "summary.md", lambda p: p.write_text("\n".join(lines) + "\n"))
-    plot_curves(out, methods, seeds, window, clock, chosen)
+    plot_curves(out, curves, methods, seeds, clock, chosen)
 
 
 def _chosen_text(point: dict[str, Any] | None) -> str:
@@ -461,8 +464,8 @@ def _chosen_text(point: dict[str, Any] | None) -> str:
 
 
 def plot_curves(
-    out: Path, methods: Sequence[str], seeds: Sequence[int], window: int = 1, clock: Clock = "wall",
-    chosen: dict[str, dict[str, Any]] | None = None,
+    out: Path, curves: dict[tuple[str, int], Curve], methods: Sequence[str], seeds: Sequence[int],
+    clock: Clock = "wall", chosen: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
     """curves.png: eval return vs rounds and vs training seconds, and approx_kl vs rounds,
     mean +/- s.e. band over seeds per method (labelled with its tuned values, if any)."""
@@ -472,7 +475,6 @@ def plot_curves(
     import matplotlib.pyplot as plt
 
     fig, (ax_rounds, ax_time, ax_kl) = plt.subplots(1, 3, figsize=(16, 4.2))
-    curves = load_curves(out, methods, seeds, window, clock)
     for method in methods:
         runs = [curves[method, s] for s in seeds]
         label = f"{method} (tuned: {_chosen_text(chosen[method])})" if chosen and chosen.get(method) else method
