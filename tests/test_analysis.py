@@ -115,7 +115,9 @@ def test_dirichlet_roughness_of_alternating_values_on_a_chain():
 
 def test_knn_graph_is_symmetrised_with_median_distance_sigma():
     positions = np.array([[0.0], [1.0], [2.5], [4.5]])  # nearest neighbours: 1, 0, 1, 2
-    weights, sigma = knn_weights(positions, u=1)
+    sparse_weights, sigma = knn_weights(positions, u=1)
+    assert sparse_weights.nnz == 6  # sparse: the 3 edges, both ways
+    weights = sparse_weights.toarray()
     assert sigma == pytest.approx(2.25)  # median of 1, 1.5, 2, 2.5, 3.5, 4.5
     edges = {(i, j) for i, j in zip(*np.nonzero(np.triu(weights)), strict=True)}
     assert edges == {(0, 1), (1, 2), (2, 3)}  # 1->0 and 0->1 merged; 2->1 adds (1, 2)

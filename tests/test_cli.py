@@ -113,6 +113,14 @@ def test_unknown_command():
     assert out.returncode == 2 and "unknown command 'fly'" in out.stderr
 
 
+@pytest.mark.parametrize("args, fragments", [
+    (["intervene", "RUN", "--rounds", "5", "x"], ["--rounds must be comma-separated or space-separated", "'5 x'"]),
+    (["validate", "RUN", "--round", "1", "--mode", "fast"], ["invalid choice 'fast'", "--mode"]),
+])
+def test_a_command_line_tyro_rejects_is_one_error_line(args, fragments):
+    _assert_one_line_error(rlinfluence(*args), *fragments)  # before RUN is even looked at
+
+
 def test_attribute_a_saved_round(tmp_path):
     import pandas as pd
 
@@ -121,9 +129,10 @@ def test_attribute_a_saved_round(tmp_path):
     out = rlinfluence("attribute", run, "--round", "1", "--top", "3")
     assert out.returncode == 0, out.stderr
     assert "most harmful" in out.stdout
-    table = pd.read_parquet(run / "attribution_round_1.parquet")
+    table = pd.read_parquet(run / "attribution_round_1_return_snapshot_chunk.parquet")
     assert len(table) == 128 and sorted(table["rank"]) == list(range(1, 129))
-    assert {"round", "env", "step", "obs", "action", "advantage", "score"} <= set(table.columns)
+    assert list(table.columns) == ["round", "env", "step", "episode", "obs_summary", "obs", "action", "reward",
+                                   "advantage", "return", "score", "rank"]  # as the README lists them
     out = rlinfluence("attribute", run, "--round", "0", "--mode", "full", "--target", "action",
                       "--state-index", "3", "--out", tmp_path / "full.parquet")
     assert out.returncode == 0, out.stderr

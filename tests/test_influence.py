@@ -20,6 +20,7 @@ from rlinfluence.influence import (
     Records,
     ReturnTarget,
     Target,
+    chunk_permutation,
     ghost,
     per_record_dots,
     plan_ghost,
@@ -470,8 +471,13 @@ def test_score_buffer_scores_the_flat_fields():
     buf.last_values = torch.zeros(2)
     buf.compute_advantages(0.99, 0.95)
     flat = {k: buf.flat(k) for k in ("obs", "actions", "logp", "advantages", "returns", "values")}
-    expected = snapshot_influence(policy, flat["obs"], flat["actions"], flat["advantages"], chunk_size=8)
+    order = chunk_permutation(20, 0)  # "chunk" (the default) over chunks of a seeded permutation, as IIF
+    permuted = snapshot_influence(policy, flat["obs"][order], flat["actions"][order], flat["advantages"][order],
+                                  chunk_size=8)
+    expected = torch.empty_like(permuted).index_copy_(0, order, permuted)
     torch.testing.assert_close(score_buffer(policy, buf, chunk_size=8), expected, rtol=0, atol=0)
+    expected = snapshot_influence(policy, flat["obs"], flat["actions"], flat["advantages"], advantage_norm="batch")
+    torch.testing.assert_close(score_buffer(policy, buf, advantage_norm="batch"), expected, rtol=0, atol=0)
     schedule = [MinibatchStep(0, torch.arange(0, 20, 2), 0.01), MinibatchStep(0, torch.arange(1, 20, 2), 0.01)]
     expected = tracin_influence(policy, flat["obs"], flat["actions"], flat["logp"], flat["advantages"], flat["returns"], flat["values"], schedule)
     torch.testing.assert_close(score_buffer(policy, buf, mode="full", schedule=schedule), expected, rtol=0, atol=0)

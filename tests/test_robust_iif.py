@@ -1,15 +1,23 @@
-"""Issue 14 (part): step control by gradient length and the split-half signal gate."""
+"""Issue 14: step control (norm, kl), the split-half signal gate, drop_pct auto, Adam-faithful
+scores and the iif-robust recommendation."""
 
 import copy
+import math
 
 import numpy as np
 import pytest
 import torch
 
 from rlinfluence.cli import main
-from rlinfluence.filters import FilterContext, IIFFilter
+from rlinfluence.filters import AUTO_DROP_GRID, FilterContext, IIFFilter
+from rlinfluence.influence import (
+    Records,
+    ReturnTarget,
+    adam_inverse_preconditioner,
+    snapshot_influence,
+)
 from rlinfluence.losses import normalize_advantages
-from rlinfluence.ppo import PPO
+from rlinfluence.ppo import PPO, ROBUST_IIF, PPOConfig
 
 from .conftest import tiny_config
 
@@ -18,17 +26,23 @@ def _params(trainer):
     return [p.detach().clone() for p in trainer.policy.parameters()]
 
 
-def test_step_control_norm_with_every_record_kept_is_the_plain_update():
+@pytest.mark.parametrize("step_control", ["norm", "kl"])
+def test_step_control_with_every_record_kept_is_the_plain_update(step_control):
     plain = PPO(tiny_config(), run_dir=False).learn()
-    controlled = PPO(tiny_config(step_control="norm"), run_dir=False).learn()
+    controlled = PPO(tiny_config(step_control=step_control), run_dir=False).learn()
     for a, b in zip(_params(plain), _params(controlled), strict=True):
         assert torch.equal(a, b)
 
 
-def test_step_control_norm_gives_the_kept_records_the_full_buffers_gradient_length():
-    trainer = PPO(tiny_config(), run_dir=False)
+def _round_buffer(trainer):
     buffer = trainer.collect()
     buffer.compute_advantages(0.99, 0.95)
+    return buffer
+
+
+def test_step_control_norm_gives_the_kept_records_the_full_buffers_gradient_length():
+    trainer = PPO(tiny_config(step_control="norm"), run_dir=False)
+    buffer = _round_buffer(trainer)
     keep = buffer.flat("advantages") > buffer.flat("advantages").median()  # a very one-sided half
     scale = trainer.step_scale(buffer, keep)
 
@@ -71,9 +85,9 @@ def test_the_gate_closes_on_noise_advantages_and_opens_on_a_planted_signal():
 
 def test_an_unknown_gate_or_step_control_is_refused_before_anything_is_written(tmp_path, capsys):
     for flag, value in (("--gate", "halves"), ("--step-control", "kl2")):
-        with pytest.raises(SystemExit) as exit_info:  # tyro rejects a value outside a Literal
-            main(["train", "--env", "CartPole-v1", flag, value, "--run-root", str(tmp_path)])
-        assert exit_info.value.code == 2 and value in capsys.readouterr().err
+        # tyro rejects a value outside a Literal: one error line, exit 2
+        assert main(["train", "--env", "CartPole-v1", flag, value, "--run-root", str(tmp_path)]) == 2
+        assert value in capsys.readouterr().err
     assert main(["train", "--env", "CartPole-v1", "--gate-threshold", "2", "--run-root", str(tmp_path)]) == 2
     assert "gate_threshold must be in [-1, 1]" in capsys.readouterr().err
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
@@ -83,3 +97,154 @@ def test_gated_rounds_are_logged():
     trainer = PPO(tiny_config(filter="iif", gate="split-half", n_steps=256, batch_size=64), run_dir=False)
     metrics = trainer.train_round()
     assert metrics["gated"] in (0.0, 1.0) and "gate_reliability" in metrics and metrics["step_scale"] == 1.0
+
+
+def test_step_control_kl_brings_the_kept_records_probe_kl_to_the_full_buffers():
+    trainer = PPO(tiny_config(step_control="kl", n_steps=512, optimizer="sgd", learning_rate=0.02), run_dir=False)
+    buffer = _round_buffer(trainer)
+    keep = buffer.flat("advantages") > buffer.flat("advantages").quantile(0.3)
+    before = (_params(trainer), trainer.generator.get_state(), copy.deepcopy(trainer.optimizer.state_dict()))
+    everything = torch.arange(len(buffer))
+    kl_all = trainer.probe(buffer, everything, everything)[0]
+    kl_kept = trainer.probe(buffer, keep.nonzero().squeeze(1), everything)[0]
+    scale = trainer.step_scale(buffer, keep)
+    assert kl_all > 0 and abs(math.log(kl_kept / kl_all)) > 0.1  # dropping records changes the KL
+    kl_scaled = trainer.probe(buffer, keep.nonzero().squeeze(1), everything, scale)[0]
+    assert kl_scaled == pytest.approx(kl_all, rel=0.1)
+    # probing trains copies: the trainer's parameters, optimiser and generator are untouched
+    assert all(torch.equal(a, b) for a, b in zip(before[0], _params(trainer), strict=True))
+    assert torch.equal(before[1], trainer.generator.get_state())
+    assert str(before[2]) == str(trainer.optimizer.state_dict())
+
+
+def test_step_control_kl_logs_its_scale_on_filtered_rounds():
+    metrics = PPO(tiny_config(filter="iif", step_control="kl"), run_dir=False).train_round()
+    assert metrics["kept_fraction"] < 1 and 0.1 <= metrics["step_scale"] <= 10 and metrics["step_scale"] != 1
+
+
+# -- drop_pct auto ------------------------------------------------------------------------------
+def _auto_context(trainer, lookahead):
+    return FilterContext(trainer.policy, 0, trainer.config.batch_size, lookahead=lookahead)
+
+
+def test_drop_pct_auto_chooses_the_p_whose_lookahead_gains_most():
+    trainer = PPO(tiny_config(n_steps=512), run_dir=False)
+    buffer = _round_buffer(trainer)
+    state = IIFFilter(50.0, seed=3).state_dict()
+
+    def seeded(drop_pct):
+        iif = IIFFilter(drop_pct, seed=3)
+        iif.load_state_dict(copy.deepcopy(state))
+        return iif
+
+    sizes = []  # how many of half A's records each p keeps, read off a replay with the same seed
+    seeded("auto")(buffer, _auto_context(trainer, lambda train, held_out: sizes.append(len(train)) or 0.0))
+    assert len(sizes) == len(AUTO_DROP_GRID) and len(set(sizes)) == len(sizes)
+    best = sizes[AUTO_DROP_GRID.index(25.0)]
+    context = _auto_context(trainer, lambda train, held_out: -abs(len(train) - best))  # peaks at p = 25
+    keep = seeded("auto")(buffer, context)
+    assert context.stats["drop_pct"] == 25.0 and context.stats["auto_gain_over_p0"] > 0
+    assert torch.equal(keep, seeded(25.0)(buffer, _auto_context(trainer, None)))  # IIF at p = 25
+
+
+def test_drop_pct_auto_is_seeded_and_resumes_from_the_filters_state():
+    trainer = PPO(tiny_config(n_steps=512), run_dir=False)
+    buffer = _round_buffer(trainer)
+
+    def lookahead(train, held_out):
+        return trainer.lookahead(buffer, train, held_out)
+
+    first = IIFFilter("auto", seed=5)
+    first.choose_drop_pct(buffer, _auto_context(trainer, lookahead))  # advance its random state
+    saved = copy.deepcopy(first.state_dict())
+    chosen = first.choose_drop_pct(buffer, _auto_context(trainer, lookahead))
+    resumed = IIFFilter("auto", seed=123)
+    resumed.load_state_dict(saved)
+    assert resumed.choose_drop_pct(buffer, _auto_context(trainer, lookahead)) == chosen
+    assert chosen in AUTO_DROP_GRID
+
+
+def test_drop_pct_auto_trains_and_logs_the_chosen_p():
+    config = tiny_config(filter="iif", drop_pct="auto")
+    a, b = (PPO(config, run_dir=False) for _ in range(2))
+    for _ in range(2):
+        ma, mb = a.train_round(), b.train_round()
+        assert ma["drop_pct"] in AUTO_DROP_GRID and ma["drop_pct"] == mb["drop_pct"]
+    assert all(torch.equal(x, y) for x, y in zip(_params(a), _params(b), strict=True))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--filter", "none", "--drop-pct", "auto"], "drop_pct auto chooses p each round for --filter iif only"),
+    (["--filter", "random", "--drop-pct", "auto"], "drop_pct auto chooses p each round for --filter iif only"),
+    (["--filter", "iif", "--drop-pct", "auto", "--drop-mode", "neg"], "drop_mode neg drops every negative"),
+    (["--filter", "iif", "--precondition", "adam", "--optimizer", "sgd"], "precondition adam"),
+    (["--filter", "iif-robust", "--step-control", "kl"], "iif-robust sets step_control=norm"),
+])
+def test_bad_robust_options_are_one_error_line(flags, message, tmp_path, capsys):
+    assert main(["train", "--env", "CartPole-v1", "--run-root", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+# -- Adam-faithful scores -----------------------------------------------------------------------
+def _adam_trainer():
+    trainer = PPO(tiny_config(optimizer="adam", learning_rate=3e-3, n_steps=256), run_dir=False)
+    trainer.train_round()  # Adam's moments now hold a round of steps
+    buffer = _round_buffer(trainer)
+    trainer.policy.double()  # float64: the first-order check below is not lost in rounding
+    for state in trainer.optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key] = state[key].double()
+    return trainer, buffer.flat("obs").double(), buffer.flat("actions"), buffer.flat("advantages").double()
+
+
+def test_adam_preconditioned_scores_predict_a_frozen_moment_adam_step():
+    """For theta' = theta - lr P^-1 grad L_mb (the step Adam takes with its moments frozen, L_mb
+    the minibatch's summed loss), f(theta') - f(theta) = lr * sum_{i in mb} score_i to first order."""
+    trainer, obs, actions, advantages = _adam_trainer()
+    policy, inverse = trainer.policy, adam_inverse_preconditioner(trainer.optimizer)
+    assert inverse and all(torch.all(v > 0) for v in inverse.values())
+    scores = snapshot_influence(policy, obs, actions, advantages, advantage_norm="none",
+                                inverse_preconditioner=inverse)
+    mb = torch.arange(64)
+
+    def f():
+        with torch.no_grad():
+            return float((advantages * policy.log_prob(obs, actions)).mean())
+
+    # f is the return target the scores are taken on: its weights are A_j / n
+    assert torch.allclose(ReturnTarget().weighted_pairs(Records(obs, actions, advantages))[2], advantages / len(obs))
+    lr = 1e-10  # small: P^-1 reaches 1 / eps = 1e5 where v is tiny, and the step with it
+    f0 = f()
+    loss = -(advantages[mb] * policy.log_prob(obs[mb], actions[mb])).sum()
+    params = list(policy.policy_parameters())
+    grads = torch.autograd.grad(loss, params)
+    with torch.no_grad():
+        for p, g in zip(params, grads, strict=True):
+            p -= lr * inverse[p] * g
+    assert f() - f0 == pytest.approx(lr * float(scores[mb].sum()), rel=0.05)
+
+
+def test_an_identity_preconditioner_gives_the_plain_scores():
+    trainer, obs, actions, advantages = _adam_trainer()
+    identity = {p: torch.ones_like(p) for p in trainer.policy.parameters()}
+    plain = snapshot_influence(trainer.policy, obs, actions, advantages)
+    assert torch.allclose(snapshot_influence(trainer.policy, obs, actions, advantages,
+                                             inverse_preconditioner=identity), plain, rtol=1e-9, atol=1e-12)
+    adam = snapshot_influence(trainer.policy, obs, actions, advantages,
+                              inverse_preconditioner=adam_inverse_preconditioner(trainer.optimizer))
+    assert not torch.allclose(adam, plain)
+
+
+def test_precondition_adam_trains_with_the_trainers_adam():
+    metrics = PPO(tiny_config(filter="iif", optimizer="adam", precondition="adam"), run_dir=False).learn()
+    assert metrics.round == 2
+
+
+# -- iif-robust ---------------------------------------------------------------------------------
+def test_iif_robust_is_iif_with_the_recommended_options_written_out():
+    config = PPOConfig.for_env("CartPole-v1", filter="iif-robust")
+    assert config.filter == "iif" and config.method_label == "iif-robust"
+    assert all(getattr(config, key) == value for key, value in ROBUST_IIF.items())
+    assert PPOConfig.from_dict(config.to_dict()) == config  # config.json says what ran

@@ -163,7 +163,7 @@ def test_bad_round_target_and_scorers(run):
 
 def test_action_target(run, one_thread):
     r = validate_round(run, 2, target="action", state_index=5, **SMALL)
-    s = r.result.scorers["snapshot/batch"]
+    s = r.result.scorers["snapshot/chunk"]  # the default scorer: IIF's normalisation
     assert r.target == "action" and s.lds.low <= s.lds.value <= s.lds.high
 
 

@@ -1,92 +1,87 @@
-"""``rlinfluence <command>``: each command's flags are generated from its dataclass (tyro).
+"""``rlinfluence <command>``: tyro subcommands, each command's flags generated from its dataclass.
 
-Bad input (a ``UserError``) is printed as one line ``error: ...`` with exit code 2.
+Lists are typed (``tuple[int, ...]``, ``tuple[Literal[...], ...]``), so tyro checks them before
+anything runs. Bad input -- a ``UserError`` or a command line tyro rejects -- is printed as one
+line ``error: ...`` with exit code 2.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
+import json
+import re
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 import tyro
 
 from rlinfluence.errors import UserError
+from rlinfluence.experiments import CompareConfig
+from rlinfluence.influence import DEFAULT_ADVANTAGE_NORM
+from rlinfluence.ppo import PPO, PPOConfig
+from rlinfluence.rlhf.trainer import RLHFConfig
 from rlinfluence.rundir import atomic_write, check_output_file
 
 if TYPE_CHECKING:
-    from rlinfluence.ppo import PPO
-
-USAGE = """usage: rlinfluence <command> [flags]
-
-commands:
-  train      train PPO on a gymnasium env (paper presets for its six environments)
-             rlinfluence train --env LunarLander-v3 [--seed 3] [--total-timesteps N] ...
-             rlinfluence train --resume RUN_DIR   (continue from the last completed round)
-             rlinfluence train --env Acrobot-v1 --filter iif --drop-pct 50
-  compare    multi-seed comparison against a reference: SE/RT metrics, IQM, P(improvement), curves.png
-             rlinfluence compare --env LunarLander-v3 --methods ppo,iif,random --seeds 5
-             rlinfluence compare --env FrozenLake-v1 --methods 'ppo,iif,iif@drop_pct=25' \
-                 --tune learning_rate=0.01,0.02,0.04,0.08 --tune-seeds 2   (tuned on other seeds)
-  aggregate  several compare folders (one per env) -> IQM, P(improvement), performance profiles
-             rlinfluence aggregate DIR [DIR ...] [--out DIR]
-  attribute  influence of every record of a saved round (train with --save-buffers)
-             rlinfluence attribute RUN_DIR --round 5 --target return|action [--state-index I] [--mode full]
-  diagnose   harmful records of a saved round vs Monte-Carlo advantages (small discrete envs)
-             rlinfluence diagnose RUN_DIR --round 5 [--bottom 100] [--html]
-  timeline   formation of a fixed (s*, a*) across saved rounds: pi(a*|s*), top records, roughness
-             rlinfluence timeline RUN_DIR --state-index I [--state-round K] [--action A] [--html]
-  intervene  retrain rounds without their negatively influential records vs a random drop
-             rlinfluence intervene RUN_DIR [RUN_DIR ...] --rounds 5,10,20 [--eval-episodes 100] [--html]
-  validate   counterfactual check of the scores: LDS over retrains on random subsets of a round
-             rlinfluence validate RUN_DIR --round 0,5,10 [--subsets 30] [--mode snapshot full]
-  report     one self-contained HTML file: learning curve, influence statistics, saved analyses
-             rlinfluence report RUN_DIR [--out report.html]
-
-  rlhf       PPO or GRPO on a causal language model with LoRA, optionally with IIF
-             rlinfluence rlhf --algo ppo --filter iif [--model builtin:smollm2-135m | HF_ID | PATH]
-
-run `rlinfluence <command> --help` for the flags of a command."""
+    from rlinfluence.analysis.report import Section
 
 
-def _pop_flag(args: list[str], flag: str) -> str | None:
-    """Remove ``flag VALUE`` / ``flag=VALUE`` from ``args``; return VALUE (None if absent)."""
-    for i, arg in enumerate(args):
-        if arg == flag:
-            if i + 1 >= len(args):
-                raise UserError(f"{flag} needs a value")
-            value = args[i + 1]
-            del args[i : i + 2]
-            return value
-        if arg.startswith(flag + "="):
-            del args[i]
-            return arg.split("=", 1)[1]
-    return None
+def _round_list(flag: str) -> Any:
+    """The type of a flag listing rounds: ``tuple[int, ...]`` of rounds >= 0, sorted, each once;
+    written space-separated (``5 10 20``) or, as before, comma-separated (``5,10,20``). tyro
+    rejects anything else before the command runs."""
+
+    def parse(texts: list[str]) -> tuple[int, ...]:
+        items = [item.strip() for text in texts for item in text.split(",")]
+        if not items or not all(item.isdigit() for item in items):
+            raise ValueError(f"{flag} must be comma-separated or space-separated round numbers >= 0, "
+                             f"got {' '.join(texts)!r}")
+        return tuple(sorted({int(item) for item in items}))
+
+    return Annotated[tuple[int, ...], tyro.constructors.PrimitiveConstructorSpec(
+        nargs="*", metavar="K [K ...]", instance_from_str=parse,
+        is_instance=lambda value: isinstance(value, tuple), str_from_instance=lambda value: [str(k) for k in value],
+    )]
 
 
-def train(args: list[str]) -> int:
-    """Train PPO; the flags are the fields of ``PPOConfig``, defaults the env's preset."""
-    from rlinfluence.ppo import PPO, PPOConfig
+Rounds = _round_list("--rounds")
+RoundsOfValidate = _round_list("--round")
+AdvantageNorm = Literal["chunk", "batch", "none"]
+"""``rlinfluence.influence.ADVANTAGE_NORMS``, as a type tyro checks."""
 
-    resume = _pop_flag(args, "--resume")
-    if resume is not None:
-        if args:
-            raise UserError(f"--resume continues with the run's saved config; unexpected flags {args}")
-        trainer = PPO.resume(resume)
+
+@dataclass
+class TrainArgs:
+    """Train PPO. Defaults shown are the preset of --env (paper hyperparameters for its six
+    environments). Add --resume RUN_DIR (alone) to continue a run."""
+
+    config: Annotated[PPOConfig, tyro.conf.arg(name="")]
+    resume: str | None = None
+    """continue RUN_DIR from its newest checkpoint with its saved config (no other flag)"""
+
+
+def train(a: TrainArgs) -> int:
+    """Train PPO, or resume a run; print the last round's figures and the run directory."""
+    if a.resume is not None:
+        preset = PPOConfig.for_env(a.config.env)
+        flags = ["--env"] if a.config.env != PPOConfig.env else []
+        flags += [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(PPOConfig)
+                  if getattr(a.config, f.name) != getattr(preset, f.name)]
+        if flags:
+            raise UserError(f"--resume continues with the run's saved config; unexpected flags {flags}")
+        trainer = PPO.resume(a.resume)
         print(f"resuming {trainer.run.path} from theta({trainer.round}): environment episodes "
               "restart (the envs are reset with a seed derived from (seed, round))")
     else:
-        env = _pop_flag(list(args), "--env") or PPOConfig.env
-        config = tyro.cli(
-            PPOConfig, args=args, default=PPOConfig.for_env(env), prog="rlinfluence train",
-            description="Train PPO. Defaults shown are the preset of --env (paper hyperparameters "
-            "for its six environments). Add --resume RUN_DIR (alone) to continue a run.",
-        )
-        trainer = PPO(config)
-    _learn(trainer, fresh=resume is None)
+        trainer = PPO(a.config)
+    _learn(trainer, fresh=a.resume is None)
     last = trainer.run.rows[-1] if trainer.run and trainer.run.rows else None
     if last is not None:
         print(f"round {last['round']}: eval_return {last['eval_return_mean']:.3f} "
@@ -112,12 +107,10 @@ def _learn(trainer: PPO, fresh: bool) -> None:
                         f"rlinfluence train --resume {path}") from None
 
 
-def compare(args: list[str]) -> int:
+def compare(config: CompareConfig) -> int:
     """Multi-seed comparison of methods against a reference; prints the summary tables."""
-    from rlinfluence.experiments import CompareConfig
     from rlinfluence.experiments import compare as run_compare
 
-    config = tyro.cli(CompareConfig, args=args, prog="rlinfluence compare")
     out = run_compare(config)
     print((out / "summary.md").read_text())
     print(f"curves: {out / 'curves.png'}")
@@ -137,11 +130,10 @@ class AggregateArgs:
     """bootstrap replications of every interval"""
 
 
-def aggregate(args: list[str]) -> int:
+def aggregate(a: AggregateArgs) -> int:
     """Aggregate compare folders; prints the table."""
     from rlinfluence.experiments.aggregate import aggregate as run_aggregate
 
-    a = tyro.cli(AggregateArgs, args=args, prog="rlinfluence aggregate")
     if a.bootstrap_reps < 1:
         raise UserError(f"--bootstrap-reps must be >= 1, got {a.bootstrap_reps}")
     out = run_aggregate(a.folders, a.out, a.bootstrap_reps)
@@ -164,24 +156,51 @@ class AttributeArgs:
     """flat buffer index of the (state, action) of the action target"""
     mode: Literal["snapshot", "full"] = "snapshot"
     """snapshot: at theta(k) (ghost dot products); full: TracIn over the round's optimiser steps"""
-    advantage_norm: Literal["chunk", "batch", "none"] = "batch"
-    """snapshot mode's training-side advantages: whole buffer (batch), consecutive chunks, raw"""
+    advantage_norm: AdvantageNorm = DEFAULT_ADVANTAGE_NORM
+    """snapshot mode's training-side advantages: IIF's (chunk: chunks of batch_size records of a
+    seeded random permutation), the whole buffer (batch), raw (none)"""
     top: int = 10
     """records shown from each end"""
     out: str | None = None
-    """Parquet file (default RUN_DIR/attribution_round_K.parquet)"""
+    """Parquet file (default RUN_DIR/attribution_round_K_<target>_<mode>[_<norm>].parquet, see
+    attribution_file_name)"""
+    html: bool = False
+    """also write the top and bottom records (with their frames, if saved) next to it as .html"""
 
 
-def attribute(args: list[str]) -> int:
+ATTRIBUTION_METADATA = b"rlinfluence"
+"""The key of an attribution file's Parquet schema metadata: how it was made, as JSON."""
+
+
+def attribution_file_name(a: AttributeArgs) -> str:
+    """``attribution_round_5_return_snapshot_chunk.parquet``,
+    ``attribution_round_5_action17_full.parquet``: the round, the target (with the state index of
+    an action target), the mode and the snapshot's normalisation, so that attributions made with
+    other settings sit side by side."""
+    target = f"action{a.state_index}" if a.target == "action" else a.target
+    mode = f"snapshot_{a.advantage_norm}" if a.mode == "snapshot" else a.mode
+    return f"attribution_round_{a.round}_{target}_{mode}.parquet"
+
+
+def _write_attribution(path: Path, table: Any, settings: dict[str, Any]) -> None:
+    """``table`` as Parquet at ``path`` (atomically), ``settings`` in its schema metadata."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    arrow = pa.Table.from_pandas(table, preserve_index=False)
+    metadata = {**(arrow.schema.metadata or {}), ATTRIBUTION_METADATA: json.dumps(settings).encode()}
+    atomic_write(path, lambda p: pq.write_table(arrow.replace_schema_metadata(metadata), p))
+
+
+def attribute(a: AttributeArgs) -> int:
     """Attribute a saved round; write a Parquet table and print top/bottom records."""
     from rlinfluence.analysis.tables import attribution_table, print_records
     from rlinfluence.influence import ActionTarget, ReturnTarget, score_buffer
     from rlinfluence.ppo import load_round
 
-    a = tyro.cli(AttributeArgs, args=args, prog="rlinfluence attribute")
     if a.top < 0:
         raise UserError(f"--top must be >= 0, got {a.top}")
-    out = check_output_file(a.out or Path(a.run_dir) / f"attribution_round_{a.round}.parquet")
+    out = check_output_file(a.out or Path(a.run_dir) / attribution_file_name(a))
     saved = load_round(a.run_dir, a.round)
     buffer, trainer = saved.buffer, saved.trainer
     if a.target == "action":
@@ -205,10 +224,34 @@ def attribute(args: list[str]) -> int:
         )
     table = attribution_table(buffer, scores)
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, lambda p: table.to_parquet(p, index=False))
-    print_records(table, a.top, title=f"round {a.round}, target {a.target}, {a.mode} influence")
+    trainer_norm = "minibatch" if cfg.normalize_advantage else "none"  # what full mode retraces
+    _write_attribution(out, table, {
+        "run": Path(a.run_dir).resolve().name, "round": a.round, "target": a.target,
+        "state_index": a.state_index, "mode": a.mode,
+        "advantage_norm": a.advantage_norm if a.mode == "snapshot" else trainer_norm,
+        "chunk_size": cfg.batch_size,
+    })
+    title = f"round {a.round}, target {a.target}, {a.mode} influence"
+    print_records(table, a.top, title=title)
     print(f"wrote {out}")
+    if a.html:
+        from rlinfluence.analysis.report import write_html
+        from rlinfluence.analysis.tables import attribution_section
+        from rlinfluence.frames import load_frames
+
+        section = attribution_section(table, f"Attribution of {title}", load_frames(a.run_dir, a.round, len(buffer)),
+                                      a.top)
+        print(f"wrote {write_html(out.with_suffix('.html'), section.title, [section])}")
+        _print_frames_hint(section)
     return 0
+
+
+def _print_frames_hint(section: Section) -> None:
+    """Say how to get frames when the section's records have none."""
+    from rlinfluence.frames import HOW_TO_SAVE
+
+    if not section.galleries:
+        print(f"no frames of the records: {HOW_TO_SAVE}")
 
 
 @dataclass
@@ -224,20 +267,20 @@ class DiagnoseArgs:
     """bottom records compared with all records (the paper: 100 on FrozenLake)"""
     top: int = 10
     """records printed from each end"""
-    advantage_norm: Literal["chunk", "batch", "none"] = "batch"
-    """training-side advantages of the scores: whole buffer (batch), consecutive chunks, raw"""
+    advantage_norm: AdvantageNorm = DEFAULT_ADVANTAGE_NORM
+    """training-side advantages of the scores: IIF's (chunk: chunks of batch_size records of a
+    seeded random permutation), the whole buffer (batch), raw (none)"""
     html: bool = False
     """also write RUN_DIR/analyses/diagnosis_round_K.html"""
 
 
-def diagnose(args: list[str]) -> int:
+def diagnose(a: DiagnoseArgs) -> int:
     """Diagnose a round; save RUN_DIR/analyses/diagnosis_round_K.{json,parquet,png}."""
     from rlinfluence.analysis.diagnosis import diagnose as run_diagnosis
     from rlinfluence.analysis.diagnosis import diagnosis_section
     from rlinfluence.analysis.report import ANALYSES_DIR, save_section, write_html
     from rlinfluence.analysis.tables import print_records
 
-    a = tyro.cli(DiagnoseArgs, args=args, prog="rlinfluence diagnose")
     d = run_diagnosis(a.run_dir, a.round, a.bottom, a.advantage_norm)
     print_records(d.table, a.top, title=f"round {a.round}, target return")
     if d.mc_reason is not None:
@@ -252,6 +295,7 @@ def diagnose(args: list[str]) -> int:
     print(f"wrote {folder / (section.key + '.json')} and {table}")
     if a.html:
         print(f"wrote {write_html(folder / (section.key + '.html'), section.title, [section])}")
+    _print_frames_hint(section)
     return 0
 
 
@@ -271,33 +315,31 @@ class TimelineArgs:
     action: str | None = None
     """a* (an integer, or comma-separated values for continuous actions); default: the final
     policy's preferred action at s*"""
-    rounds: str | None = None
-    """comma-separated rounds (default: every saved round)"""
+    rounds: Rounds = ()
+    """rounds to track (default: every saved round)"""
     neighbours: int = 50
     """u: nearest neighbours per record in the roughness graph"""
     top: int = 10
     """top records kept per round"""
-    advantage_norm: Literal["chunk", "batch", "none"] = "batch"
-    """training-side advantages of the scores: whole buffer (batch), consecutive chunks, raw"""
+    advantage_norm: AdvantageNorm = DEFAULT_ADVANTAGE_NORM
+    """training-side advantages of the scores: IIF's (chunk: chunks of batch_size records of a
+    seeded random permutation), the whole buffer (batch), raw (none)"""
     html: bool = False
     """also write RUN_DIR/analyses/timeline.html"""
 
 
-def timeline(args: list[str]) -> int:
+def timeline(a: TimelineArgs) -> int:
     """Track (s*, a*) across rounds; save RUN_DIR/analyses/timeline.{json,parquet,png}."""
-    from rlinfluence.analysis.intervention import parse_rounds
     from rlinfluence.analysis.report import ANALYSES_DIR, save_section, write_html
     from rlinfluence.analysis.timeline import select_state_action, timeline_section
     from rlinfluence.analysis.timeline import timeline as run_timeline
 
-    a = tyro.cli(TimelineArgs, args=args, prog="rlinfluence timeline")
     if a.top < 1:
         raise UserError(f"--top must be >= 1, got {a.top}")
     target = select_state_action(a.run_dir, state_round=a.state_round, state_index=a.state_index,
                                  state=a.state, action=a.action)
     print(target.description)
-    rounds = parse_rounds(a.rounds) if a.rounds is not None else None
-    t = run_timeline(a.run_dir, target, rounds, a.neighbours, a.top, a.advantage_norm)
+    t = run_timeline(a.run_dir, target, list(a.rounds) or None, a.neighbours, a.top, a.advantage_norm)
     print(t.rounds.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"pi(a*|s*) at the final theta({t.final_round}): {t.final_pi:.4g}")
     print(f"estimated phase starts: clustering {t.phases['clustering']}, saturation {t.phases['saturation']}")
@@ -309,6 +351,7 @@ def timeline(args: list[str]) -> int:
     print(f"wrote {folder / 'timeline.json'}")
     if a.html:
         print(f"wrote {write_html(folder / 'timeline.html', section.title, [section])}")
+    _print_frames_hint(section)
     return 0
 
 
@@ -320,11 +363,11 @@ class InterveneArgs:
 
     run_dirs: tyro.conf.Positional[tuple[str, ...]]
     """standard PPO run directories trained with --save-buffers (e.g. one per seed)"""
-    rounds: str = "5,10,20"
-    """comma-separated rounds k to retrain"""
+    rounds: Rounds = (5, 10, 20)
+    """rounds k to retrain"""
     eval_episodes: int = 100
     """evaluation episodes per variant (the same seeds for a, b, c)"""
-    advantage_norm: Literal["chunk", "batch", "none"] = "chunk"
+    advantage_norm: AdvantageNorm = DEFAULT_ADVANTAGE_NORM
     """IIF scorer's training-side advantages (chunk = IIF's default)"""
     out: str | None = None
     """folder for the results across runs (default: RUN_DIR/analyses for one run, else
@@ -333,21 +376,19 @@ class InterveneArgs:
     """also write intervention.html in --out"""
 
 
-def intervene(args: list[str]) -> int:
+def intervene(a: InterveneArgs) -> int:
     """Run the intervention; write intervention.{csv,json,png} per run and across runs."""
     from rlinfluence.analysis.intervention import intervene as run_intervention
-    from rlinfluence.analysis.intervention import intervention_section, parse_rounds, summarise
+    from rlinfluence.analysis.intervention import intervention_section, summarise
     from rlinfluence.analysis.report import ANALYSES_DIR, save_section, write_html
 
-    a = tyro.cli(InterveneArgs, args=args, prog="rlinfluence intervene")
     if not a.run_dirs:
         raise UserError("intervene needs at least one RUN_DIR (a standard PPO run with --save-buffers)")
     if a.eval_episodes < 1:
         raise UserError(f"--eval-episodes must be >= 1, got {a.eval_episodes}")
     if a.out and Path(a.out).exists() and not Path(a.out).is_dir():
         raise UserError(f"--out {a.out!r} is a file; give a folder")
-    rounds = parse_rounds(a.rounds)
-    rows = run_intervention(list(a.run_dirs), rounds, a.eval_episodes, a.advantage_norm, progress=True)
+    rows = run_intervention(list(a.run_dirs), list(a.rounds), a.eval_episodes, a.advantage_norm, progress=True)
     print(summarise(rows).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     for run_dir in a.run_dirs:  # each run's report shows its own rows
         own = rows[rows["run"] == Path(run_dir).name]
@@ -378,12 +419,11 @@ class ReportArgs:
     """write the HTML file (--no-html: only list what it would contain)"""
 
 
-def report(args: list[str]) -> int:
+def report(a: ReportArgs) -> int:
     """Write the run's HTML report."""
     from rlinfluence.analysis.report import build_report, load_sections
     from rlinfluence.rundir import RunDirectory
 
-    a = tyro.cli(ReportArgs, args=args, prog="rlinfluence report")
     if a.score_rounds < 0:
         raise UserError(f"--score-rounds must be >= 0, got {a.score_rounds}")
     if a.out is not None:
@@ -408,8 +448,8 @@ class ValidateArgs:
 
     run_dir: tyro.conf.Positional[str]
     """run directory trained with --save-buffers"""
-    round: str
-    """round k, or comma-separated rounds (0,5,10: LDS per round as a curve)"""
+    round: RoundsOfValidate
+    """round k, or several (0 5 10: LDS per round as a curve)"""
     subsets: int = 30
     """M random subsets, each retrained (at least 5)"""
     fraction: float = 0.5
@@ -420,7 +460,7 @@ class ValidateArgs:
     """flat buffer index of the (state, action) of the action target"""
     mode: tuple[Literal["snapshot", "full"], ...] = ("snapshot",)
     """scorers: snapshot (at theta(k)) and/or full (TracIn over the round's optimiser steps)"""
-    advantage_norm: tuple[Literal["chunk", "batch", "none"], ...] = ("batch",)
+    advantage_norm: tuple[AdvantageNorm, ...] = (DEFAULT_ADVANTAGE_NORM,)
     """snapshot mode's training-side advantages, one scorer each: chunk (IIF's: random chunks of
     batch_size records), batch (whole buffer), none (raw); full mode ignores it"""
     random_draws: int = 5
@@ -431,9 +471,8 @@ class ValidateArgs:
     """also write RUN_DIR/analyses/validation.html"""
 
 
-def validate(args: list[str]) -> int:
+def validate(a: ValidateArgs) -> int:
     """Validate saved rounds; write RUN_DIR/analyses/validation.{json,csv,png} (in the report)."""
-    from rlinfluence.analysis.intervention import parse_rounds
     from rlinfluence.analysis.report import ANALYSES_DIR, save_section, write_html
     from rlinfluence.analysis.validation import (
         drop_rows,
@@ -444,17 +483,11 @@ def validate(args: list[str]) -> int:
     )
     from rlinfluence.influence.validation import check_settings
 
-    a = tyro.cli(ValidateArgs, args=args, prog="rlinfluence validate")
     check_settings(a.subsets, a.fraction)
     if a.seed < 0:
         raise UserError(f"--seed must be >= 0, got {a.seed}")
-    try:
-        rounds = parse_rounds(a.round)
-    except UserError:
-        raise UserError(f"--round must be round numbers >= 0, comma-separated, got {a.round!r}"
-                        ) from None
     results = validate_rounds(
-        a.run_dir, rounds, progress=True, target=a.target, state_index=a.state_index,
+        a.run_dir, list(a.round), progress=True, target=a.target, state_index=a.state_index,
         scorers=scorer_names(a.mode, a.advantage_norm), subsets=a.subsets, fraction=a.fraction,
         random_draws=a.random_draws, seed=a.seed,
     )
@@ -476,32 +509,108 @@ def validate(args: list[str]) -> int:
     return 0
 
 
-def rlhf(args: list[str]) -> int:
+def rlhf(config: RLHFConfig) -> int:
     """PPO / GRPO for causal language models, optionally with IIF (needs rlinfluence[rlhf])."""
-    from rlinfluence.rlhf.cli import rlhf_command
+    from rlinfluence.rlhf.cli import run_rlhf
 
-    return rlhf_command(args)
+    return run_rlhf(config)
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {
-    "train": train, "compare": compare, "aggregate": aggregate, "attribute": attribute,
-    "diagnose": diagnose, "timeline": timeline, "intervene": intervene, "report": report,
-    "validate": validate,
-    "rlhf": rlhf,
+COMMANDS: dict[str, tuple[type, Callable[[Any], int], str]] = {
+    "train": (TrainArgs, train, "train PPO on a gymnasium env (paper presets for its six environments)"),
+    "compare": (CompareConfig, compare, "multi-seed comparison against a reference: SE/RT metrics, IQM, "
+                "P(improvement), curves.png"),
+    "aggregate": (AggregateArgs, aggregate, "several compare folders (one per env) -> IQM, P(improvement), "
+                  "performance profiles"),
+    "attribute": (AttributeArgs, attribute, "influence of every record of a saved round (train with --save-buffers)"),
+    "diagnose": (DiagnoseArgs, diagnose, "harmful records of a saved round vs Monte-Carlo advantages"),
+    "timeline": (TimelineArgs, timeline, "formation of a fixed (s*, a*) across saved rounds: pi(a*|s*), top "
+                 "records, roughness"),
+    "intervene": (InterveneArgs, intervene, "retrain rounds without their negatively influential records vs a "
+                  "random drop"),
+    "validate": (ValidateArgs, validate, "counterfactual check of the scores: LDS over retrains on random "
+                 "subsets of a round"),
+    "report": (ReportArgs, report, "one self-contained HTML file: learning curve, influence statistics, saved "
+               "analyses"),
+    "rlhf": (RLHFConfig, rlhf, "PPO or GRPO on a causal language model with LoRA, optionally with IIF"),
 }
+"""Every command: its arguments (a dataclass, the command's flags), what runs it, its summary."""
+DESCRIPTION = ("Local data attribution and influence-based filtering (IIF) for PPO. "
+               "rlinfluence COMMAND --help lists the flags of a command.")
+RUNNERS: dict[type, Callable[[Any], int]] = {kind: run for kind, run, _ in COMMANDS.values()}
+
+
+def _parse(args: list[str]) -> Any:
+    """The arguments of the command ``args`` name, parsed by tyro (one subcommand per command);
+    train's defaults are the preset of its --env. ``UserError`` if tyro rejects ``args``."""
+    if args and not args[0].startswith("-") and args[0] not in COMMANDS:
+        raise UserError(f"unknown command {args[0]!r} (commands: {', '.join(COMMANDS)})")
+    env = PPOConfig.env
+    for i, arg in enumerate(args[1:], start=1):  # the one value the other flags' defaults depend on
+        if arg == "--env" and i + 1 < len(args):
+            env = args[i + 1]
+        elif arg.startswith("--env="):
+            env = arg.split("=", 1)[1]
+    defaults = {"train": TrainArgs(PPOConfig.for_env(env))} if args[:1] == ["train"] else {}
+    commands = Union[tuple(  # noqa: UP007 -- a Union built at run time
+        Annotated[kind, tyro.conf.subcommand(name, default=defaults.get(name), description=summary)]
+        for name, (kind, _, summary) in COMMANDS.items()
+    )]
+    with _tyro_errors_as_user_errors():
+        return tyro.cli(commands, args=args, prog="rlinfluence", description=DESCRIPTION)
+
+
+@contextlib.contextmanager
+def _tyro_errors_as_user_errors() -> Iterator[None]:
+    """tyro reports a rejected command line as a framed box on stderr and exits with status 2;
+    raise it as a one-line ``UserError`` instead (help, exit status 0, is left as it is)."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            yield
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise UserError(_tyro_message(captured.getvalue())) from None
+        sys.stderr.write(captured.getvalue())
+        raise
+    sys.stderr.write(captured.getvalue())  # anything else tyro printed (warnings)
+
+
+_ANSI_STYLE = re.compile(r"\x1b\[[0-9;]*m")
+_BOX_SIDES = " \u256d\u256e\u2570\u256f\u2502"  # the corners and sides of tyro's UTF-8 frame
+_RULE = set(" -\u2500")  # a rule: ASCII or UTF-8 dashes
+
+
+def _tyro_message(text: str) -> str:
+    """The first paragraph of tyro's framed error (after its title), on one line, whichever
+    frame tyro drew (UTF-8, or ASCII when stdout is not UTF-8); ``Error parsing --x: --x must
+    ...`` is shortened to ``--x must ...``."""
+    lines = [_ANSI_STYLE.sub("", line).strip(_BOX_SIDES) for line in text.splitlines()]
+    lines = lines[next((i for i, line in enumerate(lines) if line.strip()), len(lines)):]
+    title, body = (lines[0].strip("".join(_RULE)) if lines else ""), []
+    for line in lines[1:]:
+        if set(line) <= _RULE:
+            if body:
+                break
+            continue
+        body.append(line.strip())
+    message = " ".join(body) or title or "invalid command line"
+    return re.sub(r"^Error parsing (\S+): (?=\1 )", "", message)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``rlinfluence <command> [flags]``: run the command; exit status 0, or 2 on bad input."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if args else 2
-    command = COMMANDS.get(args[0])
-    if command is None:
-        print(f"error: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr)
-        return 2
+    if args == ["--version"]:
+        print(f"rlinfluence {version('rlinfluence')}")
+        return 0
     try:
-        return command(args[1:])
+        if not args:  # the list of commands, as for --help, but a failed call
+            with contextlib.suppress(SystemExit):
+                _parse(["--help"])
+            return 2
+        a = _parse(args)
+        return RUNNERS[type(a)](a)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from minigrid.wrappers import ImgObsWrapper
 
 from rlinfluence.errors import UserError
 
@@ -99,17 +100,6 @@ class OneHotObservation(gym.ObservationWrapper):
         return out
 
 
-class ImageObservation(gym.ObservationWrapper):
-    """Keep only the ``image`` entry of a dict observation (minigrid's ``ImgObsWrapper``)."""
-
-    def __init__(self, env: gym.Env):
-        super().__init__(env)
-        self.observation_space = env.observation_space["image"]
-
-    def observation(self, observation: dict) -> np.ndarray:
-        return observation["image"]
-
-
 def make_env(env_id: str, **kwargs: Any) -> gym.Env:
     """Build ``env_id`` with its preset arguments (overridden by ``kwargs``) and obs wrappers."""
     check_env_id(env_id)
@@ -119,7 +109,7 @@ def make_env(env_id: str, **kwargs: Any) -> gym.Env:
     if isinstance(space, gym.spaces.Discrete):
         env = OneHotObservation(env)
     elif isinstance(space, gym.spaces.Dict) and "image" in space.spaces:
-        env = ImageObservation(env)
+        env = ImgObsWrapper(env)
     return env
 
 
@@ -133,7 +123,7 @@ def mc_unavailable_reason(env_id: str) -> str | None:
     try:
         if not isinstance(env.action_space, gym.spaces.Discrete):
             return f"{env_id} has continuous actions ({env.action_space})"
-        if isinstance(env.unwrapped.observation_space, gym.spaces.Discrete) or isinstance(env, ImageObservation):
+        if isinstance(env.unwrapped.observation_space, gym.spaces.Discrete) or isinstance(env, ImgObsWrapper):
             return None
         return (f"{env_id} has continuous observations ({env.observation_space}); Monte-Carlo "
                 "advantages need a small discrete state space (FrozenLake, MiniGrid)")
@@ -141,10 +131,12 @@ def mc_unavailable_reason(env_id: str) -> str | None:
         env.close()
 
 
-def make_vec_env(env_id: str, n_envs: int) -> gym.vector.SyncVectorEnv:
+def make_vec_env(env_id: str, n_envs: int, render_mode: str | None = None) -> gym.vector.SyncVectorEnv:
     """``n_envs`` copies in one process. SAME_STEP autoreset, as SB3: a finished episode's last
-    observation comes in ``info["final_obs"]`` and the returned observation starts the next one."""
+    observation comes in ``info["final_obs"]`` and the returned observation starts the next one.
+    ``render_mode="rgb_array"``: ``render()`` returns every copy's frame (``--save-frames``)."""
+    kwargs = {"render_mode": render_mode} if render_mode else {}
     return gym.vector.SyncVectorEnv(
-        [lambda: make_env(env_id) for _ in range(n_envs)],
+        [lambda: make_env(env_id, **kwargs) for _ in range(n_envs)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -24,7 +25,14 @@ import torch
 
 from rlinfluence.buffer import RolloutBuffer
 from rlinfluence.errors import UserError
-from rlinfluence.influence import ReturnTarget, ZeroTargetGradient, snapshot_influence, unchanged
+from rlinfluence.influence import (
+    DEFAULT_ADVANTAGE_NORM,
+    ReturnTarget,
+    ZeroTargetGradient,
+    adam_inverse_preconditioner,
+    snapshot_influence,
+    unchanged,
+)
 
 
 @dataclass
@@ -42,6 +50,14 @@ class FilterContext:
     validation: RolloutBuffer | None = None
     """A separate rollout of pi_theta(k) (advantages computed) for filters with ``uses_validation``
     when the trainer is asked for one; None = score against the buffer itself."""
+    optimizer: torch.optim.Optimizer | None = None
+    """The trainer's optimiser, in its state before this round's update (for preconditioned scores)."""
+    lookahead: Callable[[torch.Tensor, torch.Tensor], float] | None = None
+    """``lookahead(train, held_out)``: the gain of one epoch of the round's update on the records
+    ``train`` (flat indices), run on a copy of theta(k), measured on the records ``held_out`` as
+    the PPO surrogate mean_j A_norm_j (pi'(a_j|s_j) / pi(a_j|s_j) - 1) (for ``drop_pct="auto"``)."""
+    scores: torch.Tensor | None = None
+    """The [N] influence scores a scoring filter computed this round (logged as a histogram)."""
 
 
 class Filter(Protocol):
@@ -69,9 +85,19 @@ class KeepAll:
         pass
 
 
-def check_drop_pct(drop_pct: float) -> None:
-    if not (isinstance(drop_pct, (int, float)) and 0 < drop_pct <= 100):
-        raise UserError(f"drop_pct must be in (0, 100], got {drop_pct}")
+AUTO = "auto"
+AUTO_DROP_GRID = (0.0, 6.25, 12.5, 25.0, 50.0, 100.0)
+"""The p (%) ``drop_pct="auto"`` chooses from each round (0 = keep every record)."""
+
+
+def check_drop_pct(drop_pct: float | str, auto: bool = False) -> None:
+    """``UserError`` unless p is in (0, 100] (or ``"auto"`` where the filter chooses p itself)."""
+    if drop_pct == AUTO:
+        if not auto:
+            raise UserError("drop_pct auto chooses p each round for --filter iif only; give this filter a number")
+        return
+    if isinstance(drop_pct, bool) or not (isinstance(drop_pct, (int, float)) and 0 < drop_pct <= 100):
+        raise UserError(f"drop_pct must be in (0, 100], got {drop_pct}" + (" (or auto)" if auto else ""))
 
 
 def drop_lowest(scores: torch.Tensor, n_drop: int) -> torch.Tensor:
@@ -131,21 +157,36 @@ class InfluenceScorer(_Seeded):
     the signal; one split is noisy with few episodes, hence the mean over splits). When every episode ends the same way the target is value noise, the halves
     disagree, and ``scores`` returns None with ``context.stats["gated"] = 1`` (every record kept).
     Scores are <training gradient_i, g>, so halves whose gradients agree rank records alike.
+
+    ``precondition="adam"`` scores <grad l_i, P^-1 grad f> with P the diagonal preconditioner of
+    the trainer's Adam (``context.optimizer``) as it stands before the round's update
+    (``rlinfluence.influence.adam_inverse_preconditioner``), so that records are ranked by the
+    change Adam's step would make rather than an SGD step's (TracIn's assumption).
     """
 
     uses_validation = True
 
-    def __init__(self, advantage_norm: Literal["chunk", "batch", "none"] = "chunk", seed: int = 0,
-                 gate: Literal["none", "split-half"] = "none", gate_threshold: float = 0.3):
+    def __init__(self, advantage_norm: Literal["chunk", "batch", "none"] = DEFAULT_ADVANTAGE_NORM, seed: int = 0,
+                 gate: Literal["none", "split-half"] = "none", gate_threshold: float = 0.3,
+                 precondition: Literal["none", "adam"] = "none"):
         super().__init__(seed)
         if gate not in ("none", "split-half"):
             raise UserError(f"unknown gate {gate!r} (none or split-half)")
+        if precondition not in ("none", "adam"):
+            raise UserError(f"unknown precondition {precondition!r} (none or adam)")
         self.advantage_norm, self.gate, self.gate_threshold = advantage_norm, gate, gate_threshold
+        self.precondition = precondition
 
     def _snapshot(self, context: FilterContext, obs: torch.Tensor, actions: torch.Tensor,
                   advantages: torch.Tensor, target: ReturnTarget) -> torch.Tensor:
+        inverse = None
+        if self.precondition == "adam":
+            if not isinstance(context.optimizer, torch.optim.Adam):
+                raise UserError("precondition adam needs the trainer's Adam optimiser (--optimizer adam)")
+            inverse = adam_inverse_preconditioner(context.optimizer)
         return snapshot_influence(context.policy, obs, actions, advantages, target=target,
-                                  advantage_norm=self.advantage_norm, chunk_size=context.batch_size)
+                                  advantage_norm=self.advantage_norm, chunk_size=context.batch_size,
+                                  inverse_preconditioner=inverse)
 
     def split_half_reliability(self, context: FilterContext, obs: torch.Tensor, actions: torch.Tensor,
                                advantages: torch.Tensor, episode_ids: torch.Tensor) -> float:
@@ -201,6 +242,7 @@ class InfluenceScorer(_Seeded):
             skipped=0.0, n_negative=float((scores < 0).sum()), score_mean=float(scores.mean()),
             score_std=float(scores.std()), scoring_seconds=time.perf_counter() - start,
         )
+        context.scores = scores
         return scores
 
 
@@ -224,24 +266,76 @@ class IIFFilter(InfluenceScorer):
 
     ``neg-bottom`` (default) drops the floor(p * N_neg) lowest-scoring records, all of them
     negative; ``bottom`` the lowest p% of all records; ``neg`` every negative record.
+
+    ``drop_pct="auto"`` chooses p each round from ``AUTO_DROP_GRID`` by cross-fitting with a
+    lookahead (``choose_drop_pct``), logged as ``drop_pct``.
     """
 
     name = "iif"
 
-    def __init__(self, drop_pct: float, drop_mode: DropMode = "neg-bottom",
-                 advantage_norm: Literal["chunk", "batch", "none"] = "chunk", seed: int = 0,
-                 gate: Literal["none", "split-half"] = "none", gate_threshold: float = 0.3):
-        check_drop_pct(drop_pct)
-        iif_drop_count(torch.zeros(1), drop_pct, drop_mode)  # validates drop_mode
-        super().__init__(advantage_norm, seed, gate, gate_threshold)
+    def __init__(self, drop_pct: float | str, drop_mode: DropMode = "neg-bottom",
+                 advantage_norm: Literal["chunk", "batch", "none"] = DEFAULT_ADVANTAGE_NORM, seed: int = 0,
+                 gate: Literal["none", "split-half"] = "none", gate_threshold: float = 0.3,
+                 precondition: Literal["none", "adam"] = "none"):
+        check_drop_pct(drop_pct, auto=True)
+        iif_drop_count(torch.zeros(1), 50.0, drop_mode)  # validates drop_mode
+        if drop_pct == AUTO and drop_mode == "neg":
+            raise UserError("drop_pct auto chooses p, but drop_mode neg drops every negative record whatever p is")
+        super().__init__(advantage_norm, seed, gate, gate_threshold, precondition)
         self.drop_pct, self.drop_mode = drop_pct, drop_mode
+
+    def choose_drop_pct(self, buffer: RolloutBuffer, context: FilterContext) -> float:
+        """The p of ``AUTO_DROP_GRID`` whose update helps held-out episodes most.
+
+        The buffer's episodes are split at random into halves A and B (time halves with fewer
+        than 2 episodes). A's records are scored against A's own return target, as IIF scores a
+        buffer; for each p, one epoch of the update on A's records kept at p runs on a copy of
+        theta(k) (``context.lookahead``), and its gain is the surrogate measured on B, which
+        neither scored nor trained. The lookahead measures the update itself, so it sees the
+        non-additivity of dropping many records at once, which a sum of scores does not.
+        p = argmax gain (ties: the smaller p); 0 if A's target has no gradient.
+        """
+        if context.lookahead is None:
+            raise UserError("drop_pct auto needs the trainer's lookahead (FilterContext.lookahead)")
+        episode_ids = buffer.flat("episode_ids")
+        episodes = torch.unique(episode_ids)
+        if len(episodes) >= 2:
+            half = episodes[torch.randperm(len(episodes), generator=self.generator)[: len(episodes) // 2]]
+            in_a = torch.isin(episode_ids, half)
+        else:
+            in_a = buffer.flatten(torch.arange(buffer.n_steps)[:, None].expand(-1, buffer.n_envs)) < buffer.n_steps // 2
+        a_records = in_a.nonzero().squeeze(1)
+        a_records = a_records[torch.randperm(len(a_records), generator=self.generator)]
+        b_records = (~in_a).nonzero().squeeze(1)
+        try:
+            scores_a = self._snapshot(context, *(buffer.flat(k)[a_records] for k in ("obs", "actions", "advantages")),
+                                      ReturnTarget())
+        except ZeroTargetGradient:
+            return 0.0
+        best_pct, best_gain, base_gain = 0.0, -math.inf, math.nan
+        for pct in AUTO_DROP_GRID:
+            keep = (torch.ones(len(a_records), dtype=torch.bool) if pct == 0
+                    else drop_lowest(scores_a, iif_drop_count(scores_a, pct, self.drop_mode)))
+            if int(keep.sum()) < context.batch_size:
+                continue
+            gain = context.lookahead(a_records[keep], b_records)
+            if pct == 0:
+                base_gain = gain
+            if gain > best_gain:
+                best_pct, best_gain = pct, gain
+        context.stats["auto_gain_over_p0"] = best_gain - base_gain
+        return best_pct
 
     def __call__(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
         scores = self.scores(buffer, context)
-        if scores is None:  # no attribution signal this round (skipped or gated): keep everything
+        drop_pct = self.drop_pct
+        if scores is not None and drop_pct == AUTO:
+            drop_pct = self.choose_drop_pct(buffer, context)
+            context.stats["drop_pct"] = drop_pct
+        if scores is None or drop_pct == 0:  # no attribution signal (skipped or gated), or p = 0
             context.stats["minibatch_guard"] = 0.0
             return torch.ones(len(buffer), dtype=torch.bool)
-        keep = drop_lowest(scores, iif_drop_count(scores, self.drop_pct, self.drop_mode))
+        keep = drop_lowest(scores, iif_drop_count(scores, drop_pct, self.drop_mode))
         return guard_minibatch(keep, scores, context)
 
 
@@ -252,10 +346,11 @@ class RandomFilter(InfluenceScorer):
     name = "random"
 
     def __init__(self, drop_pct: float, match: Literal["iif", "pct"] = "iif",
-                 drop_mode: DropMode = "neg-bottom", advantage_norm: Literal["chunk", "batch", "none"] = "chunk",
-                 seed: int = 0, gate: Literal["none", "split-half"] = "none", gate_threshold: float = 0.3):
+                 drop_mode: DropMode = "neg-bottom", advantage_norm: Literal["chunk", "batch", "none"] = DEFAULT_ADVANTAGE_NORM,
+                 seed: int = 0, gate: Literal["none", "split-half"] = "none", gate_threshold: float = 0.3,
+                 precondition: Literal["none", "adam"] = "none"):
         check_drop_pct(drop_pct)
-        super().__init__(advantage_norm, seed, gate, gate_threshold)
+        super().__init__(advantage_norm, seed, gate, gate_threshold, precondition)
         self.drop_pct, self.match, self.drop_mode = drop_pct, match, drop_mode
 
     def __call__(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
@@ -343,22 +438,26 @@ FILTER_NAMES = ("none", "iif", "random", "advantage", "td-error", "reward-extrem
 def make_filter(
     name: str,
     *,
-    drop_pct: float = 50.0,
+    drop_pct: float | str = 50.0,
     seed: int = 0,
     drop_mode: DropMode = "neg-bottom",
-    advantage_norm: Literal["chunk", "batch", "none"] = "chunk",
+    advantage_norm: Literal["chunk", "batch", "none"] = DEFAULT_ADVANTAGE_NORM,
     random_match: Literal["iif", "pct"] = "iif",
     heuristic: Literal["H1", "H2"] = "H1",
     gate: Literal["none", "split-half"] = "none",
     gate_threshold: float = 0.3,
+    precondition: Literal["none", "adam"] = "none",
 ) -> Filter:
     """Build a filter by name (``none`` = standard PPO), passing each the options it uses."""
+    if name != "iif":
+        check_drop_pct(drop_pct)  # auto is IIF's alone; a filter without p ignores a number
     if name == "none":
         return KeepAll()
     if name == "iif":
-        return IIFFilter(drop_pct, drop_mode, advantage_norm, seed, gate, gate_threshold)
+        return IIFFilter(drop_pct, drop_mode, advantage_norm, seed, gate, gate_threshold, precondition)
     if name == "random":
-        return RandomFilter(drop_pct, random_match, drop_mode, advantage_norm, seed, gate, gate_threshold)
+        return RandomFilter(drop_pct, random_match, drop_mode, advantage_norm, seed, gate, gate_threshold,
+                            precondition)
     if name == "advantage":
         return AdvantageFilter(drop_pct, heuristic, seed)
     if name == "td-error":

@@ -42,10 +42,12 @@ from rlinfluence.envs import PRESETS, check_env_id, make_env, make_vec_env, mc_u
 from rlinfluence.errors import UserError
 from rlinfluence.evaluation import Evaluator
 from rlinfluence.filters import Filter, FilterContext, check_drop_pct, make_filter
-from rlinfluence.losses import normalize_advantages, ppo_loss
+from rlinfluence.frames import FrameRecorder, check_renders, save_frames
+from rlinfluence.influence import DEFAULT_ADVANTAGE_NORM
+from rlinfluence.losses import PPOLoss, normalize_advantages, ppo_loss
 from rlinfluence.policies import ActorCritic, make_policy, rollout_actor
 from rlinfluence.progress import progress_bar
-from rlinfluence.rundir import CheckpointError, RunDirectory, load_checkpoint
+from rlinfluence.rundir import CheckpointError, RunDirectory, check_wandb_installed, load_checkpoint
 
 
 @dataclass
@@ -92,22 +94,29 @@ class PPOConfig:
     """global gradient-norm clip; None = no clipping (as the paper's code ran)"""
     target_kl: float | None = None
     """stop the round's update once approx_kl > 1.5 * target_kl (SB3); None = never"""
-    filter: Literal["none", "iif", "random", "advantage", "td-error", "reward-extremes"] = "none"
-    """records to drop before each update: none = standard PPO; iif = influence-based filtering"""
-    drop_pct: float = 50.0
-    """p in (0, 100]: iif drops p% of the negative records (neg-bottom); baselines p% of records"""
+    filter: Literal["none", "iif", "iif-robust", "random", "advantage", "td-error", "reward-extremes"] = "none"
+    """records to drop before each update: none = standard PPO; iif = influence-based filtering
+    (the paper's); iif-robust = iif with the options of ROBUST_IIF (docs/results.md, "Robust IIF")"""
+    drop_pct: float | Literal["auto"] = 50.0
+    """p in (0, 100]: iif drops p% of the negative records (neg-bottom); baselines p% of records;
+    auto (iif): choose p each round from 0, 6.25, 12.5, 25, 50, 100 by a cross-fitted lookahead"""
     drop_mode: Literal["neg-bottom", "bottom", "neg"] = "neg-bottom"
     """iif: neg-bottom = the floor(p N_neg) lowest negatives; bottom = lowest p%; neg = all negatives"""
-    advantage_norm: Literal["chunk", "batch", "none"] = "chunk"
+    advantage_norm: Literal["chunk", "batch", "none"] = DEFAULT_ADVANTAGE_NORM
     """iif scoring: advantages normalised in random chunks of batch_size, the whole buffer, or not"""
     random_match: Literal["iif", "pct"] = "iif"
     """random: drop as many records as iif would (iif) or p% of all records (pct)"""
     heuristic: Literal["H1", "H2"] = "H1"
     """advantage: H1 = largest |A_bar - A_hat|, H2 = smallest A_bar * A_hat among sign mismatches"""
-    step_control: Literal["none", "norm"] = "none"
+    step_control: Literal["none", "norm", "kl"] = "none"
     """filtered rounds: norm = scale the round's learning rate by |g_all| / |g_kept|, the lengths
     of the policy-gradient of all and of the kept records at theta(k), so that dropping records
-    (whose gradients disagreed with the rest) does not lengthen the update step"""
+    (whose gradients disagreed with the rest) does not lengthen the update step; kl = scale it by
+    sqrt(KL_all / KL_kept), the approx_kl (on the whole buffer) after one probe epoch on all and on
+    the kept records, so the round's KL stays at the level the unfiltered update would reach"""
+    precondition: Literal["none", "adam"] = "none"
+    """iif/random scores: adam = <grad l_i, P^-1 grad f> with P Adam's diagonal preconditioner
+    (bias-corrected second moments + eps) before the round's update; needs --optimizer adam"""
     gate: Literal["none", "split-half"] = "none"
     """iif/random: split-half = filter only if the return target's gradients on two random halves
     of the buffer's episodes agree (cosine >= gate_threshold); otherwise keep every record"""
@@ -137,12 +146,34 @@ class PPOConfig:
     """write checkpoints/round_XXXX.pt after every round (needed for --resume)"""
     save_buffers: bool = False
     """also save every round's buffer and minibatch schedule (for attribution and analyses)"""
+    save_frames: bool = False
+    """with save_buffers: also save a small rendered frame of every record (frames/round_XXXX.npz),
+    shown with the top and bottom records by diagnose, attribute --html, timeline and report"""
     record_minibatches: bool = False
     """keep, for every optimiser step, its minibatch record indices and lr (full TracIn)"""
     tensorboard: bool = True
     """write TensorBoard event files"""
+    wandb: bool = False
+    """also log every round to Weights & Biases (pip install 'rlinfluence[wandb]'; WANDB_MODE=offline
+    logs locally, to WANDB_DIR)"""
+    wandb_project: str = "rlinfluence"
+    """the W&B project of --wandb"""
     progress: bool = True
     """show a progress bar"""
+
+    def __post_init__(self) -> None:
+        # iif-robust is stored expanded, so that config.json says what ran; a conflicting option
+        # leaves it unexpanded for validate() to refuse (tyro would box an error raised here)
+        if self.filter == "iif-robust" and not self._robust_conflicts():
+            for key, robust in ROBUST_IIF.items():
+                setattr(self, key, robust)
+            self.filter, self.method = "iif", self.method or "iif-robust"
+
+    def _robust_conflicts(self) -> list[str]:
+        """The ROBUST_IIF options set to another value than their default and iif-robust's."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [f"iif-robust sets {key}={robust}, got {key}={getattr(self, key)}" for key, robust in ROBUST_IIF.items()
+                if getattr(self, key) not in (defaults[key], robust)]
 
     @classmethod
     def for_env(cls, env: str, **overrides: Any) -> PPOConfig:
@@ -187,7 +218,12 @@ class PPOConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise UserError(f"{name} must be > 0 (or None), got {value}")
-        check_drop_pct(self.drop_pct)
+        if self.filter == "iif-robust":
+            raise UserError(f"{self._robust_conflicts()[0]}: use --filter iif to choose the options yourself")
+        check_drop_pct(self.drop_pct, auto=self.filter == "iif")
+        if self.precondition == "adam" and self.optimizer != "adam":
+            raise UserError("precondition adam scores for Adam's step; it needs --optimizer adam, "
+                            f"got {self.optimizer}")
         if not -1 <= self.gate_threshold <= 1:
             raise UserError(f"gate_threshold must be in [-1, 1] (a cosine), got {self.gate_threshold}")
         for name in ("seed", "eval_seed", "eval_episodes", "validation_steps"):
@@ -199,6 +235,8 @@ class PPOConfig:
             raise UserError(f"adam_eps must be > 0, got {self.adam_eps}")
         if self.vf_coef < 0:
             raise UserError(f"vf_coef must be >= 0, got {self.vf_coef}")
+        if self.save_frames and not self.save_buffers:
+            raise UserError("--save-frames needs --save-buffers (frames are kept for the saved rounds' records)")
         if any(size < 1 for size in self.hidden_sizes):
             raise UserError(f"hidden_sizes must all be >= 1, got {list(self.hidden_sizes)}")
         if self.method is not None and (
@@ -206,6 +244,10 @@ class PPOConfig:
         ):
             raise UserError(f"method must be a plain name (no path separator, not '..'), got {self.method!r}")
         check_env_id(self.env)
+        if self.save_frames:
+            check_renders(self.env)
+        if self.wandb:
+            check_wandb_installed()
         if self.filter == "advantage" and (reason := mc_unavailable_reason(self.env)) is not None:
             raise UserError(f"--filter advantage needs Monte-Carlo advantages: {reason}")
         if self.filter in ("iif", "random") and self.batch_size == self.rollout_size:
@@ -232,6 +274,10 @@ class PPOConfig:
 
 
 FIELD_TYPES: dict[str, Any] = typing.get_type_hints(PPOConfig)
+
+ROBUST_IIF: dict[str, Any] = {"step_control": "norm", "gate": "split-half"}
+"""What ``--filter iif-robust`` sets on top of iif: the combination measured best in
+docs/results.md ("Robust IIF"); ``--filter iif`` keeps the paper's behaviour."""
 
 
 def coerce(key: str, text: str | Any) -> Any:
@@ -347,7 +393,7 @@ class PPO:
             config.filter, drop_pct=config.drop_pct, seed=_derived_seed(config.seed, 0, 2),
             drop_mode=config.drop_mode, advantage_norm=config.advantage_norm,
             random_match=config.random_match, heuristic=config.heuristic,
-            gate=config.gate, gate_threshold=config.gate_threshold,
+            gate=config.gate, gate_threshold=config.gate_threshold, precondition=config.precondition,
         )
 
         # Seeding: once, everything, before anything random is built (CleanRL).
@@ -357,7 +403,9 @@ class PPO:
         torch.set_num_threads(config.torch_threads)
         self.generator = torch.Generator().manual_seed(config.seed)
 
-        self.stream = EnvStream(make_vec_env(config.env, config.n_envs), self.generator)
+        render_mode = "rgb_array" if config.save_frames else None
+        self.stream = EnvStream(make_vec_env(config.env, config.n_envs, render_mode), self.generator)
+        self.last_frames: FrameRecorder | None = None  # the last collection's frames (save_frames)
         self.env.action_space.seed(config.seed)
         # the validation rollout has its own envs and noise, so the training stream stays the same
         self.validation_stream = (
@@ -390,6 +438,8 @@ class PPO:
                 if run_dir is None else RunDirectory.at(run_dir, config.tensorboard)
             )
             self.run.write_config(config.to_dict())
+            if config.wandb:
+                self.run.log_to_wandb(config.wandb_project, config.to_dict())
 
     @property
     def env(self) -> gym.vector.VectorEnv:
@@ -410,7 +460,8 @@ class PPO:
             with progress_bar(cfg.progress, cfg.env, n_rounds, self.round) as advance:
                 while self.round < n_rounds:
                     metrics = self.train_round()
-                    advance(f"eval {metrics['eval_return_mean']:.3g}  kept {metrics['kept_fraction']:.2f}")
+                    advance(f"round {metrics['round']} | env_steps {metrics['env_steps']} | eval_return "
+                            f"{metrics['eval_return_mean']:.4g} | kept_fraction {metrics['kept_fraction']:.3f}")
                     if callback is not None and callback(self, metrics) is False:
                         break
         finally:
@@ -429,9 +480,10 @@ class PPO:
             validation = self.collect(self.validation_stream, cfg.validation_steps)
             validation.compute_advantages(cfg.gamma, cfg.gae_lambda)
         t1 = time.perf_counter()
-        context = FilterContext(self.policy, self.round, cfg.batch_size, cfg.gamma, validation=validation)
+        context = FilterContext(self.policy, self.round, cfg.batch_size, cfg.gamma, validation=validation,
+                                optimizer=self.optimizer, lookahead=lambda train, held_out: self.lookahead(buffer, train, held_out))
         keep = self.filter(buffer, context)
-        step_scale = self.step_scale(buffer, keep) if cfg.step_control == "norm" else 1.0
+        step_scale = self.step_scale(buffer, keep) if cfg.step_control != "none" else 1.0
         t2 = time.perf_counter()
         update_stats = self.update(buffer, keep, context.sample_weights, lr_scale=step_scale)
         self._check_weights(buffer.round)
@@ -462,9 +514,11 @@ class PPO:
             **context.stats,
         }
         if self.run is not None:
-            self.run.log_round(metrics)
+            self.run.log_round(metrics, filter_stats=context.stats.keys(), scores=context.scores)
             if cfg.save_buffers:
                 self.run.save_buffer(buffer.round, self._buffer_tensors(buffer, keep))
+            if cfg.save_frames:
+                save_frames(self.run.path, buffer.round, self.last_frames.flat())
             if cfg.save_checkpoints:
                 self.run.save_checkpoint(self.round, self.state_dict())
         self.last_buffer = buffer
@@ -498,7 +552,10 @@ class PPO:
         noise = self.policy.noise((n_steps, cfg.n_envs), stream.generator).numpy()
         stream.finished_returns = []
         obs = stream.obs
+        frames = FrameRecorder(n_steps, cfg.n_envs) if cfg.save_frames and stream is self.stream else None
         for t in range(n_steps):
+            if frames is not None:
+                frames.capture(t, stream.env)  # the frame of obs, before the step
             actions, logp, values = act(obs, noise[t])
             env_actions = np.clip(actions, space.low, space.high) if continuous else actions
             next_obs, rewards, terminated, truncated, infos = stream.env.step(env_actions)
@@ -519,6 +576,8 @@ class PPO:
             stream.track(rewards, terminated | truncated)
             obs = next_obs
         stream.obs = obs
+        if frames is not None:
+            self.last_frames = frames
         _check_finite(b_rew, "reward", self.round)
         _check_finite(b_obs, "observation", self.round)
         buf.last_values = self.policy.value(torch.as_tensor(obs))
@@ -530,12 +589,19 @@ class PPO:
 
     # -- 4. optimise --------------------------------------------------------------------
     def step_scale(self, buffer: RolloutBuffer, keep: torch.Tensor) -> float:
+        """The learning-rate scale of a filtered round under ``step_control`` (1 if every record
+        is kept): ``norm_step_scale`` or ``kl_step_scale``."""
+        keep = torch.as_tensor(keep, dtype=torch.bool)
+        if bool(keep.all()) or self.config.step_control == "none":
+            return 1.0
+        if self.config.step_control == "kl":
+            return self.kl_step_scale(buffer, keep)
+        return self.norm_step_scale(buffer, keep)
+
+    def norm_step_scale(self, buffer: RolloutBuffer, keep: torch.Tensor) -> float:
         """|g(all records)| / |g(kept records)| at theta(k), with g(S) the gradient of the
         policy loss -(1/|S|) sum_{i in S} A_i log pi(a_i|s_i), advantages normalised over S (the
-        first step of the round's update on S); exactly 1 when every record is kept."""
-        keep = torch.as_tensor(keep, dtype=torch.bool)
-        if bool(keep.all()):
-            return 1.0
+        first step of the round's update on S)."""
         obs, actions, advantages = (buffer.flat(name) for name in ("obs", "actions", "advantages"))
         params = [p for p in self.policy.parameters() if p.requires_grad]
 
@@ -546,6 +612,57 @@ class PPO:
 
         kept_norm = grad_norm(keep.nonzero().squeeze(1))
         return grad_norm(torch.arange(len(buffer))) / kept_norm if kept_norm > 0 else 1.0
+
+    def kl_step_scale(self, buffer: RolloutBuffer, keep: torch.Tensor) -> float:
+        """sqrt(KL_all / KL_kept), KL_S the approx_kl over the whole buffer after one probe epoch
+        of the update on the records S (``probe``). For small steps KL is quadratic in the step
+        length, so the scaled round's KL is the unfiltered one's; clipped to [1/10, 10]."""
+        everything = torch.arange(len(buffer))
+        kl_all = self.probe(buffer, everything, everything)[0]
+        kl_kept = self.probe(buffer, keep.nonzero().squeeze(1), everything)[0]
+        if not (kl_kept > 0 and math.isfinite(kl_all)):
+            return 1.0
+        return float(min(max(math.sqrt(kl_all / kl_kept), 0.1), 10.0))
+
+    def lookahead(self, buffer: RolloutBuffer, train: torch.Tensor, held_out: torch.Tensor) -> float:
+        """The surrogate gain on ``held_out`` of one epoch on ``train`` at this round's step
+        control (``FilterContext.lookahead``; ``kl`` is approximated by ``norm`` there, as two
+        probes per candidate would cost more than the choice is worth)."""
+        keep = torch.zeros(len(buffer), dtype=torch.bool)
+        keep[train] = True
+        scale = self.norm_step_scale(buffer, keep) if self.config.step_control != "none" else 1.0
+        return self.probe(buffer, train, held_out, scale)[1]
+
+    def probe(self, buffer: RolloutBuffer, train: torch.Tensor, measured: torch.Tensor,
+              lr_scale: float = 1.0) -> tuple[float, float]:
+        """(approx_kl, surrogate gain) on the records ``measured`` after one epoch of the round's
+        update on the records ``train``, run on copies of the policy and the optimiser (the
+        trainer is untouched; minibatches from a generator of their own, seeded by seed and
+        round, so probing never shifts the training stream):
+
+            approx_kl = mean_j (r_j - 1) - log r_j,   gain = mean_j A_norm_j (r_j - 1),
+            r_j = pi'(a_j|s_j) / pi_theta(k)(a_j|s_j)
+        """
+        cfg = self.config
+        policy = copy.deepcopy(self.policy)
+        optimizer = type(self.optimizer)(policy.parameters(), **self.optimizer.defaults)
+        optimizer.load_state_dict(self.optimizer.state_dict())
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.learning_rate * lr_scale
+        tensors = self._update_tensors(buffer)
+        generator = torch.Generator().manual_seed(_derived_seed(cfg.seed, buffer.round, 5))
+        order = train[torch.randperm(len(train), generator=generator)]
+        for m in range(len(order) // cfg.batch_size):
+            idx = order[m * cfg.batch_size : (m + 1) * cfg.batch_size]
+            if self._minibatch_step(policy, optimizer, tensors, idx, buffer.round, epoch=0) is None:
+                break
+        with torch.no_grad():
+            obs, actions, old_logp, advantages = (tensors[k][measured] for k in ("obs", "actions", "logp", "advantages"))
+            log_ratio = policy.log_prob(obs, actions) - old_logp
+            ratio = log_ratio.exp()
+            kl = float(((ratio - 1) - log_ratio).mean())
+            gain = float((normalize_advantages(advantages) * (ratio - 1)).mean())
+        return kl, gain
 
     def update(
         self, buffer: RolloutBuffer, keep: torch.Tensor, sample_weights: torch.Tensor | None = None,
@@ -579,9 +696,8 @@ class PPO:
             )
         if not torch.isfinite(buffer.advantages).all():
             raise UserError(f"round {buffer.round}: non-finite advantages (check the env's rewards)")
-        obs, actions, old_logp, old_values, advantages, returns = (
-            buffer.flat(name) for name in ("obs", "actions", "logp", "values", "advantages", "returns")
-        )
+        tensors = self._update_tensors(buffer)
+        returns, old_values = tensors["returns"], tensors["values"]
         n_minibatches = len(kept) // cfg.batch_size
         self.schedule = []
         totals = {"policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0}
@@ -595,26 +711,10 @@ class PPO:
                 perm = kept[draw]
             for m in range(n_minibatches):
                 idx = perm[m * cfg.batch_size : (m + 1) * cfg.batch_size]
-                out = ppo_loss(
-                    self.policy, obs[idx], actions[idx], old_logp[idx], advantages[idx],
-                    returns[idx], old_values[idx], clip_range=cfg.clip_range,
-                    clip_range_vf=cfg.clip_range_vf, vf_coef=cfg.vf_coef, ent_coef=cfg.ent_coef,
-                    normalize_advantage=cfg.normalize_advantage,
-                )
-                if not torch.isfinite(out.loss):
-                    raise UserError(
-                        f"round {buffer.round}: non-finite loss {float(out.loss.detach())} at epoch {epoch} "
-                        f"(policy_loss {out.policy_loss}, value_loss {out.value_loss}); stopped before "
-                        f"the round's checkpoint (check the env's reward scale)"
-                    )
-                if cfg.target_kl is not None and out.approx_kl > 1.5 * cfg.target_kl:
+                out = self._minibatch_step(self.policy, self.optimizer, tensors, idx, buffer.round, epoch)
+                if out is None:
                     stop = True
                     break
-                self.optimizer.zero_grad(set_to_none=True)
-                out.loss.backward()
-                if cfg.max_grad_norm is not None:
-                    nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
-                self.optimizer.step()
                 if cfg.record_minibatches or cfg.save_buffers:
                     self.schedule.append(MinibatchStep(epoch, idx, self.optimizer.param_groups[0]["lr"]))
                 for key in totals:
@@ -629,6 +729,36 @@ class PPO:
         stats["kept_fraction"] = len(kept) / len(buffer)
         stats["n_updates"] = n_updates
         return stats
+
+    @staticmethod
+    def _update_tensors(buffer: RolloutBuffer) -> dict[str, torch.Tensor]:
+        return {name: buffer.flat(name) for name in ("obs", "actions", "logp", "values", "advantages", "returns")}
+
+    def _minibatch_step(self, policy: ActorCritic, optimizer: torch.optim.Optimizer,
+                        tensors: dict[str, torch.Tensor], idx: torch.Tensor, round_index: int,
+                        epoch: int) -> PPOLoss | None:
+        """One optimiser step of the PPO loss on the records ``idx``; returns the loss terms, or
+        None (no step taken) when target_kl stops the round."""
+        cfg = self.config
+        out = ppo_loss(
+            policy, *(tensors[k][idx] for k in ("obs", "actions", "logp", "advantages", "returns", "values")),
+            clip_range=cfg.clip_range, clip_range_vf=cfg.clip_range_vf, vf_coef=cfg.vf_coef,
+            ent_coef=cfg.ent_coef, normalize_advantage=cfg.normalize_advantage,
+        )
+        if not torch.isfinite(out.loss):
+            raise UserError(
+                f"round {round_index}: non-finite loss {float(out.loss.detach())} at epoch {epoch} "
+                f"(policy_loss {out.policy_loss}, value_loss {out.value_loss}); stopped before "
+                f"the round's checkpoint (check the env's reward scale)"
+            )
+        if cfg.target_kl is not None and out.approx_kl > 1.5 * cfg.target_kl:
+            return None
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        if cfg.max_grad_norm is not None:
+            nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+        return out
 
     def _check_weights(self, round_index: int) -> None:
         """``UserError`` if the update left a non-finite parameter (before any checkpoint of it)."""

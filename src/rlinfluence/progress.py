@@ -1,17 +1,29 @@
-"""One progress bar for every long loop (rounds of a run, pairs of a comparison)."""
+"""One progress display for every long loop (rounds of a run, pairs of a comparison), on stderr.
+
+On a terminal it is a rich progress bar. Otherwise (a batch job, stderr piped to a log file) a
+bar would be one line redrawn in place, invisible until the loop ends, so each finished step
+prints one plain line instead, as SB3 and CleanRL log: ``label [3/10] info | 12.3 s``.
+"""
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
 @contextmanager
 def progress_bar(enabled: bool, label: str, total: int, completed: int = 0) -> Iterator[Callable[[str], None]]:
-    """Yields ``advance(info)``: one step done, ``info`` shown after the bar. No-op if disabled."""
+    """Yields ``advance(info)``: one step done, ``info`` shown after the bar (on a terminal) or
+    printed with the step's line (elsewhere). No-op if disabled."""
     if not enabled:
         yield lambda info="": None
         return
+    if not sys.stderr.isatty():
+        yield _line_printer(label, total, completed)
+        return
+    from rich.console import Console
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -22,7 +34,22 @@ def progress_bar(enabled: bool, label: str, total: int, completed: int = 0) -> I
     )
 
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+                   TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                   console=Console(stderr=True))
     task = bar.add_task(label, total=total, completed=completed, info="")
     with bar:
         yield lambda info="": bar.update(task, advance=1, info=info)
+
+
+def _line_printer(label: str, total: int, completed: int) -> Callable[[str], None]:
+    """``advance(info)`` printing ``label [done/total] info | elapsed s`` on stderr, flushed."""
+    start, done = time.perf_counter(), completed
+
+    def advance(info: str = "") -> None:
+        nonlocal done
+        done += 1
+        parts = [f"{label} [{done}/{total}]", *([info] if info else []),
+                 f"{time.perf_counter() - start:.1f} s"]
+        print(" | ".join(parts), file=sys.stderr, flush=True)
+
+    return advance

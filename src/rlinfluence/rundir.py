@@ -5,10 +5,14 @@ Layout of ``runs/<env>__<method>__<seed>__<time>/``::
 
     config.json                     the PPOConfig of the run
     metrics.csv                     one row per completed round
-    events.out.tfevents.*           TensorBoard scalars (charts/, losses/, time/, filter/)
+    events.out.tfevents.*           TensorBoard: scalars (charts/, losses/, time/; filter/ = the
+                                    filter's own statistics), the filter's scores per round as a
+                                    histogram (filter/scores) and the config as hparams
     checkpoints/round_0003.pt       theta(3): the state after 3 completed rounds (round_0000 =
                                     the initial policy); torch.load(weights_only=True)
     buffers/round_0003.safetensors  round 3's records and update schedule (``save_buffers``)
+    frames/round_0003.npz           a small rendered frame of each of its records
+                                    (``save_frames``; ``rlinfluence.frames``)
 
 Every file is written to a temporary name in the same folder, flushed to disk and renamed
 into place, so a killed run never leaves a half-written file; ``metrics.csv`` is rewritten whole
@@ -23,7 +27,7 @@ import io
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +35,29 @@ import torch
 
 from rlinfluence.errors import UserError
 
-_TB_GROUPS = {
-    "eval_return_mean": "charts", "eval_return_std": "charts", "train_return_mean": "charts",
-    "steps_per_second": "charts", "kept_fraction": "charts",
-    "policy_loss": "losses", "value_loss": "losses", "entropy": "losses", "approx_kl": "losses",
-    "clip_fraction": "losses", "explained_variance": "losses",
-}
+_LOSS_KEYS = frozenset({"policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction",
+                        "explained_variance"})
+
+
+def metric_tag(key: str, filter_stats: Collection[str] = ()) -> str:
+    """The TensorBoard / W&B tag of a metric: ``time/`` for durations, ``filter/`` for the
+    statistics the round's filter reported (``filter_stats``), ``losses/`` for the update's
+    losses, ``charts/`` for everything else (returns, kept fraction, counts)."""
+    if key.endswith("_seconds"):
+        group = "time"
+    elif key in filter_stats:
+        group = "filter"
+    else:
+        group = "losses" if key in _LOSS_KEYS else "charts"
+    return f"{group}/{key}"
+
+
+def check_wandb_installed() -> None:
+    """``UserError`` unless wandb can be imported (``--wandb`` needs the ``wandb`` extra)."""
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise UserError("--wandb needs Weights & Biases: pip install 'rlinfluence[wandb]'")
 
 
 class CheckpointError(UserError):
@@ -96,6 +117,15 @@ class RunDirectory:
         self.rows: list[dict[str, Any]] = []
         self._tensorboard = tensorboard
         self._writer = None
+        self._wandb_settings: dict[str, Any] | None = None
+        self._wandb_run: Any = None
+
+    def log_to_wandb(self, project: str, config: dict[str, Any]) -> None:
+        """Also log every round to Weights & Biases: a W&B run named after this folder, in
+        ``project``, with ``config`` as its config, started by the first round logged (offline
+        with ``WANDB_MODE=offline``; W&B's files go to ``WANDB_DIR``, default ``./wandb``)."""
+        check_wandb_installed()
+        self._wandb_settings = {"project": project, "name": self.path.name, "config": config}
 
     # -- creation ---------------------------------------------------------------------
     @classmethod
@@ -155,8 +185,11 @@ class RunDirectory:
             raise UserError(f"cannot read {str(self.path / 'config.json')!r}: {exc}") from None
 
     # -- metrics ----------------------------------------------------------------------
-    def log_round(self, metrics: dict[str, Any]) -> None:
-        """Append one round's row to ``metrics.csv`` (rewritten atomically) and TensorBoard."""
+    def log_round(self, metrics: dict[str, Any], filter_stats: Collection[str] = (),
+                  scores: torch.Tensor | None = None) -> None:
+        """Append one round's row to ``metrics.csv`` (rewritten atomically), TensorBoard and
+        W&B. ``filter_stats``: the keys of ``metrics`` the filter reported (tagged ``filter/``);
+        ``scores``: the filter's per-record scores of the round, logged as a histogram."""
         self.rows.append(metrics)
         columns = list(dict.fromkeys(key for row in self.rows for key in row))
         buf = io.StringIO()
@@ -164,8 +197,13 @@ class RunDirectory:
         writer.writeheader()
         writer.writerows(self.rows)
         atomic_write(self.path / "metrics.csv", lambda p: p.write_text(buf.getvalue()))
+        tags = {metric_tag(key, filter_stats): value for key, value in metrics.items()
+                if key not in ("round", "env_steps") and isinstance(value, int | float)}
+        step = int(metrics["env_steps"])
         if self._tensorboard:
-            self._log_tensorboard(metrics)
+            self._log_tensorboard(tags, step, scores)
+        if self._wandb_settings is not None:
+            self._log_wandb(tags, step, scores)
 
     def truncate(self, n_rounds: int) -> None:
         """Forget rows of rounds >= ``n_rounds`` (used when resuming from a checkpoint);
@@ -180,23 +218,47 @@ class RunDirectory:
             raise UserError(f"{str(self.path / 'metrics.csv')!r} does not match the checkpoint of "
                             f"round {n_rounds} ({problem}): restore it or start a new run")
 
-    def _log_tensorboard(self, metrics: dict[str, Any]) -> None:
+    def _log_tensorboard(self, tags: dict[str, float], step: int, scores: torch.Tensor | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        step = int(metrics["env_steps"])
         if self._writer is None:  # purge_step: a resumed run's redone rounds replace the old events
             self._writer = SummaryWriter(str(self.path), purge_step=step)
-        for key, value in metrics.items():
-            if key in ("round", "env_steps") or not isinstance(value, (int, float)):
-                continue
-            group = "time" if key.endswith("_seconds") else _TB_GROUPS.get(key, "filter")
-            self._writer.add_scalar(f"{group}/{key}", value, step)
+            if len(self.rows) == 1 and (self.path / "config.json").is_file():  # a fresh run
+                self._log_hparams([tag for tag in tags if tag.startswith("charts/")])
+        for tag, value in tags.items():
+            self._writer.add_scalar(tag, value, step)
+        if scores is not None and len(scores):
+            self._writer.add_histogram("filter/scores", scores.double(), step)
         self._writer.flush()
 
+    def _log_hparams(self, metric_tags: list[str]) -> None:
+        """The config as TensorBoard hparams (its HPARAMS tab), the ``metric_tags`` beside it."""
+        from torch.utils.tensorboard.summary import hparams
+
+        values = {key: value if isinstance(value, bool | int | float | str) else json.dumps(value)
+                  for key, value in self.read_config().items()}
+        for summary in hparams(values, dict.fromkeys(metric_tags, 0.0)):
+            self._writer.file_writer.add_summary(summary)
+
+    def _log_wandb(self, tags: dict[str, float], step: int, scores: torch.Tensor | None) -> None:
+        import wandb
+
+        if self._wandb_run is None:
+            self._wandb_run = wandb.init(**self._wandb_settings)
+        data: dict[str, Any] = dict(tags)
+        if scores is not None and len(scores):
+            data["filter/scores"] = wandb.Histogram(scores.double().numpy())
+        self._wandb_run.log(data, step=step)
+
     def close(self) -> None:
+        """Flush and close the TensorBoard writer and finish the W&B run (a later round logged
+        opens new ones)."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
 
     # -- checkpoints ------------------------------------------------------------------
     def checkpoint_path(self, n_rounds: int) -> Path:
@@ -297,34 +359,33 @@ def _check_buffer(tensors: dict[str, torch.Tensor], round_index: int, path: Path
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    """``metrics.csv`` as rows of numbers (an empty cell is left out); ``UserError`` naming the
-    line and column of the first cell that is not a number, or a file that is not such a CSV."""
+    """``metrics.csv`` as rows of numbers (an empty or NaN cell is left out); ``UserError``
+    naming the line and column of the first cell that is not a number, or a file that is not
+    such a CSV."""
+    import pandas as pd
+
     try:
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            rows = list(reader)
-            columns = reader.fieldnames or []
-    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        frame = pd.read_csv(path)
+    except pd.errors.EmptyDataError:
+        return []
+    except (OSError, UnicodeDecodeError, pd.errors.ParserError) as exc:
         raise UserError(f"cannot read {str(path)!r}: {_first_line(exc)}") from None
-    if rows and "round" not in columns:
-        raise UserError(f"{str(path)!r} has no 'round' column (columns: {', '.join(columns[:5])})")
-    parsed = []
-    for line, row in enumerate(rows, start=2):
-        out: dict[str, Any] = {}
-        for key, value in row.items():
-            if key is None or value is None:
-                raise UserError(f"{str(path)!r} line {line}: {len(columns)} columns expected")
-            if value == "":
-                continue
-            try:
-                number = float(value)
-            except ValueError:
-                raise UserError(f"{str(path)!r} line {line}, column {key!r}: {value!r} is not a number") from None
-            out[key] = int(number) if number.is_integer() and "." not in value and "e" not in value else number
-        if not isinstance(out.get("round"), int) or out["round"] < 0:
-            raise UserError(f"{str(path)!r} line {line}: round {row.get('round')!r} is not a round number")
-        parsed.append(out)
-    return parsed
+    if "round" not in frame.columns:
+        raise UserError(f"{str(path)!r} has no 'round' column (columns: {', '.join(map(str, frame.columns[:5]))})")
+    for column in frame.columns:
+        if not pd.api.types.is_numeric_dtype(frame[column]):
+            cells = frame[column]
+            bad = cells[cells.notna() & pd.to_numeric(cells, errors="coerce").isna()]
+            raise UserError(f"{str(path)!r} line {bad.index[0] + 2}, column {column!r}: "
+                            f"{bad.iloc[0]!r} is not a number")
+    rounds = frame["round"]
+    wrong = rounds.isna() | (rounds < 0) | (rounds != rounds.round())
+    if wrong.any():
+        line = int(wrong.to_numpy().argmax())
+        raise UserError(f"{str(path)!r} line {line + 2}: round {rounds.iloc[line]!r} is not a round number")
+    frame["round"] = rounds.astype(int)
+    return [{key: value for key, value in row.items() if not pd.isna(value)}
+            for row in frame.to_dict("records")]
 
 
 def _spans(values: list[int]) -> str:

@@ -15,19 +15,22 @@ A_bar(s, a) = Q_bar(s, a) - V_bar(s) from the buffer's own complete episodes
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
+from scipy import stats
 
 from rlinfluence.analysis.report import Section, Table, figure_png, new_figure
-from rlinfluence.analysis.tables import attribution_table
+from rlinfluence.analysis.tables import add_record_frames, attribution_table
 from rlinfluence.buffer import RolloutBuffer
 from rlinfluence.envs import make_env, mc_unavailable_reason
 from rlinfluence.errors import UserError
-from rlinfluence.influence import ReturnTarget, score_buffer, top_records
+from rlinfluence.frames import load_frames
+from rlinfluence.influence import DEFAULT_ADVANTAGE_NORM, ReturnTarget, score_buffer, top_records
 
 
 def monte_carlo_advantages(buffer: RolloutBuffer, env_id: str, gamma: float) -> torch.Tensor:
@@ -40,14 +43,13 @@ def monte_carlo_advantages(buffer: RolloutBuffer, env_id: str, gamma: float) -> 
 
 
 def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Spearman rank correlation (average ranks for ties); NaN if either side is constant."""
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    """``scipy.stats.spearmanr`` (average ranks for ties); NaN, without scipy's warning, with
+    fewer than 2 values or if either side is constant."""
     if len(x) < 2:
         return math.nan
-    rx, ry = pd.Series(x).rank().to_numpy(), pd.Series(y).rank().to_numpy()
-    if rx.std() == 0 or ry.std() == 0:
-        return math.nan
-    return float(np.corrcoef(rx, ry)[0, 1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", stats.ConstantInputWarning)
+        return float(stats.spearmanr(x, y).statistic)
 
 
 @dataclass
@@ -65,10 +67,14 @@ class Diagnosis:
     stats: dict[str, float]
     obs: np.ndarray
     """the buffer's observations, flat order"""
+    frames: np.ndarray | None = None
+    """the records' rendered frames, flat order (None if the run saved none)"""
 
 
-def diagnose_round(saved, bottom: int = 100, advantage_norm: str = "batch") -> Diagnosis:
-    """Diagnose a ``SavedRound`` (``rlinfluence.ppo.load_round``)."""
+def diagnose_round(saved, bottom: int = 100, advantage_norm: str = DEFAULT_ADVANTAGE_NORM,
+                   frames: np.ndarray | None = None) -> Diagnosis:
+    """Diagnose a ``SavedRound`` (``rlinfluence.ppo.load_round``); ``frames``: its records'
+    frames (``rlinfluence.frames.load_frames``), shown with the top and bottom records."""
     trainer, buffer = saved.trainer, saved.buffer
     cfg = trainer.config
     scores = score_buffer(trainer.policy, buffer, target=ReturnTarget(), advantage_norm=advantage_norm,
@@ -110,16 +116,17 @@ def diagnose_round(saved, bottom: int = 100, advantage_norm: str = "batch") -> D
             "spearman(score, A_bar*A_hat)": spearman(score[valid], (a_bar * a_hat)[valid]),
             "spearman(score, A_bar*A_hat), bottom": spearman(score[low][valid[low]], (a_bar * a_hat)[low][valid[low]]),
         })
-    return Diagnosis(cfg.env, buffer.round, table, low, high, reason, stats, buffer.flat("obs").numpy())
+    return Diagnosis(cfg.env, buffer.round, table, low, high, reason, stats, buffer.flat("obs").numpy(), frames)
 
 
-def diagnose(run_dir: str | Path, round_index: int, bottom: int = 100, advantage_norm: str = "batch") -> Diagnosis:
+def diagnose(run_dir: str | Path, round_index: int, bottom: int = 100, advantage_norm: str = DEFAULT_ADVANTAGE_NORM) -> Diagnosis:
     """Load round ``round_index`` of a run saved with ``--save-buffers`` and diagnose it."""
     from rlinfluence.ppo import load_round
 
     if bottom < 1:
         raise UserError(f"--bottom must be >= 1, got {bottom}")
-    return diagnose_round(load_round(run_dir, round_index), bottom, advantage_norm)
+    saved = load_round(run_dir, round_index)
+    return diagnose_round(saved, bottom, advantage_norm, load_frames(run_dir, round_index, len(saved.buffer)))
 
 
 # -- figures -------------------------------------------------------------------------------
@@ -138,7 +145,7 @@ def scatter_png(d: Diagnosis) -> bytes:
     ax.axvline(0, color="k", lw=0.6)
     ax.set_xscale("symlog", linthresh=1e-3)
     ax.set(xlabel="A_bar * A_hat (symlog)", ylabel="return-target score",
-           title=f"round {d.round}: Spearman {d.stats['spearman(score, A_bar*A_hat)']:.3f}")
+           title=f"{d.env}, round {d.round}: Spearman {d.stats['spearman(score, A_bar*A_hat)']:.3f}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return figure_png(fig)
@@ -181,6 +188,7 @@ def frozenlake_png(d: Diagnosis, desc: np.ndarray) -> bytes:
         ax.set(xlim=(0, ncol), ylim=(nrow, 0), aspect="equal", xticks=[], yticks=[],
                title=f"{name} {len(idx)} records, round {d.round}")
     fig.colorbar(matplotlib.cm.ScalarMappable(norm, cmap), ax=axes[0, 1], label="mean score")
+    fig.suptitle(d.env)
     return figure_png(fig)
 
 
@@ -211,6 +219,7 @@ def minigrid_png(d: Diagnosis, n: int = 8) -> bytes:
             ax.plot(objects.shape[1] // 2, objects.shape[0] - 1, marker="^", color="tab:red", ms=8)
             a = int(t["action"].iloc[i])
             ax.set_title(f"{name}: {_MINIGRID_ACTIONS[a] if a < 7 else a}\n{t['score'].iloc[i]:.3g}", fontsize=7)
+    fig.suptitle(f"{d.env}, round {d.round}")
     return figure_png(fig)
 
 
@@ -230,6 +239,7 @@ def diagnosis_section(d: Diagnosis, rows: int = 20) -> Section:
     else:
         section.paragraphs.append(f"Monte-Carlo advantage: not available ({d.mc_reason}).")
     section.summary = dict(d.stats)
+    add_record_frames(section, d.table, d.frames, {"Bottom (most harmful)": d.bottom, "Top (most helpful)": d.top})
     for name, idx in (("bottom", d.bottom[:rows]), ("top", d.top[:rows])):
         sub = d.table.iloc[idx]
         section.tables.append(Table(f"{name} {len(idx)} records", columns,

@@ -31,9 +31,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from rlinfluence.analysis.report import Section, Table, figure_png, new_figure
+from rlinfluence.analysis.report import ROUND_LABEL, Section, Table, figure_png, new_figure
 from rlinfluence.errors import UserError
 from rlinfluence.filters import FilterContext, IIFFilter, drop_lowest
+from rlinfluence.influence import DEFAULT_ADVANTAGE_NORM
 from rlinfluence.rundir import RunDirectory, load_checkpoint
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ def _seed(*parts: int) -> int:
 
 
 def intervene_round(run_dir: str | Path, round_index: int, eval_episodes: int = 100,
-                    advantage_norm: str = "chunk") -> dict[str, object]:
+                    advantage_norm: str = DEFAULT_ADVANTAGE_NORM) -> dict[str, object]:
     """Retrain round ``round_index`` of a run as (a), (b), (c); one result row."""
     from rlinfluence.ppo import load_round
 
@@ -152,7 +153,7 @@ def matches_checkpoint(trainer, run_dir: str | Path, n_rounds: int) -> bool | No
 
 
 def intervene(run_dirs: list[str | Path], rounds: list[int], eval_episodes: int = 100,
-              advantage_norm: str = "chunk", progress: bool = False) -> pd.DataFrame:
+              advantage_norm: str = DEFAULT_ADVANTAGE_NORM, progress: bool = False) -> pd.DataFrame:
     """One row per (run, round); runs are typically the seeds of one env."""
     rows = []
     for run_dir in run_dirs:
@@ -206,8 +207,9 @@ def bar_png(rows: pd.DataFrame) -> bytes:
                 ax.scatter(np.full(len(g), i + offset), g[f"delta_{arm}"], s=10, color="k", zorder=3)
         ax.axhline(0, color="k", lw=0.8)
         ax.set_xticks(x, [str(k) for k in s["round"]])
-        ax.set(xlabel="round k", ylabel="return change vs (a)", title=f"{env} ({int(s['runs'].max())} runs)")
-        ax.legend(fontsize=8)
+        runs = int(s["runs"].max())
+        ax.set(xlabel=ROUND_LABEL, ylabel="return change vs (a)", title=f"{env} ({runs} runs)")
+        ax.legend(fontsize=8, title=f"bars: mean +/- s.e. over {runs} runs (seeds); dots: runs", title_fontsize=8)
         ax.grid(alpha=0.3, axis="y")
     return figure_png(fig)
 

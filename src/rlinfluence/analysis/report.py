@@ -1,16 +1,18 @@
 """Analysis results as sections, and one self-contained HTML report per run.
 
 Every analysis (diagnosis, timeline, intervention) returns a ``Section``: a title, paragraphs,
-key figures (``summary``), tables and PNG figures. ``save_section`` writes it to
-``RUN_DIR/analyses/<key>.json`` plus ``<key>__<figure>.png``; ``build_report`` gathers the run's
-learning curve, its per-round influence statistics and every saved section into one HTML file
-with the images embedded as base64 PNG (no external file, script or style sheet).
+key figures (``summary``), tables, PNG figures and galleries of records with their rendered
+frames. ``save_section`` writes it to ``RUN_DIR/analyses/<key>.json`` plus
+``<key>__<figure>.png``; ``build_report`` gathers the run's learning curve, its per-round
+influence statistics and every saved section into one HTML file with the images embedded as
+base64 PNG (no external file, script or style sheet). Every HTML page of the package is rendered
+from its Jinja2 templates (``rlinfluence/templates/page.html.j2``) by ``render_html``.
 """
 
 from __future__ import annotations
 
 import base64
-import html
+import functools
 import io
 import json
 import math
@@ -23,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from rlinfluence.errors import UserError
+from rlinfluence.influence import DEFAULT_ADVANTAGE_NORM
 from rlinfluence.rundir import RunDirectory, atomic_write
 
 ANALYSES_DIR = "analyses"
@@ -35,10 +38,48 @@ class Table:
     rows: list[list[Any]]
 
 
+def _base64(png: bytes) -> str:
+    return base64.b64encode(png).decode("ascii")
+
+
+@dataclass
+class FrameCard:
+    """One record shown by its rendered frame (PNG) and the frames around it in its episode."""
+
+    title: str
+    """which record: rank, env, step"""
+    label: str
+    """what it is: action, advantage, score"""
+    frame: bytes
+    strip: list[bytes]
+    """the frames of its episode's records around it, in step order"""
+    strip_steps: list[int]
+    current: int
+    """the record's position in ``strip``"""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"title": self.title, "label": self.label, "frame": _base64(self.frame),
+                "strip": [_base64(png) for png in self.strip], "strip_steps": self.strip_steps,
+                "current": self.current}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FrameCard:
+        return cls(data["title"], data["label"], base64.b64decode(data["frame"]),
+                   [base64.b64decode(png) for png in data["strip"]], list(data["strip_steps"]),
+                   int(data["current"]))
+
+
+@dataclass
+class Gallery:
+    caption: str
+    cards: list[FrameCard]
+
+
 @dataclass
 class Section:
     """One analysis' results. ``figures`` maps a figure name to (PNG bytes, caption); the bytes
-    are not serialised (``save_section`` writes them as files next to the JSON)."""
+    are not serialised (``save_section`` writes them as files next to the JSON). ``galleries``
+    (records with their frames) are, base64-encoded: their PNGs are a few KB each."""
 
     key: str
     title: str
@@ -46,12 +87,17 @@ class Section:
     summary: dict[str, Any] = field(default_factory=dict)
     tables: list[Table] = field(default_factory=list)
     figures: dict[str, tuple[bytes, str]] = field(default_factory=dict)
+    galleries: list[Gallery] = field(default_factory=list)
+    side_by_side: list[Table] = field(default_factory=list)
+    """tables shown next to each other (e.g. kept and dropped completions)"""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "key": self.key, "title": self.title, "paragraphs": self.paragraphs,
             "summary": _jsonable(self.summary), "tables": [_jsonable(asdict(t)) for t in self.tables],
             "figures": {name: caption for name, (_, caption) in self.figures.items()},
+            "galleries": [{"caption": g.caption, "cards": [c.to_json() for c in g.cards]} for g in self.galleries],
+            "side_by_side": [_jsonable(asdict(t)) for t in self.side_by_side],
         }
 
 
@@ -62,12 +108,34 @@ def figure_png(fig: Any, dpi: int = 100) -> bytes:
     return buf.getvalue()
 
 
-def new_figure(width: float, height: float, ncols: int = 1, nrows: int = 1) -> tuple[Any, Any]:
-    """A matplotlib ``Figure`` (object API, no pyplot state) and its axes."""
+def new_figure(width: float, height: float, ncols: int = 1, nrows: int = 1, sharex: bool = False) -> tuple[Any, Any]:
+    """A matplotlib ``Figure`` (object API, no pyplot state) and its axes ``[nrows, ncols]``;
+    ``sharex``: stacked panels share their x axis (ticks labelled on the bottom row only)."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(width, height), layout="constrained")
-    return fig, fig.subplots(nrows, ncols, squeeze=False)
+    return fig, fig.subplots(nrows, ncols, squeeze=False, sharex=sharex)
+
+
+ROUND_LABEL = "round k (the update theta(k) -> theta(k+1))"
+"""the x label of every plot over rounds: round k is the update from theta(k) to theta(k+1)"""
+
+
+def round_axis(ax: Any, label: str | None = ROUND_LABEL) -> None:
+    """Integer ticks on ``ax``'s x axis of rounds, labelled ``label`` (None: no label, e.g. the
+    upper panels of a stack)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # one round: one tick
+    if label:
+        ax.set_xlabel(label)
+
+
+def evenly_spaced(values: Sequence[int], n: int) -> list[int]:
+    """At most ``n`` of ``values``, evenly spaced from the first to the last."""
+    if not values:
+        return []
+    return sorted({values[int(round(i))] for i in np.linspace(0, len(values) - 1, min(n, len(values)))})
 
 
 def _jsonable(value: Any) -> Any:
@@ -119,28 +187,19 @@ def load_sections(folder: str | Path) -> list[Section]:
                 png = folder / f"{data['key']}__{name}.png"
                 if png.is_file():
                     figures[name] = (png.read_bytes(), caption)
+            galleries = [Gallery(g["caption"], [FrameCard.from_json(c) for c in g["cards"]])
+                         for g in data.get("galleries", [])]
             sections.append(Section(
                 data["key"], data["title"], data.get("paragraphs", []), data.get("summary", {}),
-                [Table(**t) for t in data.get("tables", [])], figures,
+                [Table(**t) for t in data.get("tables", [])], figures, galleries,
+                [Table(**t) for t in data.get("side_by_side", [])],
             ))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # a bad base64 frame is a ValueError
             raise UserError(f"cannot read analysis {str(path)!r}: {exc}") from None
     return sections
 
 
 # -- HTML ----------------------------------------------------------------------------------
-_CSS = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
-h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: .2em; margin-top: 2em; }
-table { border-collapse: collapse; margin: .8em 0; font-size: .85em; }
-th, td { border: 1px solid #ccc; padding: .2em .5em; text-align: right; }
-th { background: #f3f3f3; } caption { text-align: left; font-weight: bold; padding: .3em 0; }
-figure { margin: 1em 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
-figcaption { font-size: .85em; color: #555; } dl.summary { display: grid; grid-template-columns: max-content auto; gap: .1em 1em; }
-dl.summary dt { font-weight: bold; } dl.summary dd { margin: 0; }
-"""
-
-
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return "nan" if not math.isfinite(value) else f"{value:.4g}"
@@ -149,38 +208,25 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _section_html(section: Section) -> str:
-    out = [f'<section id="{html.escape(section.key)}">', f"<h2>{html.escape(section.title)}</h2>"]
-    out += [f"<p>{html.escape(p)}</p>" for p in section.paragraphs]
-    if section.summary:
-        out.append('<dl class="summary">')
-        for key, value in section.summary.items():
-            out.append(f"<dt>{html.escape(str(key))}</dt><dd>{html.escape(_fmt(value))}</dd>")
-        out.append("</dl>")
-    for table in section.tables:
-        out.append(f"<table><caption>{html.escape(table.caption)}</caption><thead><tr>")
-        out += [f"<th>{html.escape(str(c))}</th>" for c in table.columns]
-        out.append("</tr></thead><tbody>")
-        for row in table.rows:
-            out.append("<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row) + "</tr>")
-        out.append("</tbody></table>")
-    for name, (png, caption) in section.figures.items():
-        data = base64.b64encode(png).decode("ascii")
-        alt = html.escape(caption or name)
-        out.append(f'<figure><img src="data:image/png;base64,{data}" alt="{alt}">'
-                   f"<figcaption>{html.escape(caption)}</figcaption></figure>")
-    out.append("</section>")
-    return "\n".join(out)
+def _data_uri(png: bytes) -> str:
+    return "data:image/png;base64," + _base64(png)
+
+
+@functools.cache
+def _templates() -> Any:
+    """The Jinja2 environment of the package's ``templates/`` (autoescaped HTML)."""
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader("rlinfluence", "templates"), autoescape=True,
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters.update(fmt=_fmt, data_uri=_data_uri)
+    return env
 
 
 def render_html(title: str, sections: Sequence[Section]) -> str:
-    """A complete, self-contained HTML5 document of ``sections``."""
-    body = "\n".join(_section_html(s) for s in sections)
-    return (
-        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-        f"<title>{html.escape(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
-        f"<h1>{html.escape(title)}</h1>\n{body}\n</body>\n</html>\n"
-    )
+    """A complete, self-contained HTML5 document of ``sections`` (``templates/page.html.j2``); a
+    section titled as the page gets no heading of its own."""
+    return _templates().get_template("page.html.j2").render(title=title, sections=sections)
 
 
 def write_html(path: str | Path, title: str, sections: Sequence[Section]) -> Path:
@@ -214,27 +260,28 @@ def learning_section(run: RunDirectory, config: dict[str, Any]) -> Section:
         return np.array([float(r.get(name, math.nan)) if r.get(name, "") != "" else math.nan for r in rows])
 
     mean, std = column("eval_return_mean"), column("eval_return_std")
-    fig, axes = new_figure(10, 3.6, ncols=2)
-    ax = axes[0, 0]
-    # eval after round k's update is the return of theta(k+1)
-    ax.plot(rounds + 1, mean, label="evaluation (stochastic policy)")
-    ax.fill_between(rounds + 1, mean - std, mean + std, alpha=0.2)
+    fig, axes = new_figure(9, 7.5, nrows=3, sharex=True)
+    return_ax, update_ax, kl_ax = axes[:, 0]
+    # round k's row: its update theta(k) -> theta(k+1), then the evaluation of theta(k+1)
+    return_ax.plot(rounds, mean, label="evaluation of theta(k+1) (stochastic policy), +/- 1 std over episodes")
+    return_ax.fill_between(rounds, mean - std, mean + std, alpha=0.2)
     train = column("train_return_mean")
     if np.isfinite(train).any():
-        ax.plot(rounds + 1, train, alpha=0.7, label="training episodes")
-    ax.set(xlabel="theta(k): rounds completed", ylabel="return", title="return")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    ax = axes[0, 1]
-    ax.plot(rounds, column("kept_fraction"), label="kept fraction")
-    for name in ("clip_fraction", "approx_kl"):
-        if np.isfinite(column(name)).any():
-            ax.plot(rounds, column(name), label=name)
-    ax.set(xlabel="round k", title="update statistics")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    section.figures["curve"] = (figure_png(fig), "Left: mean evaluation return (+/- 1 std over "
-                                "episodes) after each round; right: kept fraction, clip fraction, approx KL.")
+        return_ax.plot(rounds, train, alpha=0.7, label="training episodes finished in round k")
+    return_ax.set(ylabel="return")
+    update_ax.plot(rounds, column("kept_fraction"), label="kept fraction")
+    if np.isfinite(column("clip_fraction")).any():
+        update_ax.plot(rounds, column("clip_fraction"), label="clip fraction")
+    update_ax.set(ylabel="fraction")
+    kl_ax.plot(rounds, column("approx_kl"), color="tab:purple", label="approx_kl of the update")
+    kl_ax.set(ylabel="approx_kl")
+    for ax in axes[:, 0]:
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        round_axis(ax, ROUND_LABEL if ax is kl_ax else None)
+    fig.suptitle(str(config.get("env")))
+    section.figures["curve"] = (figure_png(fig), "Per round k: the evaluation return of theta(k+1) (+/- 1 std "
+                                "over episodes), the kept and clip fractions and the approx KL of its update.")
     best = int(np.nanargmax(mean)) if np.isfinite(mean).any() else None
     section.summary.update({
         "final eval return": float(mean[-1]),
@@ -245,9 +292,12 @@ def learning_section(run: RunDirectory, config: dict[str, Any]) -> Section:
     return section
 
 
-def influence_section(run_dir: str | Path, n_rounds: int = 6, advantage_norm: str = "batch") -> Section | None:
+def influence_section(run_dir: str | Path, n_rounds: int = 6, advantage_norm: str = DEFAULT_ADVANTAGE_NORM) -> Section | None:
     """Return-target snapshot scores of up to ``n_rounds`` evenly spaced saved rounds: histograms
-    and a table (fraction negative, spread), plus the kept fraction the run actually used."""
+    and a table (fraction negative, spread), plus the kept fraction the run actually used, and
+    the last of these rounds' top and bottom records with their frames (if saved)."""
+    from rlinfluence.analysis.tables import add_record_frames, attribution_table
+    from rlinfluence.frames import load_frames
     from rlinfluence.influence import ReturnTarget, score_buffer
     from rlinfluence.ppo import load_round
 
@@ -255,7 +305,7 @@ def influence_section(run_dir: str | Path, n_rounds: int = 6, advantage_norm: st
     saved = saved_rounds(run)
     if not saved:
         return None
-    picks = sorted({saved[int(round(i))] for i in np.linspace(0, len(saved) - 1, min(n_rounds, len(saved)))})
+    picks = evenly_spaced(saved, n_rounds)
     section = Section("influence", "Per-round influence statistics (return target)")
     section.paragraphs.append(
         f"Snapshot influence of every record on the return target at theta(k) (advantage "
@@ -267,7 +317,9 @@ def influence_section(run_dir: str | Path, n_rounds: int = 6, advantage_norm: st
         s = load_round(run_dir, k)
         cfg = s.trainer.config
         scores = score_buffer(s.trainer.policy, s.buffer, target=ReturnTarget(), advantage_norm=advantage_norm,
-                              chunk_size=cfg.batch_size, ent_coef=cfg.ent_coef).double().numpy()
+                              chunk_size=cfg.batch_size, ent_coef=cfg.ent_coef)
+        last = attribution_table(s.buffer, scores)  # the last round's records are shown with their frames
+        scores = scores.double().numpy()
         all_scores[k] = scores
         rows.append([k, len(scores), float((scores < 0).mean()), float(scores.mean()), float(scores.std()),
                      float(scores.min()), float(scores.max()), kept.get(k)])
@@ -285,7 +337,11 @@ def influence_section(run_dir: str | Path, n_rounds: int = 6, advantage_norm: st
         ax.axvline(0, color="k", lw=0.8)
         ax.set_yscale("log")
         ax.set(title=f"round {k}: {np.mean(scores < 0):.0%} negative", xlabel="score")
+    fig.suptitle(str(run.read_config().get("env")))
     section.figures["histograms"] = (figure_png(fig), "Histograms of return-target scores (log count).")
+    k, order = picks[-1], last.sort_values("rank").index.to_numpy()
+    add_record_frames(section, last, load_frames(run_dir, k, len(last)),
+                      {f"Round {k}, top (most helpful)": order, f"Round {k}, bottom (most harmful)": order[::-1]})
     return section
 
 

@@ -1,12 +1,22 @@
-"""Per-record attribution tables (written as Parquet) and their console view."""
+"""Per-record attribution tables (written as Parquet), their console view and their HTML view.
+
+In HTML, records of a run trained with ``--save-buffers --save-frames`` are shown as cards: the
+record's rendered frame with its action, advantage and score, and the strip of frames around it
+in its episode (``STRIP_WIDTH`` steps either side); for a round without frames the section says
+how to get them (``rlinfluence.frames.HOW_TO_SAVE``).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 import torch
 
+from rlinfluence.analysis.report import FrameCard, Gallery, Section, Table
 from rlinfluence.buffer import RolloutBuffer
+from rlinfluence.frames import HOW_TO_SAVE, png, record_strip
 
 _MAX_OBS_VALUES = 64  # larger observations (images) are summarised, not stored in the table
 
@@ -43,14 +53,77 @@ def attribution_table(buffer: RolloutBuffer, scores: torch.Tensor) -> pd.DataFra
 def print_records(table: pd.DataFrame, k: int, title: str) -> None:
     """Top-k and bottom-k records of ``attribution_table`` as console tables."""
     from rich.console import Console
-    from rich.table import Table
+    from rich.table import Table as RichTable
 
     console = Console()
     columns = ["rank", "round", "env", "step", "obs_summary", "action", "advantage", "score"]
     for name, rows in (("most helpful", table.nsmallest(k, "rank")), ("most harmful", table.nlargest(k, "rank"))):
-        view = Table(title=f"{title}: {name}")
+        view = RichTable(title=f"{title}: {name}")
         for column in columns:
             view.add_column(column, justify="left" if column == "obs_summary" else "right")
         for _, row in rows.iterrows():
             view.add_row(*[f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c]) for c in columns])
         console.print(view)
+
+
+# -- HTML: records with their frames ---------------------------------------------------------
+FRAME_RECORDS = 8
+"""records shown with their frames per group (top, bottom)"""
+STRIP_WIDTH = 3
+
+
+def action_text(action: object) -> str:
+    """A discrete action as its integer, a continuous one as its values (3 significant digits)."""
+    values = np.atleast_1d(np.asarray(action)).ravel()
+    if values.dtype.kind in "iub":
+        return ", ".join(str(int(v)) for v in values)
+    return ", ".join(f"{float(v):.3g}" for v in values)
+
+
+def record_cards(table: pd.DataFrame, indices: Sequence[int], frames: np.ndarray) -> list[FrameCard]:
+    """Cards of the records ``indices`` (flat buffer indices = rows of ``attribution_table``)."""
+    env_ids, episodes, steps = (table[column].to_numpy() for column in ("env", "episode", "step"))
+    cards = []
+    for i in (int(i) for i in indices):
+        row = table.iloc[i]
+        strip = record_strip(i, env_ids, episodes, steps, STRIP_WIDTH)
+        cards.append(FrameCard(
+            title=f"record {i} (env {row['env']}, step {row['step']}), rank {row['rank']} of {len(table)}",
+            label=f"action {action_text(row['action'])}, advantage {row['advantage']:.3g}, "
+                  f"score {row['score']:.3g}",
+            frame=png(frames[i]), strip=[png(frames[j]) for j in strip],
+            strip_steps=[int(steps[j]) for j in strip], current=int(np.flatnonzero(strip == i)[0]),
+        ))
+    return cards
+
+
+def add_record_frames(section: Section, table: pd.DataFrame, frames: np.ndarray | None,
+                      groups: Mapping[str, Sequence[int]]) -> None:
+    """Append to ``section`` one gallery per group (caption -> flat indices, best shown first;
+    the first ``FRAME_RECORDS`` are shown) or, if ``frames`` is None, how to get frames."""
+    if frames is None:
+        section.paragraphs.append(f"No frames of this round's records: {HOW_TO_SAVE}.")
+        return
+    for caption, indices in groups.items():
+        shown = list(indices)[:FRAME_RECORDS]
+        section.galleries.append(Gallery(f"{caption}: {len(shown)} records with their frames (red: the "
+                                         f"record, around it its episode's steps)",
+                                         record_cards(table, shown, frames)))
+
+
+def attribution_section(table: pd.DataFrame, title: str, frames: np.ndarray | None, rows: int = 10) -> Section:
+    """The ``attribute --html`` page of an ``attribution_table``: its top and bottom ``rows``
+    records as tables and, with ``frames`` (flat order), as frames with their episode strips."""
+    k = int(table["round"].iloc[0])
+    section = Section(f"attribution_round_{k}", title)
+    section.paragraphs.append("Every record of the round's buffer scored by its influence on the target; "
+                              "positive = the record pushes the round's update towards the target.")
+    order = table.sort_values("rank").index.to_numpy()
+    top, bottom = order[:rows], order[::-1][:rows]
+    add_record_frames(section, table, frames, {"Top (most helpful)": top, "Bottom (most harmful)": bottom})
+    columns = ["rank", "env", "step", "episode", "obs_summary", "action", "advantage", "score"]
+    for name, idx in (("Top", top), ("Bottom", bottom)):
+        section.tables.append(Table(f"{name} {len(idx)} records", columns, [
+            [action_text(v) if c == "action" else v.item() if isinstance(v, np.generic) else v
+             for c, v in zip(columns, row, strict=True)] for row in table.iloc[idx][columns].itertuples(index=False)]))
+    return section

@@ -6,8 +6,8 @@ track pi_theta(k)(a*|s*), the top records and the **roughness** of the scores:
 - nodes: the round's records with positive score, valued I_tilde_i = I_i / max_j |I_j| (max over
   all records of the round);
 - embeddings e_i: the final policy's last actor hidden layer (``actor(encoder(obs))``);
-- edges: each node's u nearest neighbours, symmetrised by union (i~j if either is among the
-  other's u nearest), weight w_ij = exp(-||e_i - e_j||^2 / sigma^2), sigma = the median
+- edges: each node's u nearest neighbours (scikit-learn's ``kneighbors_graph``, a sparse
+  matrix), symmetrised by union (i~j if either is among the other's u nearest), weight w_ij = exp(-||e_i - e_j||^2 / sigma^2), sigma = the median
   pairwise distance between the nodes (the median of the non-zero distances if that is 0,
   e.g. many records of one discrete state);
 - roughness = sum_{i<j} w_ij (I_tilde_i - I_tilde_j)^2 / sum_{i<j} w_ij (normalised Dirichlet
@@ -15,7 +15,8 @@ track pi_theta(k)(a*|s*), the top records and the **roughness** of the scores:
 
 The paper describes three phases (action-advantage association, semantic clustering, influence
 saturation); ``estimate_phases`` places their boundaries from the data by two stated rules and
-draws none where a rule does not fire.
+draws none where a rule does not fire. With frames saved (``--save-frames``) the top records of
+up to ``GALLERY_ROUNDS`` rounds are shown with their frames.
 """
 
 from __future__ import annotations
@@ -28,52 +29,66 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from scipy import sparse
+from scipy.spatial.distance import pdist
 
-from rlinfluence.analysis.report import Section, Table, figure_png, new_figure, saved_rounds
-from rlinfluence.analysis.tables import attribution_table
+from rlinfluence.analysis.report import (
+    ROUND_LABEL,
+    Gallery,
+    Section,
+    Table,
+    evenly_spaced,
+    figure_png,
+    new_figure,
+    round_axis,
+    saved_rounds,
+)
+from rlinfluence.analysis.tables import FRAME_RECORDS, attribution_table, record_cards
 from rlinfluence.errors import UserError
-from rlinfluence.influence import ActionTarget, score_buffer, top_records
+from rlinfluence.frames import HOW_TO_SAVE, load_frames
+from rlinfluence.influence import DEFAULT_ADVANTAGE_NORM, ActionTarget, score_buffer, top_records
 from rlinfluence.rundir import RunDirectory, load_checkpoint
+
+GALLERY_ROUNDS = 6
+"""rounds whose top records are shown with their frames (evenly spaced over the timeline)"""
 
 
 # -- roughness -----------------------------------------------------------------------------
-def knn_weights(embeddings: np.ndarray, u: int) -> tuple[np.ndarray, float]:
-    """Dense symmetric weights of the symmetrised u-nearest-neighbour graph, and sigma.
+def knn_weights(embeddings: np.ndarray, u: int) -> tuple[sparse.csr_array, float]:
+    """Sparse symmetric weights of the symmetrised u-nearest-neighbour graph
+    (``sklearn.neighbors.kneighbors_graph``), and sigma.
 
-    ``embeddings [n, d]``; ties in distance are broken by index. The diagonal is zero.
+    ``embeddings [n, d]``; a record is never its own neighbour; no weight on the diagonal.
     """
+    from sklearn.neighbors import kneighbors_graph
+
     e = np.asarray(embeddings, dtype=np.float64).reshape(len(embeddings), -1)
     n = len(e)
     if n < 2:
-        return np.zeros((n, n)), math.nan
+        return sparse.csr_array((n, n)), math.nan
     if u < 1:
         raise ValueError(f"u must be >= 1, got {u}")
-    sq = (e * e).sum(1)
-    dist = np.sqrt(np.maximum(sq[:, None] + sq[None, :] - 2 * e @ e.T, 0.0))
-    np.fill_diagonal(dist, 0.0)
-    pairs = dist[np.triu_indices(n, 1)]
+    pairs = pdist(e)
     sigma = float(np.median(pairs))
     if sigma == 0:
         positive = pairs[pairs > 0]
         sigma = float(np.median(positive)) if len(positive) else 1.0
-    k = min(u, n - 1)
-    masked = dist + np.diag(np.full(n, np.inf))  # never one's own neighbour
-    neighbours = np.argsort(masked, axis=1, kind="stable")[:, :k]
-    adjacent = np.zeros((n, n), dtype=bool)
-    adjacent[np.repeat(np.arange(n), k), neighbours.ravel()] = True
-    adjacent |= adjacent.T
-    return np.where(adjacent, np.exp(-(dist / sigma) ** 2), 0.0), sigma
+    adjacent = kneighbors_graph(e, min(u, n - 1), mode="connectivity")
+    rows, cols = sparse.triu(adjacent + adjacent.T, k=1).nonzero()  # i~j if either is the other's neighbour
+    weights = np.exp(-(np.linalg.norm(e[rows] - e[cols], axis=1) / sigma) ** 2)
+    upper = sparse.coo_array((weights, (rows, cols)), shape=(n, n))
+    return (upper + upper.T).tocsr(), sigma
 
 
-def dirichlet_roughness(values: np.ndarray, weights: np.ndarray) -> float:
-    """sum_{i<j} w_ij (x_i - x_j)^2 / sum_{i<j} w_ij for a symmetric weight matrix (NaN if no edge)."""
+def dirichlet_roughness(values: np.ndarray, weights: np.ndarray | sparse.sparray) -> float:
+    """sum_{i<j} w_ij (x_i - x_j)^2 / sum_{i<j} w_ij for a symmetric (sparse or dense) weight
+    matrix (NaN if no edge)."""
     x = np.asarray(values, dtype=np.float64)
-    w = np.asarray(weights, dtype=np.float64)
-    iu = np.triu_indices(len(x), 1)
-    total = w[iu].sum()
+    upper = sparse.triu(sparse.coo_array(weights), k=1).tocoo()
+    total = upper.data.sum()
     if total <= 0:
         return math.nan
-    return float((w[iu] * (x[iu[0]] - x[iu[1]]) ** 2).sum() / total)
+    return float((upper.data * (x[upper.row] - x[upper.col]) ** 2).sum() / total)
 
 
 def roughness(scores: np.ndarray, embeddings: np.ndarray, u: int = 50) -> float:
@@ -200,6 +215,8 @@ class Timeline:
     final_pi: float
     neighbours: int
     phases: dict[str, int | None] = field(default_factory=dict)
+    galleries: list[Gallery] = field(default_factory=list)
+    """the top records of up to GALLERY_ROUNDS rounds with their frames (empty without --save-frames)"""
 
 
 def estimate_phases(rounds: np.ndarray, scale: np.ndarray, rough: np.ndarray,
@@ -232,19 +249,12 @@ def estimate_phases(rounds: np.ndarray, scale: np.ndarray, rough: np.ndarray,
 
 
 def running_median(x: np.ndarray, width: int = 3) -> np.ndarray:
-    """Centred running median ignoring NaN (windows are cut at the ends)."""
-    x = np.asarray(x, dtype=np.float64)
-    half = width // 2
-    out = np.full(len(x), np.nan)
-    for i in range(len(x)):
-        window = x[max(0, i - half): i + half + 1]
-        if np.isfinite(window).any():
-            out[i] = np.nanmedian(window)
-    return out
+    """Centred running median ignoring NaN (windows are cut at the ends): pandas ``rolling``."""
+    return pd.Series(x, dtype=np.float64).rolling(width, center=True, min_periods=1).median().to_numpy()
 
 
 def timeline(run_dir: str | Path, target: StateAction, rounds: list[int] | None = None, neighbours: int = 50,
-             top: int = 10, advantage_norm: str = "batch") -> Timeline:
+             top: int = 10, advantage_norm: str = DEFAULT_ADVANTAGE_NORM) -> Timeline:
     """Score every saved round (or ``rounds``) with ``ActionTarget(s*, a*)``."""
     from rlinfluence.ppo import load_round
 
@@ -260,7 +270,8 @@ def timeline(run_dir: str | Path, target: StateAction, rounds: list[int] | None 
                         f"{_ranges(available) or 'none; train with --save-buffers'})")
     final, t_final = load_final(run_dir)
     s_embed = embed(final.policy, target.obs[None])[0]
-    per_round, tops = [], []
+    per_round, tops, galleries = [], [], []
+    gallery_rounds = evenly_spaced(rounds, GALLERY_ROUNDS)
     for k in rounds:
         saved = load_round(run_dir, k)
         cfg, buffer, policy = saved.trainer.config, saved.buffer, saved.trainer.policy
@@ -269,9 +280,15 @@ def timeline(run_dir: str | Path, target: StateAction, rounds: list[int] | None 
         values = scores.double().numpy()
         emb = embed(final.policy, buffer.flat("obs"))
         best = top_records(scores, top).proponents.numpy()
-        table = attribution_table(buffer, scores).iloc[best].copy()
+        records = attribution_table(buffer, scores)
+        table = records.iloc[best].copy()
         table.insert(0, "top_rank", np.arange(1, len(best) + 1))
         tops.append(table)
+        frames = load_frames(run_dir, k, len(buffer)) if k in gallery_rounds else None
+        if frames is not None:
+            shown = best[:FRAME_RECORDS]
+            galleries.append(Gallery(f"Round {k}: the top {len(shown)} records for a*",
+                                     record_cards(records, shown, frames)))
         actions = buffer.flat("actions")
         distance = np.linalg.norm(emb - s_embed, axis=1)
         per_round.append({
@@ -287,7 +304,8 @@ def timeline(run_dir: str | Path, target: StateAction, rounds: list[int] | None 
     frame = pd.DataFrame(per_round)
     phases = estimate_phases(frame["round"].to_numpy(), frame["scale"].to_numpy(), frame["roughness"].to_numpy())
     return Timeline(final.config.env, target, frame, pd.concat(tops, ignore_index=True), t_final,
-                    action_probability(final.policy, target.obs, target.action), neighbours, phases)
+                    action_probability(final.policy, target.obs, target.action), neighbours, phases,
+                    galleries)
 
 
 def _ranges(values: list[int]) -> str:
@@ -296,39 +314,39 @@ def _ranges(values: list[int]) -> str:
 
 # -- figure and section --------------------------------------------------------------------
 def timeline_png(t: Timeline) -> bytes:
+    """Three stacked panels over rounds: pi(a*|s*), roughness (both with the estimated phases)
+    and what the top records are."""
     f = t.rounds
     k = f["round"].to_numpy()
-    fig, axes = new_figure(10, 6.4, nrows=2)
-    ax = axes[0, 0]
-    ax.plot(np.append(k, t.final_round), np.append(f["pi"].to_numpy(), t.final_pi), "o-", ms=3,
-            color="tab:blue", label="pi(a*|s*) at theta(k)")
-    ax.set(ylabel="pi(a*|s*)", title=f"{t.env}: formation of a*")
-    ax.grid(alpha=0.3)
-    right = ax.twinx()
-    right.plot(k, f["roughness"], "s-", ms=3, color="tab:red", label="roughness")
-    right.set_ylabel("roughness", color="tab:red")
+    fig, axes = new_figure(10, 7.5, nrows=3, sharex=True)
+    pi_ax, rough_ax, top_ax = axes[:, 0]
+    pi_ax.plot(np.append(k, t.final_round), np.append(f["pi"].to_numpy(), t.final_pi), "o-", ms=3,
+               color="tab:blue", label="pi(a*|s*) at theta(k), the start of round k (last: the final policy)")
+    pi_ax.set(ylabel="pi(a*|s*)")
+    rough_ax.plot(k, f["roughness"], "s-", ms=3, color="tab:red", label="roughness of the positive scores")
+    rough_ax.set(ylabel="roughness")
+    if np.isfinite(f["top_same_action"]).any():
+        top_ax.plot(k, f["top_same_action"], "o-", ms=3, label="top records with a = a* (fraction)")
+    top_ax.plot(k, f["top_distance_ratio"], "s-", ms=3, label="top records' distance to s* / median distance")
+    top_ax.plot(k, f["scale"] / f["scale"].max(), "^-", ms=3, label="max |I| / its peak")
+    top_ax.set(ylim=(0, None))
     edges = [k[0], t.phases.get("clustering"), t.phases.get("saturation"), k[-1] + 1]
     names = ["1: association", "2: clustering", "3: saturation"]
     colours = ["#fde0dd", "#e0ecf4", "#e5f5e0"]
     # a phase is drawn only when at least one of its boundaries was found in the data
-    if any(e is not None for e in edges[1:3]):
-        bounds = [e for e in edges if e is not None]
-        labels = [names[i] for i in range(3) if (i == 0 or edges[i] is not None)]
-        fills = [colours[i] for i in range(3) if (i == 0 or edges[i] is not None)]
-        for lo, hi, name, colour in zip(bounds[:-1], bounds[1:], labels, fills, strict=False):
-            ax.axvspan(lo - 0.5, hi - 0.5, color=colour, alpha=0.6, zorder=0)
-            ax.text((lo + hi - 1) / 2, 0.03, name, transform=ax.get_xaxis_transform(), ha="center", fontsize=8)
-    lines = ax.get_legend_handles_labels()
-    more = right.get_legend_handles_labels()
-    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="center right")
-    ax = axes[1, 0]
-    if np.isfinite(f["top_same_action"]).any():
-        ax.plot(k, f["top_same_action"], "o-", ms=3, label="top records with a = a* (fraction)")
-    ax.plot(k, f["top_distance_ratio"], "s-", ms=3, label="top records' distance to s* / median distance")
-    ax.plot(k, f["scale"] / f["scale"].max(), "^-", ms=3, label="max |I| / its peak")
-    ax.set(xlabel="round k", ylim=(0, None))
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    found = [i for i in range(3) if i == 0 or edges[i] is not None]
+    bounds = [e for e in edges if e is not None]
+    for ax in (pi_ax, rough_ax):
+        if len(found) > 1:
+            for lo, hi, i in zip(bounds[:-1], bounds[1:], found, strict=True):
+                ax.axvspan(lo - 0.5, hi - 0.5, color=colours[i], alpha=0.6, zorder=0)
+                ax.text((lo + hi - 1) / 2, 0.03, names[i], transform=ax.get_xaxis_transform(), ha="center",
+                        fontsize=8)
+    for ax in axes[:, 0]:
+        ax.legend(fontsize=8, loc="upper right")
+        ax.grid(alpha=0.3)
+        round_axis(ax, ROUND_LABEL if ax is top_ax else None)
+    fig.suptitle(f"{t.env}: formation of a*")
     return figure_png(fig)
 
 
@@ -354,6 +372,9 @@ def timeline_section(t: Timeline, top_rows: int = 5) -> Section:
     section.tables.append(Table(f"Top {top_rows} records per round", columns,
                                 [[v.item() if isinstance(v, np.generic) else v for v in row]
                                  for row in top[columns].itertuples(index=False)]))
-    section.figures["timeline"] = (timeline_png(t), "Top: pi(a*|s*) at theta(k) (last point: final policy) and "
-                                   "roughness, with estimated phases. Bottom: what the top records are.")
+    section.figures["timeline"] = (timeline_png(t), "pi(a*|s*) at theta(k) (last point: the final policy), "
+                                   "roughness, both with the estimated phases, and what the top records are.")
+    section.galleries = list(t.galleries)
+    if not t.galleries:
+        section.paragraphs.append(f"No frames of the records: {HOW_TO_SAVE}.")
     return section

@@ -35,9 +35,10 @@ import pandas as pd
 import torch
 
 from rlinfluence.analysis.intervention import matches_checkpoint
-from rlinfluence.analysis.report import Section, Table, figure_png, new_figure
+from rlinfluence.analysis.report import Section, Table, figure_png, new_figure, round_axis
 from rlinfluence.errors import UserError
 from rlinfluence.influence import (
+    DEFAULT_ADVANTAGE_NORM,
     ActionTarget,
     Records,
     ReturnTarget,
@@ -138,7 +139,7 @@ def _derived_seed(*parts: int) -> int:
 
 
 def validate_round(run_dir: str | Path, round_index: int, *, target: str | Target = "return",
-                   state_index: int | None = None, scorers: Sequence[str] = ("snapshot/batch",),
+                   state_index: int | None = None, scorers: Sequence[str] = (f"snapshot/{DEFAULT_ADVANTAGE_NORM}",),
                    subsets: int = 30, fraction: float = 0.5, drop_pcts: Sequence[float] = DROP_PCTS,
                    random_draws: int = 5, seed: int = 0) -> RoundValidation:
     """Validate round ``round_index`` of a saved run (module docstring). ``target``: ``"return"``,
@@ -227,6 +228,7 @@ def scatter_png(results: Sequence[RoundValidation]) -> bytes:
                    ylabel="real change of f")
             ax.title.set_fontsize(8)
             ax.grid(alpha=0.3)
+    fig.suptitle(results[0].env)
     return figure_png(fig)
 
 
@@ -240,8 +242,9 @@ def curve_png(results: Sequence[RoundValidation]) -> bytes:
         above = (g["lds_high"] - g["lds"]).clip(lower=0)
         ax.errorbar(g["round"], g["lds"], yerr=[below, above], marker="o", capsize=3, label=name)
     ax.axhline(0, color="k", lw=0.8)
-    ax.set(xlabel="round k", ylabel="LDS (Spearman)", ylim=(-1.05, 1.05), title="LDS over training")
-    ax.legend(fontsize=8)
+    ax.set(ylabel="LDS (Spearman)", ylim=(-1.05, 1.05), title=f"{results[0].env}: LDS over training")
+    round_axis(ax)
+    ax.legend(fontsize=8, title="95% bootstrap interval over the subsets", title_fontsize=8)
     ax.grid(alpha=0.3)
     return figure_png(fig)
 

@@ -108,8 +108,10 @@ def aggregate(folders: Sequence[str | Path], out: str | Path, reps: int = DEFAUL
     lines = [f"# Aggregate over {len(envs)} envs against {reference}", "", note, ""]
     atomic_write(out / "aggregate.md", lambda p: p.write_text("\n".join(lines + markdown_table(columns, body)) + "\n"))
 
-    figures = {"intervals": _intervals_png(estimates, methods), "performance_profile": _profile_png(matrices, methods),
-               "probability_of_improvement": _poi_png(matrices, methods, reference, reps)}
+    title = f"{', '.join(envs)}: {rows[0]['runs_per_env']} runs per env and method"
+    figures = {"intervals": _intervals_png(estimates, methods, title),
+               "performance_profile": _profile_png(matrices, methods, title),
+               "probability_of_improvement": _poi_png(matrices, methods, reference, reps, title)}
     section = Section("aggregate", f"Aggregate over {len(envs)} envs against {reference}", paragraphs=[note])
     section.tables.append(Table("Aggregate (point [95% CI])", columns, body))
     captions = {"intervals": "IQM and mean of the normalised scores with 95% stratified-bootstrap intervals.",
@@ -138,7 +140,8 @@ def _rliable_plot(draw: Any) -> bytes:
     return buf.getvalue()
 
 
-def _intervals_png(estimates: dict[str, dict[str, dict[str, tuple[float, float, float]]]], methods: list[str]) -> bytes:
+def _intervals_png(estimates: dict[str, dict[str, dict[str, tuple[float, float, float]]]], methods: list[str],
+                   title: str) -> bytes:
     from rliable import plot_utils
 
     def draw(plt: Any) -> Any:
@@ -149,12 +152,13 @@ def _intervals_png(estimates: dict[str, dict[str, dict[str, tuple[float, float, 
         fig, _ = plot_utils.plot_interval_estimates(points, cis, metric_names=names, algorithms=methods,
                                                     xlabel="normalised score", xlabel_y_coordinate=-0.45,
                                                     row_height=0.5)
+        fig.suptitle(f"{title}; bars: 95% stratified-bootstrap intervals", y=1.35)  # above the panel titles
         return fig
 
     return _rliable_plot(draw)
 
 
-def _profile_png(matrices: dict[str, dict[str, np.ndarray]], methods: list[str]) -> bytes:
+def _profile_png(matrices: dict[str, dict[str, np.ndarray]], methods: list[str], title: str) -> bytes:
     from matplotlib.lines import Line2D
     from rliable import library, plot_utils
 
@@ -169,14 +173,17 @@ def _profile_png(matrices: dict[str, dict[str, np.ndarray]], methods: list[str])
             plot_utils.plot_performance_profiles(profiles, taus, performance_profile_cis=cis, colors=colors, ax=ax,
                                                  xlabel=rf"normalised {kind} score $\tau$", labelsize="medium")
             ax.set_title(kind)
-            ax.legend([Line2D([], [], color=colors[m]) for m in methods], methods, fontsize=8)
+            ax.legend([Line2D([], [], color=colors[m]) for m in methods], methods, fontsize=8,
+                      title="band: 95% stratified-bootstrap interval", title_fontsize=8)
+        fig.suptitle(title)
         fig.tight_layout()
         return fig
 
     return _rliable_plot(draw)
 
 
-def _poi_png(matrices: dict[str, dict[str, np.ndarray]], methods: list[str], reference: str, reps: int) -> bytes:
+def _poi_png(matrices: dict[str, dict[str, np.ndarray]], methods: list[str], reference: str, reps: int,
+            title: str) -> bytes:
     others = [m for m in methods if m != reference]
 
     def draw(plt: Any) -> Any:
@@ -193,7 +200,7 @@ def _poi_png(matrices: dict[str, dict[str, np.ndarray]], methods: list[str], ref
         ax.errorbar(points, y, xerr=[lows, highs], fmt="o", capsize=4)
         ax.axvline(0.5, color="k", lw=0.8, ls="--")
         ax.set_yticks(y, labels)
-        ax.set(xlim=(0, 1), xlabel=f"P(method > {reference})")
+        ax.set(xlim=(0, 1), xlabel=f"P(method > {reference}), 95% stratified-bootstrap intervals", title=title)
         ax.grid(alpha=0.3, axis="x")
         fig.tight_layout()
         return fig

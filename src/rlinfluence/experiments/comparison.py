@@ -68,9 +68,9 @@ class CompareConfig:
 
     env: str = "FrozenLake-v1"
     """gymnasium env id (a preset gives the paper's hyperparameters, p and round count)"""
-    methods: str = "ppo,iif,random"
-    """comma-separated method specs FILTER[@key=value,...] or NAME=FILTER@key=value,...;
-    filters: ppo (standard), iif, random, advantage, td-error, reward-extremes"""
+    methods: tuple[str, ...] = ("ppo", "iif", "random")
+    """method specs FILTER[@key=value,...] or NAME=FILTER@key=value,..., space-separated (or
+    comma-separated); filters: ppo (standard), iif, random, advantage, td-error, reward-extremes"""
     reference: str = "ppo"
     """the method every metric is computed against (a label or spec among --methods)"""
     seeds: int = 5
@@ -467,14 +467,18 @@ def plot_curves(
     out: Path, curves: dict[tuple[str, int], Curve], methods: Sequence[str], seeds: Sequence[int],
     clock: Clock = "wall", chosen: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
-    """curves.png: eval return vs rounds and vs training seconds, and approx_kl vs rounds,
-    mean +/- s.e. band over seeds per method (labelled with its tuned values, if any)."""
-    import matplotlib
+    """curves.png, titled with the env: eval return vs rounds with approx_kl vs rounds stacked
+    below it (shared round axis), and eval return vs training seconds; a mean +/- s.e. band over
+    seeds per method (labelled with its tuned values, if any)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from rlinfluence.analysis.report import ROUND_LABEL, round_axis
 
-    fig, (ax_rounds, ax_time, ax_kl) = plt.subplots(1, 3, figsize=(16, 4.2))
+    fig = Figure(figsize=(14, 7), layout="constrained")
+    grid = fig.add_gridspec(2, 2)
+    ax_rounds = fig.add_subplot(grid[0, 0])
+    ax_kl = fig.add_subplot(grid[1, 0], sharex=ax_rounds)
+    ax_time = fig.add_subplot(grid[:, 1])
     for method in methods:
         runs = [curves[method, s] for s in seeds]
         label = f"{method} (tuned: {_chosen_text(chosen[method])})" if chosen and chosen.get(method) else method
@@ -483,26 +487,26 @@ def plot_curves(
         rounds = np.arange(n)
         _band(ax_rounds, rounds, y, label)
         t_max = min(c.seconds[n - 1] for c in runs)
-        grid = np.linspace(0, t_max, 200)
+        grid_seconds = np.linspace(0, t_max, 200)
         # each seed's curve as a step function of time: the return of the last finished round
-        yt = np.stack([c.returns[np.clip(np.searchsorted(c.seconds[:n], grid, side="right") - 1, 0, n - 1)]
+        yt = np.stack([c.returns[np.clip(np.searchsorted(c.seconds[:n], grid_seconds, side="right") - 1, 0, n - 1)]
                        for c in runs])
-        _band(ax_time, grid, yt, label)
+        _band(ax_time, grid_seconds, yt, label)
         if all(c.approx_kl is not None for c in runs):
             _band(ax_kl, rounds, np.stack([c.approx_kl[:n] for c in runs]), label)
     env = json.loads((out / "compare.json").read_text()).get("env", out.name) if (out / "compare.json").is_file() else out.name
-    ax_rounds.set(xlabel="round k (after the update theta(k) -> theta(k+1))", ylabel="eval return", title=env)
+    fig.suptitle(env)
+    ax_rounds.set(ylabel="eval return of theta(k+1)")
     ax_time.set(xlabel=f"training seconds, {clock} clock (evaluation excluded)", ylabel="eval return")
-    ax_kl.set(xlabel="round k", ylabel="approx_kl of the round's update", yscale="log")
+    ax_kl.set(ylabel="approx_kl of round k's update", yscale="log")
+    round_axis(ax_rounds, None)
+    ax_rounds.tick_params(labelbottom=False)  # the round axis is labelled once, under approx_kl
+    round_axis(ax_kl, ROUND_LABEL)
     for ax in (ax_rounds, ax_time, ax_kl):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, title=f"mean +/- s.e. over {len(seeds)} seeds", title_fontsize=7)
-    for ax in (ax_rounds, ax_kl):
-        ax.xaxis.get_major_locator().set_params(integer=True)
-    fig.tight_layout()
     path = out / "curves.png"
     atomic_write(path, lambda p: fig.savefig(p, dpi=110, format="png"))
-    plt.close(fig)
     return path
 
 

@@ -154,13 +154,16 @@ def _run_ray(jobs: list[Job], address: str, on_done: Callable[[str], None], may_
 
 @contextmanager
 def folder_lock(out: Path) -> Iterator[None]:
-    """Exclusive lock on ``out`` while a comparison runs: two comparisons writing the same
-    pairs would interleave their files."""
-    import fcntl
+    """Exclusive lock on ``out`` while a comparison runs (``out/.lock``, released however the
+    process ends): two comparisons writing the same pairs would interleave their files."""
+    from filelock import FileLock, Timeout
 
-    with (out / ".lock").open("w") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UserError(f"another comparison is running in {str(out)!r}") from None
+    lock = FileLock(out / ".lock", timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise UserError(f"another comparison is running in {str(out)!r}") from None
+    try:
         yield
+    finally:
+        lock.release()

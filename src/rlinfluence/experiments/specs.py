@@ -31,8 +31,9 @@ from rlinfluence.ppo import (  # coerce lives in ppo (from_dict uses it)
 # keys that define the pair rather than the method: a spec must not change them
 PAIR_KEYS = ("env", "seed", "filter", "method", "run_root", "progress")
 # keys that change only how a run is shown or stored, never its numbers
-PRESENTATION_KEYS = ("method", "progress", "run_root", "tensorboard", "save_checkpoints")
-METHOD_FILTERS = ("ppo", *(name for name in FILTER_NAMES if name != "none"))
+PRESENTATION_KEYS = ("method", "progress", "run_root", "tensorboard", "wandb", "wandb_project",
+                     "save_checkpoints")
+METHOD_FILTERS = ("ppo", *(name for name in FILTER_NAMES if name != "none"), "iif-robust")
 
 
 @dataclass(frozen=True)
@@ -136,9 +137,11 @@ def parse_spec(text: str) -> MethodSpec:
     return MethodSpec(name or text, filter_name, tuple(overrides.items()))
 
 
-def parse_methods(text: str) -> list[MethodSpec]:
-    """A comma-separated spec list -> specs, with unique labels (``UserError`` otherwise)."""
-    specs = [parse_spec(s) for s in split_specs(text)]
+def parse_methods(methods: str | Sequence[str]) -> list[MethodSpec]:
+    """Specs (each item may itself be a comma-separated spec list) -> specs, with unique labels
+    (``UserError`` otherwise)."""
+    items = [methods] if isinstance(methods, str) else methods
+    specs = [parse_spec(s) for item in items for s in split_specs(item)]
     if not specs:
         raise UserError("--methods is empty")
     labels = [s.label for s in specs]

@@ -18,7 +18,14 @@ Positive scores are helpful (training on the record increases f), negative harmf
 
 from rlinfluence.influence.api import TopRecords, score_buffer, top_records
 from rlinfluence.influence.ghost import GhostPlan, per_record_dots, plan_ghost, self_target_dots
-from rlinfluence.influence.snapshot import normalize_for_attribution, snapshot_influence
+from rlinfluence.influence.snapshot import (
+    ADVANTAGE_NORMS,
+    DEFAULT_ADVANTAGE_NORM,
+    adam_inverse_preconditioner,
+    chunk_permutation,
+    normalize_for_attribution,
+    snapshot_influence,
+)
 from rlinfluence.influence.state import unchanged
 from rlinfluence.influence.targets import (
     ActionTarget,
@@ -33,6 +40,8 @@ from rlinfluence.influence.tracin import tracin_influence
 from rlinfluence.influence.validation import validate
 
 __all__ = [
+    "ADVANTAGE_NORMS",
+    "DEFAULT_ADVANTAGE_NORM",
     "ActionTarget",
     "GhostPlan",
     "LogProbTarget",
@@ -41,6 +50,8 @@ __all__ = [
     "Target",
     "TopRecords",
     "ZeroTargetGradient",
+    "adam_inverse_preconditioner",
+    "chunk_permutation",
     "normalize_for_attribution",
     "per_record_dots",
     "plan_ghost",

@@ -10,7 +10,11 @@ import torch
 from torch import nn
 
 from rlinfluence.buffer import MinibatchStep, RolloutBuffer
-from rlinfluence.influence.snapshot import snapshot_influence
+from rlinfluence.influence.snapshot import (
+    DEFAULT_ADVANTAGE_NORM,
+    chunk_permutation,
+    snapshot_influence,
+)
 from rlinfluence.influence.targets import check_positive_int
 from rlinfluence.influence.tracin import tracin_influence
 
@@ -23,14 +27,20 @@ def score_buffer(
     *,
     mode: str = "snapshot",
     schedule: Sequence[MinibatchStep] | None = None,
+    advantage_norm: str = DEFAULT_ADVANTAGE_NORM,
+    chunk_seed: int = 0,
     **kwargs: Any,
 ) -> torch.Tensor:
     """Scores of every record of ``buffer`` in flat (env-major) order, shape ``[len(buffer)]``.
 
-    ``mode="snapshot"``: ``snapshot_influence(policy, obs, actions, advantages, **kwargs)``;
-    ``mode="full"``: ``tracin_influence(policy, obs, actions, logp, advantages, returns, values,
-    schedule, **kwargs)`` with the round's recorded ``schedule``. ``policy`` must be at theta(k),
-    the parameters that collected the buffer; ``buffer.compute_advantages`` must have run.
+    ``mode="snapshot"``: ``snapshot_influence(policy, obs, actions, advantages,
+    advantage_norm=advantage_norm, **kwargs)``, the records taken in the order
+    ``chunk_permutation(len(buffer), chunk_seed)`` for ``"chunk"`` (IIF's normalisation, the
+    default; pass ``chunk_size=batch_size`` as IIF does); ``mode="full"``:
+    ``tracin_influence(policy, obs, actions, logp, advantages, returns, values, schedule,
+    **kwargs)`` with the round's recorded ``schedule`` (which normalises as the trainer did).
+    ``policy`` must be at theta(k), the parameters that collected the buffer;
+    ``buffer.compute_advantages`` must have run.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -40,7 +50,12 @@ def score_buffer(
     if mode == "snapshot":
         if schedule is not None:
             raise ValueError("schedule is only used by mode='full'")
-        return snapshot_influence(policy, obs, actions, advantages, **kwargs)
+        if advantage_norm != "chunk":
+            return snapshot_influence(policy, obs, actions, advantages, advantage_norm=advantage_norm, **kwargs)
+        order = chunk_permutation(len(buffer), chunk_seed)
+        permuted = snapshot_influence(policy, obs[order], actions[order], advantages[order],
+                                      advantage_norm=advantage_norm, **kwargs)
+        return torch.empty_like(permuted).index_copy_(0, order, permuted)
     if schedule is None:
         raise ValueError("mode='full' needs the round's schedule (record_minibatches=True in the trainer)")
     return tracin_influence(

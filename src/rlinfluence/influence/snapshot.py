@@ -9,11 +9,21 @@ gradient there), summed over records rather than averaged (spec 2.2):
     =>  score_i = A_norm_i <grad log pi(a_i|s_i), grad f> + c_ent <grad H[pi(.|s_i)], grad f>
 
 Positive = training on record i increases f (helpful), negative = harmful.
+
+With a diagonal preconditioner P (``inverse_preconditioner`` = P^-1, e.g. Adam's, see
+``adam_inverse_preconditioner``) the scores rank records by the change the preconditioned step
+theta' = theta - lr P^-1 grad l_i would make:
+
+    score_i = < grad l_i, P^-1 grad L_f >
+
+Ghost dot products need no change: for a Linear weight, <delta_i a_i^T, P^-1 G> contracts the
+record's factors with the elementwise-scaled target gradient P^-1 G.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Final
 
 import torch
 from torch import nn
@@ -38,6 +48,18 @@ from rlinfluence.influence.targets import (
 from rlinfluence.losses import normalize_advantages
 
 ADVANTAGE_NORMS = ("chunk", "batch", "none")
+DEFAULT_ADVANTAGE_NORM: Final = "chunk"  # Final: typed Literal["chunk"], a default for Literal fields
+"""The advantage normalisation every entry point scores with by default: IIF's
+(``PPOConfig.advantage_norm``), advantages normalised within chunks of ``batch_size`` records of a
+random permutation of the buffer (``chunk_permutation``), like the first epoch's minibatches."""
+
+
+def chunk_permutation(n: int, seed: int = 0) -> torch.Tensor:
+    """The record order whose consecutive chunks ``"chunk"`` normalises over, when scoring a
+    buffer outside training (``score_buffer``): a random permutation of ``range(n)`` drawn from a
+    generator seeded with ``seed``. IIF draws its own from its filter's generator each round; a
+    fresh IIF filter with seed s draws this one first."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
 
 
 def normalize_for_attribution(advantages: torch.Tensor, mode: str, chunk_size: int) -> torch.Tensor:
@@ -81,12 +103,13 @@ def snapshot_influence(
     advantages: torch.Tensor,
     *,
     target: Target | None = None,
-    advantage_norm: str = "chunk",
+    advantage_norm: str = DEFAULT_ADVANTAGE_NORM,
     chunk_size: int = 64,
     ent_coef: float = 0.0,
     params: Sequence[nn.Parameter] | None = None,
     records_per_pass: int = 4096,
     accumulate_dtype: torch.dtype | None = None,
+    inverse_preconditioner: Mapping[nn.Parameter, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Snapshot influence of each record on ``target`` (default ``ReturnTarget()``), shape ``[N]``.
 
@@ -95,7 +118,9 @@ def snapshot_influence(
     at the policy's current parameters, gradients w.r.t. the attributed parameters ``params``
     (default: ``policy.policy_parameters()`` if defined, else every trainable parameter that
     ``log_prob`` reaches). ``advantages`` are raw; A_norm follows ``advantage_norm``
-    (see ``normalize_for_attribution``). ``ent_coef != 0`` needs ``policy.evaluate_actions``
+    (see ``normalize_for_attribution``): ``"chunk"`` normalises consecutive chunks of
+    ``chunk_size`` records in the order given, so pass the records in a random order, as IIF does
+    (``score_buffer`` does it for a buffer: ``chunk_permutation``). ``ent_coef != 0`` needs ``policy.evaluate_actions``
     returning (log-prob, entropy, value).
 
     Cost: for a log-prob target on the scored pairs themselves (``ReturnTarget()``) with
@@ -105,6 +130,8 @@ def snapshot_influence(
     forward-mode pass when parameters outside Linear/Conv2d are attributed. Ghost terms are
     verified against autograd once per policy structure (``rlinfluence.influence.ghost``).
     ``accumulate_dtype`` (e.g. ``torch.float64``) sets the dtype of contractions and scores.
+    ``inverse_preconditioner`` maps attributed parameters to P^-1 (their shape); a parameter it
+    does not name is not preconditioned (P = I).
 
     Scores are taken in eval mode and the policy is left exactly as it was
     (``rlinfluence.influence.state.unchanged``). Raises ``ZeroTargetGradient`` (a ``UserError``)
@@ -122,14 +149,42 @@ def snapshot_influence(
         attributed = attributed_parameters(policy, params, obs[:3], actions[:3])
         plan = plan_ghost(policy, attributed)
         target_weights = _weights_on_scored_pairs(target, records)
-        if ent_coef == 0 and target_weights is not None and len(records) <= records_per_pass:
+        if (ent_coef == 0 and target_weights is not None and len(records) <= records_per_pass
+                and not inverse_preconditioner):
             dots, direction = self_target_dots(policy, plan, _log_prob, (obs, actions), target_weights, accumulate_dtype)
             require_nonzero(target, direction)
             return dots * weights.to(dots.dtype)
         direction = target_gradient(target, policy, attributed, records, records_per_pass)
+        if inverse_preconditioner:
+            direction = [g * inverse_preconditioner[p] if p in inverse_preconditioner else g
+                         for p, g in zip(attributed, direction, strict=True)]
         scores = per_record_dots(policy, plan, _log_prob, (obs, actions), direction, records_per_pass, accumulate_dtype)
         scores *= weights.to(scores.dtype)
         if ent_coef != 0:
             entropy = per_record_dots(policy, plan, _entropy, (obs, actions), direction, records_per_pass, accumulate_dtype)
             scores += ent_coef * entropy
     return scores
+
+
+def adam_inverse_preconditioner(optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, torch.Tensor]:
+    """P^-1 of the step ``torch.optim.Adam`` takes next, per parameter, with its moments frozen:
+
+        P^-1 = 1 / (sqrt(v / (1 - beta2^t)) + eps)
+
+    (v the second-moment estimate after t steps, bias-corrected; eps Adam's). Parameters Adam has
+    not stepped yet have no v and are left out (P = I): with v = 0 Adam's first step is the sign
+    of the gradient, which no fixed diagonal P describes.
+    """
+    if not isinstance(optimizer, torch.optim.Adam):
+        raise ValueError(f"the Adam preconditioner needs torch.optim.Adam, got {type(optimizer).__name__}")
+    inverse: dict[nn.Parameter, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        beta2, eps = group["betas"][1], group["eps"]
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            if "exp_avg_sq" not in state or float(state["step"]) == 0:
+                continue
+            v = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
+            v_hat = v / (1 - beta2 ** float(state["step"]))
+            inverse[param] = 1.0 / (v_hat.sqrt() + eps)
+    return inverse

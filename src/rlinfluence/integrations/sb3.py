@@ -65,7 +65,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from rlinfluence.filters import FilterContext, drop_lowest, guard_minibatch, iif_drop_count
-from rlinfluence.influence import ReturnTarget, Target, ZeroTargetGradient, snapshot_influence
+from rlinfluence.influence import (
+    DEFAULT_ADVANTAGE_NORM,
+    ReturnTarget,
+    Target,
+    ZeroTargetGradient,
+    snapshot_influence,
+)
 
 __all__ = ["FilteredRolloutBuffer", "InfluenceFilterCallback", "SB3PolicyAdapter", "attribute", "next_permutation"]
 
@@ -192,7 +198,7 @@ def attribute(
     rollout_buffer: RolloutBuffer | None = None,
     target: str | Target = "return",
     *,
-    advantage_norm: str = "auto",
+    advantage_norm: str = DEFAULT_ADVANTAGE_NORM,
     chunk_size: int | None = None,
     order: np.ndarray | torch.Tensor | None = None,
     ent_coef: float | None = None,
@@ -206,11 +212,12 @@ def attribute(
     buffer. ``target``: ``"return"`` (``ReturnTarget()``, the buffer as its own validation set)
     or any ``rlinfluence.influence.Target`` (e.g. ``ActionTarget(obs, action)``).
 
-    ``advantage_norm``: ``"auto"`` (default) = ``"chunk"`` if ``model.normalize_advantage`` else
-    ``"none"``, matching the loss SB3 trains; ``"chunk"`` normalises within chunks of
-    ``chunk_size`` (default ``model.batch_size``) records taken in ``order``, by default the
-    permutation SB3's next ``get()`` will draw (``next_permutation``), i.e. the first-epoch
-    minibatches of the unfiltered update (spec 2.2); ``"batch"``, ``"none"`` as in
+    ``advantage_norm``: ``"chunk"`` (the default of every entry point, IIF's:
+    ``rlinfluence.influence.DEFAULT_ADVANTAGE_NORM``) normalises within chunks of ``chunk_size``
+    (default ``model.batch_size``) records taken in ``order``, by default the permutation SB3's
+    next ``get()`` will draw (``next_permutation``), i.e. the first-epoch minibatches of the
+    unfiltered update (spec 2.2); ``"auto"`` = ``"chunk"`` if ``model.normalize_advantage`` else
+    ``"none"``, matching the loss SB3 trains; ``"batch"``, ``"none"`` as in
     ``snapshot_influence``. ``ent_coef`` (default ``model.ent_coef``) adds the entropy term of
     SB3's loss. Other keyword arguments go to ``snapshot_influence``. NumPy's and torch's global
     random states are left untouched.
@@ -328,7 +335,7 @@ class InfluenceFilterCallback(BaseCallback):
         target: str | Target = "return",
         drop_mode: str = "neg-bottom",
         drop_pct: float = 12.5,
-        advantage_norm: str = "auto",
+        advantage_norm: str = DEFAULT_ADVANTAGE_NORM,
         chunk_size: int | None = None,
         ent_coef: float | None = None,
         verbose: int = 0,

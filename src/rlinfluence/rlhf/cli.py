@@ -14,9 +14,15 @@ from rlinfluence.rlhf.trainer import RLHFConfig, RLHFTrainer
 
 
 def rlhf_command(args: list[str]) -> int:
+    """Parse ``args`` as ``RLHFConfig`` flags, then ``run_rlhf``."""
+    return run_rlhf(tyro.cli(RLHFConfig, args=args, prog="rlinfluence rlhf", description=DESCRIPTION))
+
+
+DESCRIPTION = "RLHF (PPO/GRPO with LoRA) for toxicity mitigation, optionally with IIF."
+
+
+def run_rlhf(config: RLHFConfig) -> int:
     """Train; print the last round's figures and the run directory. Bad input raises ``UserError``."""
-    config = tyro.cli(RLHFConfig, args=args, prog="rlinfluence rlhf",
-                      description="RLHF (PPO/GRPO with LoRA) for toxicity mitigation, optionally with IIF.")
     trainer = RLHFTrainer(config).learn()
     last = trainer.run.rows[-1] if trainer.run is not None and trainer.run.rows else None
     if last is not None:

@@ -1,16 +1,34 @@
 """``RUN_DIR/report.html`` of an RLHF run: reward, test toxicity, KL and kept fraction per round,
-and where each round's time went (one self-contained HTML file, as ``rlinfluence report``)."""
+where each round's time went, and the kept and dropped completions of a round side by side
+(one self-contained HTML file, as ``rlinfluence report``).
+
+Every round's completions are saved by the trainer as ``completions/round_XXXX.jsonl``, one
+line per sequence: ``prompt``, ``response``, ``reward``, ``score`` (its influence; null without
+IIF) and ``kept``.
+"""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+import pandas as pd
+import torch
 
-from rlinfluence.rundir import RunDirectory
+from rlinfluence.errors import UserError
+from rlinfluence.rundir import RunDirectory, atomic_write, round_name
+
+if TYPE_CHECKING:
+    from rlinfluence.analysis.report import Section
+    from rlinfluence.rlhf.rollout import Rollout
 
 STAGES = ("generation_seconds", "forward_seconds", "reward_seconds", "influence_seconds", "optimisation_seconds")
+COMPLETIONS_DIR = "completions"
+SHOWN_COMPLETIONS = 8
+"""completions shown per side (kept, dropped)"""
 
 
 def _column(rows: list[dict], name: str) -> np.ndarray:
@@ -23,42 +41,126 @@ def _column(rows: list[dict], name: str) -> np.ndarray:
     return np.array([number(r.get(name)) for r in rows])
 
 
+# -- completions ---------------------------------------------------------------------------
+def completions_path(run_dir: str | Path, round_index: int) -> Path:
+    return Path(run_dir) / COMPLETIONS_DIR / f"{round_name(round_index)}.jsonl"
+
+
+def save_completions(run_dir: str | Path, round_index: int, rollout: Rollout, keep: torch.Tensor,
+                     scores: torch.Tensor | None) -> Path:
+    """Write round ``round_index``'s sequences (prompt, response, reward, score, kept) as JSONL."""
+    path = completions_path(run_dir, round_index)
+    path.parent.mkdir(exist_ok=True)
+    lines = [json.dumps({"prompt": prompt, "response": response, "reward": float(reward),
+                         "score": None if scores is None else float(score), "kept": bool(kept)})
+             for prompt, response, reward, score, kept in zip(
+                 rollout.prompts, rollout.responses, rollout.scores.tolist(),
+                 scores.tolist() if scores is not None else [None] * len(rollout), keep.tolist(), strict=True)]
+    atomic_write(path, lambda p: p.write_text("\n".join(lines) + "\n", encoding="utf-8"))
+    return path
+
+
+def load_completions(run_dir: str | Path, round_index: int) -> pd.DataFrame | None:
+    """Round ``round_index``'s completions (None if not saved); ``UserError`` if unreadable."""
+    path = completions_path(run_dir, round_index)
+    if not path.is_file():
+        return None
+    try:
+        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+        completions = pd.DataFrame(records, columns=["prompt", "response", "reward", "score", "kept"])
+        return completions.astype({"reward": float, "score": float, "kept": bool})
+    except (OSError, ValueError, TypeError) as exc:  # unreadable, not JSON, a field of the wrong type
+        raise UserError(f"cannot read completions {str(path)!r}: {exc}") from None
+
+
+def completions_section(run: RunDirectory) -> Section:
+    """The kept and dropped completions side by side (text, reward, score) of the last round
+    that dropped any (else the last saved round), lowest score first."""
+    from rlinfluence.analysis.report import Section, Table
+
+    section = Section("completions", "Kept and dropped completions")
+    saved = sorted(int(p.stem.split("_")[1]) for p in (run.path / COMPLETIONS_DIR).glob("round_*.jsonl"))
+    if not saved:
+        section.paragraphs.append("No completions saved for this run (runs before completions were saved).")
+        return section
+    rounds = {k: load_completions(run.path, k) for k in saved}
+    filtered = [k for k, c in rounds.items() if not c["kept"].all()]
+    k = filtered[-1] if filtered else saved[-1]
+    completions = rounds[k].sort_values("score", na_position="last")
+    section.paragraphs.append(
+        f"Round {k}: the {len(completions)} sampled completions, split by whether the update kept them; "
+        "score = the sequence's influence on the IIF target (negative = harmful), lowest first"
+        + ("." if filtered else "; no round dropped a completion (training without IIF, or IIF found no "
+           "negative sequence)."))
+    columns = ["prompt", "response", "reward", "score"]
+    for kept, name in ((True, "kept"), (False, "dropped")):
+        side = completions[completions["kept"] == kept]
+        rows = [[None if isinstance(v, float) and math.isnan(v) else v for v in row]
+                for row in side[columns].head(SHOWN_COMPLETIONS).itertuples(index=False)]
+        section.side_by_side.append(Table(f"{name}: {len(side)} of {len(completions)}", columns, rows))
+    return section
+
+
+# -- the report ----------------------------------------------------------------------------
+def _curves_png(rows: list[dict], title: str) -> bytes:
+    """Stacked panels over rounds: reward, test toxicity, KL, approx_kl, kept fraction."""
+    from rlinfluence.analysis.report import ROUND_LABEL, figure_png, new_figure, round_axis
+
+    rounds = _column(rows, "round")
+    fig, axes = new_figure(8, 9.5, nrows=5, sharex=True)
+    reward_ax, tox_ax, kl_ax, approx_ax, kept_ax = axes[:, 0]
+    reward_ax.plot(rounds, _column(rows, "reward_mean"), ".-", label="reward of round k's sampled responses (mean)")
+    reward_ax.set(ylabel="reward")
+    # row k's evaluation is of theta(k+1): toxicity with the toxicity reward, else the test reward
+    name, what = (("test_toxicity", "mean P(offensive)") if np.isfinite(_column(rows, "test_toxicity")).any()
+                  else ("eval_return_mean", "test reward"))
+    test = _column(rows, name)
+    finite = np.isfinite(test)
+    tox_ax.plot(rounds[finite], test[finite], "o-", label=f"{what} of theta(k+1) on the test prompts")
+    initial = _column(rows[:1], f"{name}_initial")
+    if np.isfinite(initial).any():
+        tox_ax.axhline(float(initial[0]), color="k", ls="--", lw=0.8, label="theta(0), before training")
+    tox_ax.set(ylabel=what)
+    kl_ax.plot(rounds, _column(rows, "kl"), ".-", color="tab:orange", label="KL to the reference (mean summed per sequence)")
+    kl_ax.set(ylabel="KL")
+    approx_ax.plot(rounds, _column(rows, "approx_kl"), ".-", color="tab:purple", label="approx_kl of the update")
+    approx_ax.set(ylabel="approx_kl")
+    kept_ax.plot(rounds, _column(rows, "kept_fraction"), ".-", color="tab:green", label="kept fraction")
+    kept_ax.set(ylabel="fraction")
+    for ax in axes[:, 0]:
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        round_axis(ax, ROUND_LABEL if ax is kept_ax else None)
+    fig.suptitle(title)
+    return figure_png(fig)
+
+
 def write_report(run: RunDirectory) -> Path:
-    """Write and return ``run.path / "report.html"`` from ``metrics.csv`` and ``config.json``."""
-    from rlinfluence.analysis.report import Section, Table, figure_png, new_figure, write_html
+    """Write and return ``run.path / "report.html"`` from ``metrics.csv``, ``config.json`` and the
+    saved completions."""
+    from rlinfluence.analysis.report import Section, Table, write_html
 
     rows, config = run.rows, run.read_config()
-    section = Section("rlhf", f"RLHF: {config.get('algo')} {config.get('filter')} on {config.get('model')}")
+    title = f"RLHF: {config.get('algo')} {config.get('filter')} on {config.get('model')}"
+    section = Section("rlhf", title)
     section.summary = {k: config.get(k) for k in ("algo", "filter", "drop_mode", "target", "seed", "prompts_per_round",
                                                   "response_length", "learning_rate")}
+    sections = [section]
     if not rows:
         section.paragraphs.append("metrics.csv has no completed round yet.")
-        return write_html(run.path / "report.html", f"rlinfluence report: {run.path.name}", [section])
-    rounds = _column(rows, "round")
-    tox = _column(rows, "test_toxicity")
-    tox_rounds, tox_values = rounds + 1, tox  # row k's evaluation is of theta(k+1)
-    initial = _column(rows[:1], "test_toxicity_initial")
-    if np.isfinite(initial).any():
-        tox_rounds, tox_values = np.concatenate([[0], rounds + 1]), np.concatenate([initial, tox])
-    fig, axes = new_figure(12, 3.4, ncols=3)
-    axes[0, 0].plot(rounds, _column(rows, "reward_mean"), ".-", label="training reward (mean)")
-    axes[0, 0].set(xlabel="round k", title="reward of the sampled responses")
-    finite = np.isfinite(tox_values)
-    axes[0, 1].plot(tox_rounds[finite], tox_values[finite], "o-")
-    axes[0, 1].set(xlabel="theta(k): rounds completed", title="test toxicity (mean P(offensive))")
-    axes[0, 2].plot(rounds, _column(rows, "kl"), ".-", label="KL (mean summed per sequence)")
-    axes[0, 2].plot(rounds, _column(rows, "kept_fraction"), ".-", label="kept fraction")
-    axes[0, 2].set(xlabel="round k", title="KL and kept fraction")
-    axes[0, 2].legend(fontsize=8)
-    for ax in axes.ravel():
-        ax.grid(alpha=0.3)
-    section.figures["curves"] = (figure_png(fig), "Training reward per round, held-out test toxicity, KL and kept fraction.")
+        return write_html(run.path / "report.html", f"rlinfluence report: {run.path.name}", sections)
+    section.figures["curves"] = (_curves_png(rows, f"toxicity mitigation: {config.get('model')}"),
+                                 "Per round k: training reward, held-out test toxicity (or test reward) of theta(k+1), KL to the "
+                                 "reference, approx KL of the update and kept fraction.")
     means = [float(np.nanmean(_column(rows, s))) for s in STAGES]
     section.tables.append(Table("Mean seconds per round (evaluation excluded)", [s.removesuffix("_seconds") for s in STAGES],
                                 [[round(m, 3) for m in means]]))
+    tox = _column(rows, "test_toxicity")
+    finite = np.isfinite(tox)
     section.summary.update({
         "rounds completed": len(rows), "final training reward": float(_column(rows, "reward_mean")[-1]),
-        "final test toxicity": float(tox_values[finite][-1]) if finite.any() else math.nan,
+        "final test toxicity": float(tox[finite][-1]) if finite.any() else math.nan,
         "train seconds": float(_column(rows, "train_seconds")[-1]),
     })
-    return write_html(run.path / "report.html", f"rlinfluence report: {run.path.name}", [section])
+    sections.append(completions_section(run))
+    return write_html(run.path / "report.html", f"rlinfluence report: {run.path.name}", sections)

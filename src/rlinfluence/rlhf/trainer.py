@@ -43,6 +43,7 @@ from rlinfluence.rlhf.core import AdaptiveKLController, grpo_loss, ppo_losses
 from rlinfluence.rlhf.data import load_prompts
 from rlinfluence.rlhf.influence import sequence_influence
 from rlinfluence.rlhf.model import SMOLLM2, PolicyWithValueHead, load_policy
+from rlinfluence.rlhf.report import save_completions, write_report
 from rlinfluence.rlhf.reward import ProfanityReward, RewardFn
 from rlinfluence.rlhf.rollout import Rollout, add_advantages, sample
 from rlinfluence.rundir import RunDirectory
@@ -261,8 +262,6 @@ class RLHFTrainer:
         if self.run is not None:
             self.save_checkpoint()
             self.run.close()
-            from rlinfluence.rlhf.report import write_report
-
             write_report(self.run)
         return self
 
@@ -352,7 +351,9 @@ class RLHFTrainer:
         if (cfg.eval_every and self.round % cfg.eval_every == 0) or self.round == cfg.rounds:
             metrics.update(self.evaluate())
         if self.run is not None:
-            self.run.log_round(metrics)
+            self.run.log_round(metrics, filter_stats=stats.keys())
+            save_completions(self.run.path, self.round - 1, rollout, keep,
+                             self.last_scores if cfg.filter == "iif" else None)
             if cfg.checkpoint_every and self.round % cfg.checkpoint_every == 0:
                 self.save_checkpoint()
         return metrics
