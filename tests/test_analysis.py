@@ -198,8 +198,8 @@ def test_timeline_on_a_tiny_run(frozenlake_run):
     (dict(state_index=256), r"--state-index 256 is out of range: round 3 has 256 records"),
     (dict(state_index=-1, state_round=1), "out of range"),
     (dict(), "exactly one of --state-index"),
-    (dict(state="1,0"), "--state has 2 values"),
-    (dict(state_index=0, action="7"), r"--action must be one integer in \[0, 4\)"),
+    (dict(state=(1.0, 0.0)), "--state has 2 values"),
+    (dict(state_index=0, action=(7,)), r"--action must be one integer in \[0, 4\)"),
     (dict(state_index=0, state_round=8), "no saved buffer for round 8"),
 ])
 def test_timeline_bad_input(frozenlake_run, kwargs, message):

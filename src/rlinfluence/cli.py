@@ -310,11 +310,11 @@ class TimelineArgs:
     """s* = this record of --state-round's buffer (flat index)"""
     state_round: int | None = None
     """round whose buffer holds --state-index (default: the last saved round)"""
-    state: str | None = None
-    """s* given explicitly, comma-separated observation values (instead of --state-index)"""
-    action: str | None = None
-    """a* (an integer, or comma-separated values for continuous actions); default: the final
-    policy's preferred action at s*"""
+    state: tuple[float, ...] | None = None
+    """s* given explicitly: its observation values, flattened (instead of --state-index)"""
+    action: tuple[float, ...] | None = None
+    """a* (one integer, or the values of a continuous action); default: the final policy's
+    preferred action at s*"""
     rounds: Rounds = ()
     """rounds to track (default: every saved round)"""
     neighbours: int = 50

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,13 +134,10 @@ def action_probability(policy: torch.nn.Module, obs: torch.Tensor, action: torch
     return float(policy.log_prob(obs[None], action[None]).exp()[0])
 
 
-def _parse_floats(text: str, what: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.replace(" ", "").split(",") if v != ""]
-    except ValueError:
-        raise UserError(f"{what} must be comma-separated numbers, got {text!r}") from None
+def _finite(values: Sequence[float], what: str) -> list[float]:
+    values = [float(v) for v in values]
     if not all(math.isfinite(v) for v in values):
-        raise UserError(f"{what} must be finite numbers, got {text!r}")
+        raise UserError(f"{what} must be finite numbers, got {values}")
     return values
 
 
@@ -151,9 +149,11 @@ class StateAction:
 
 
 def select_state_action(run_dir: str | Path, *, state_round: int | None = None, state_index: int | None = None,
-                        state: str | None = None, action: str | None = None) -> StateAction:
+                        state: Sequence[float] | None = None, action: Sequence[float] | None = None
+                        ) -> StateAction:
     """(s*, a*): s* = record ``state_index`` of round ``state_round``'s buffer (default: the last
-    saved round) or the explicit observation ``state`` ("v1,v2,..."); a* = ``action`` or the
+    saved round) or the explicit observation ``state`` (its values, flattened); a* = ``action`` (one
+    integer for a discrete action space, the action's values for a continuous one) or the
     final policy's preferred action at s*."""
     from rlinfluence.ppo import load_round
 
@@ -174,7 +174,7 @@ def select_state_action(run_dir: str | Path, *, state_round: int | None = None, 
         where = f"record {state_index} of round {k}"
     else:
         shape = final.env.single_observation_space.shape
-        values = _parse_floats(state, "--state")
+        values = _finite(state, "--state")
         if len(values) != int(np.prod(shape)):
             raise UserError(f"--state has {len(values)} values; {final.config.env} observations have "
                             f"{int(np.prod(shape))} (shape {tuple(shape)})")
@@ -185,7 +185,7 @@ def select_state_action(run_dir: str | Path, *, state_round: int | None = None, 
         a = preferred_action(policy, obs)
         how = f"the final policy theta({t_final})'s preferred action"
     else:
-        values = _parse_floats(action, "--action")
+        values = _finite(action, "--action")
         if policy.continuous:
             a = torch.tensor(values, dtype=torch.float32)
             if a.shape != policy.log_std.shape:
@@ -193,7 +193,7 @@ def select_state_action(run_dir: str | Path, *, state_round: int | None = None, 
         else:
             n = policy.action_head.out_features
             if len(values) != 1 or not float(values[0]).is_integer() or not 0 <= values[0] < n:
-                raise UserError(f"--action must be one integer in [0, {n}), got {action!r}")
+                raise UserError(f"--action must be one integer in [0, {n}), got {' '.join(map(str, action))}")
             a = torch.tensor(int(values[0]))
         how = "given"
     a_text = ", ".join(f"{v:.3g}" for v in a.reshape(-1).tolist()) if policy.continuous else str(int(a))

@@ -1,0 +1,86 @@
+"""Per-round picture of the IIF options in compare folders: return, approx_kl, step_scale and the
+p that ``--drop-pct auto`` chose, mean +/- s.e. over the evaluation seeds (docs/results.md,
+"Robust IIF").
+
+    python benchmarks/robust_iif_plots.py bench_out/robust14/Acrobot-v1 --out docs/robust14_acrobot.png
+
+Ends with summary lines per method: ``<env>/<method>/approx_kl_ratio_to_ppo: x`` (mean approx_kl
+over rounds and seeds, over the reference's), ``<env>/<method>/cpu_seconds_per_round: x`` and,
+for auto, ``<env>/<method>/drop_pct_share_<p>: x`` (the share of rounds that chose p), and
+``<env>/<method>/longest_stall_minus_ppo: x`` (the largest, over seed pairs, of the rounds a run
+stays at its first-round return minus its PPO pair's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from rlinfluence.analysis.report import ROUND_LABEL, round_axis
+from rlinfluence.experiments import parse_methods
+
+
+def stall(returns: np.ndarray) -> int:
+    """Rounds before the eval return first leaves its round-0 value (Acrobot: -500)."""
+    moved = np.flatnonzero(returns != returns[0])
+    return int(moved[0]) if moved.size else len(returns)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", type=Path, help="a compare output folder")
+    parser.add_argument("--out", type=Path, required=True, help="PNG to write")
+    parser.add_argument("--reference", default="ppo")
+    a = parser.parse_args()
+    plan = json.loads((a.folder / "compare.json").read_text())
+    env = plan.get("env", a.folder.name)
+    seeds = list(range(plan["first_seed"], plan["first_seed"] + plan["seeds"]))
+    methods = [spec.label for spec in parse_methods(plan["methods"])]
+    runs = {(m, s): pd.read_csv(a.folder / f"{m}__seed{s}" / "metrics.csv")
+            for m in methods for s in seeds if (a.folder / f"{m}__seed{s}" / "metrics.csv").exists()}
+    methods = [m for m in methods if all((m, s) in runs for s in seeds)]
+    fig = Figure(figsize=(9, 10), layout="constrained")
+    axes = fig.subplots(4, 1, sharex=True)
+    columns = (("eval_return_mean", "eval return"), ("approx_kl", "approx_kl"), ("step_scale", "step_scale"),
+               ("drop_pct", "p chosen by auto (%)"))
+    for ax, (column, label) in zip(axes, columns, strict=True):
+        for i, m in enumerate(methods):
+            if column not in runs[m, seeds[0]]:
+                continue
+            n = min(len(runs[m, s]) for s in seeds)
+            y = np.stack([runs[m, s][column].to_numpy(dtype=float)[:n] for s in seeds])
+            mean, se = np.nanmean(y, 0), np.nanstd(y, 0, ddof=1) / np.sqrt(len(seeds))
+            ax.plot(np.arange(n), mean, label=m, color=f"C{i}")  # one colour per method in every panel
+            ax.fill_between(np.arange(n), mean - se, mean + se, alpha=0.2, color=f"C{i}")
+        ax.set_ylabel(label)
+        if column == "approx_kl":
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=8, title=f"mean +/- s.e. over {len(seeds)} seeds", title_fontsize=8)
+    round_axis(axes[-1], ROUND_LABEL)
+    fig.suptitle(env)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(a.out, dpi=110)
+
+    ref_kl = np.mean([runs[a.reference, s]["approx_kl"].mean() for s in seeds])
+    for m in methods:
+        kl = np.mean([runs[m, s]["approx_kl"].mean() for s in seeds])
+        cpu = np.mean([runs[m, s]["train_cpu_seconds"].iloc[-1] / len(runs[m, s]) for s in seeds])
+        worst = max(stall(runs[m, s]["eval_return_mean"].to_numpy())
+                    - stall(runs[a.reference, s]["eval_return_mean"].to_numpy()) for s in seeds)
+        print(f"{env}/{m}/approx_kl_ratio_to_{a.reference}: {kl / ref_kl:.2f}")
+        print(f"{env}/{m}/cpu_seconds_per_round: {cpu:.3f}")
+        print(f"{env}/{m}/longest_stall_minus_{a.reference}: {worst}")
+        if "drop_pct" in runs[m, seeds[0]] and "auto" in m:
+            chosen = pd.concat([runs[m, s]["drop_pct"] for s in seeds]).dropna()
+            for p, share in chosen.value_counts(normalize=True).sort_index().items():
+                print(f"{env}/{m}/drop_pct_share_{p:g}: {share:.2f}")
+    print(f"plot: {a.out}")
+
+
+if __name__ == "__main__":
+    main()
