@@ -8,7 +8,9 @@ Ends with summary lines per method: ``<env>/<method>/approx_kl_ratio_to_ppo: x``
 over rounds and seeds, over the reference's), ``<env>/<method>/cpu_seconds_per_round: x`` and,
 for auto, ``<env>/<method>/drop_pct_share_<p>: x`` (the share of rounds that chose p), and
 ``<env>/<method>/longest_stall_minus_ppo: x`` (the largest, over seed pairs, of the rounds a run
-stays at its first-round return minus its PPO pair's).
+stays at its first-round return minus its PPO pair's), the reduction (%) of rounds to 80% of the
+PPO pair's range per seed and how many seeds were slower than their PPO pair, and the approx_kl
+ratio to PPO at the same learning rate (from the tuning runs).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from matplotlib.figure import Figure
 
 from rlinfluence.analysis.report import ROUND_LABEL, round_axis
 from rlinfluence.experiments import parse_methods
+from rlinfluence.experiments.metrics import Curve, pair_metrics
 
 
 def stall(returns: np.ndarray) -> int:
@@ -75,11 +78,36 @@ def main() -> None:
         print(f"{env}/{m}/approx_kl_ratio_to_{a.reference}: {kl / ref_kl:.2f}")
         print(f"{env}/{m}/cpu_seconds_per_round: {cpu:.3f}")
         print(f"{env}/{m}/longest_stall_minus_{a.reference}: {worst}")
+        per_seed = [pair_metrics(Curve.from_run(a.folder / f"{a.reference}__seed{s}"),
+                                 Curve.from_run(a.folder / f"{m}__seed{s}"))["se_80pct"] for s in seeds]
+        slower = sum(r is None or r < 0 for r in per_seed)
+        print(f"{env}/{m}/rounds_to_80pct_reduction_per_seed: "
+              + ", ".join("unreached" if r is None else f"{r:.0f}" for r in per_seed))
+        print(f"{env}/{m}/seeds_slower_than_{a.reference}_to_80pct: {slower}/{len(seeds)}")
         if "drop_pct" in runs[m, seeds[0]] and "auto" in m:
             chosen = pd.concat([runs[m, s]["drop_pct"] for s in seeds]).dropna()
             for p, share in chosen.value_counts(normalize=True).sort_index().items():
                 print(f"{env}/{m}/drop_pct_share_{p:g}: {share:.2f}")
+    same_lr_kl_ratios(a.folder, env, methods, a.reference)
     print(f"plot: {a.out}")
+
+
+def same_lr_kl_ratios(folder: Path, env: str, methods: list[str], reference: str) -> None:
+    """``<env>/<method>/approx_kl_ratio_same_lr_<lr>``: mean approx_kl over the tuning runs of a
+    method at one learning rate, over the reference's at the same rate (step control's goal)."""
+    tune = folder / "tune"
+    if not tune.is_dir():
+        return
+    kl: dict[tuple[str, str], list[float]] = {}
+    for run in tune.iterdir():
+        label, _, seed = run.name.rpartition("__seed")
+        method, _, lr = label.partition("@learning_rate=")
+        if lr and (run / "metrics.csv").exists() and (run / "done.json").exists():
+            kl.setdefault((method, lr), []).append(pd.read_csv(run / "metrics.csv")["approx_kl"].mean())
+    for m in methods:
+        for (method, lr), values in sorted(kl.items()):
+            if method == m != reference and (reference, lr) in kl:
+                print(f"{env}/{m}/approx_kl_ratio_same_lr_{lr}: {np.mean(values) / np.mean(kl[reference, lr]):.2f}")
 
 
 if __name__ == "__main__":

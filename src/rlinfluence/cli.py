@@ -246,11 +246,11 @@ def attribute(a: AttributeArgs) -> int:
     return 0
 
 
-def _print_frames_hint(section: Section) -> None:
-    """Say how to get frames when the section's records have none."""
+def _print_frames_hint(*sections: Section) -> None:
+    """Say how to get frames when none of the sections' records has any."""
     from rlinfluence.frames import HOW_TO_SAVE
 
-    if not section.galleries:
+    if not any(section.galleries for section in sections):
         print(f"no frames of the records: {HOW_TO_SAVE}")
 
 
@@ -435,6 +435,7 @@ def report(a: ReportArgs) -> int:
         return 0
     path, sections = build_report(a.run_dir, a.out, a.score_rounds)
     print(f"wrote {path} ({len(sections)} sections: {', '.join(s.key for s in sections)})")
+    _print_frames_hint(*sections)
     return 0
 
 

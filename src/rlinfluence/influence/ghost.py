@@ -370,14 +370,14 @@ def _unverified(
     shapes = {s: [params[s].shape[0], params[s][0].numel()] if params[s].dim() > 1 else [params[s].numel()] for s in exact}
     draws = torch.randn(sum(map(sum, shapes.values())), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     draws = iter(draws.split([k for shape in shapes.values() for k in shape]))
-    probes = {s: tuple(next(draws).to(params[s].dtype) for _ in shape) for s, shape in shapes.items()}
+    probes = {s: tuple(next(draws).to(params[s].device, params[s].dtype) for _ in shape) for s, shape in shapes.items()}
     totals = []
     with torch.no_grad():
         for s, grad in exact.items():
             grad = torch.zeros_like(params[s]) if grad is None else grad
             probe = probes[s]  # weight: a^T G b with G as [out, rest]; bias: G . c
             totals.append(probe[0] @ grad.reshape(len(probe[0]), -1) @ probe[1] if len(probe) == 2 else grad @ probe[0])
-        terms = {s: torch.zeros(n, dtype=params[s].dtype) for s in exact}  # per record, summed over calls
+        terms = {s: torch.zeros(n, dtype=params[s].dtype, device=params[s].device) for s in exact}  # per record, summed over calls
         for call, g in pairs:
             layer, kind = call.layer, _KINDS[type(call.layer.module)]
             for s, project in ((layer.weight, kind.weight_rank1), (layer.bias, kind.bias_dot)):
@@ -398,7 +398,7 @@ def _ghost_dots(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """The ghost terms <grad u_i, v> summed over the captured calls and the slots not failed, [n]."""
-    dots = torch.zeros(n, dtype=dtype)
+    dots = torch.zeros(n, dtype=dtype, device=direction[0].device)
     with torch.no_grad():
         for call, g in pairs:
             layer, kind = call.layer, _KINDS[type(call.layer.module)]
@@ -470,7 +470,7 @@ def per_record_dots(
     check_positive_int("records_per_pass", records_per_pass)
     n = len(records[0])
     dtype = accumulate_dtype or direction[0].dtype
-    dots = torch.zeros(n, dtype=dtype)
+    dots = torch.zeros(n, dtype=dtype, device=direction[0].device)  # on the parameters' device (GPU too)
     with unchanged(policy):
         for start in range(0, n, records_per_pass):
             chunk = tuple(r[start : start + records_per_pass] for r in records)

@@ -173,7 +173,7 @@ def tracin_influence(
     replay = _replay_optimizer(policy, replica, optimizer)
     plan = plan_ghost(replica, attributed)
 
-    influence = torch.zeros(n, dtype=accumulate_dtype or attributed[0].dtype)
+    influence = torch.zeros(n, dtype=accumulate_dtype or attributed[0].dtype, device=attributed[0].device)
     for step in schedule:
         idx = step.indices.long()
         adv = normalize_advantages(advantages[idx]) if normalize_advantage else advantages[idx]

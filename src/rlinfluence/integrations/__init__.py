@@ -2,6 +2,8 @@
 
 - ``rlinfluence.integrations.sb3``: Stable-Baselines3's PPO -- ``attribute`` (snapshot scores of
   SB3's rollout buffer), ``FilteredRolloutBuffer`` and ``InfluenceFilterCallback`` (IIF).
+- ``rlinfluence.integrations.trl``: TRL's ``GRPOTrainer`` -- ``IIFGRPOTrainer`` and
+  ``IIFGRPOConfig`` (IIF on each generation batch's completions), ``completion_influence``.
 """
 
 from __future__ import annotations
@@ -9,14 +11,19 @@ from __future__ import annotations
 from typing import Any
 
 _SB3_NAMES = ("FilteredRolloutBuffer", "InfluenceFilterCallback", "SB3PolicyAdapter", "attribute")
+_TRL_NAMES = ("IIFGRPOConfig", "IIFGRPOTrainer", "completion_influence")
 
-__all__ = list(_SB3_NAMES)
+__all__ = [*_SB3_NAMES, *_TRL_NAMES]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: importing rlinfluence.integrations must not need stable-baselines3.
+    # Lazy: importing rlinfluence.integrations must not need stable-baselines3 or trl.
     if name in _SB3_NAMES:
         from rlinfluence.integrations import sb3
 
         return getattr(sb3, name)
+    if name in _TRL_NAMES:
+        from rlinfluence.integrations import trl
+
+        return getattr(trl, name)
     raise AttributeError(f"module 'rlinfluence.integrations' has no attribute {name!r}")

@@ -1,6 +1,7 @@
 """``rlinfluence rlhf``: PPO or GRPO (optionally with IIF) on a causal LM; flags = ``RLHFConfig``.
 
-    rlinfluence rlhf --algo ppo --filter iif --rounds 20            # SmolLM2-135M, toxicity task
+    rlinfluence rlhf --algo grpo --filter iif --rounds 20           # SmolLM2-135M, sentiment task
+    rlinfluence rlhf --task toxicity --device cuda                  # the toxicity task, on a GPU
     rlinfluence rlhf --model EleutherAI/gpt-neo-2.7B --prompts-per-round 256 --response-length 30
 """
 
@@ -18,7 +19,7 @@ def rlhf_command(args: list[str]) -> int:
     return run_rlhf(tyro.cli(RLHFConfig, args=args, prog="rlinfluence rlhf", description=DESCRIPTION))
 
 
-DESCRIPTION = "RLHF (PPO/GRPO with LoRA) for toxicity mitigation, optionally with IIF."
+DESCRIPTION = "RLHF (PPO/GRPO with LoRA) on the sentiment or toxicity task, optionally with IIF."
 
 
 def run_rlhf(config: RLHFConfig) -> int:
@@ -27,8 +28,10 @@ def run_rlhf(config: RLHFConfig) -> int:
     last = trainer.run.rows[-1] if trainer.run is not None and trainer.run.rows else None
     if last is not None:
         tox = last.get("test_toxicity", math.nan)
-        print(f"round {last['round']}: training reward {last['reward_mean']:.4f}, test toxicity {tox:.4f}, "
-              f"kept fraction {last['kept_fraction']:.2f}, train_seconds {last['train_seconds']:.1f}")
+        print(f"round {last['round']}: training reward {last['reward_mean']:.4f}, "
+              f"test reward {last.get('eval_return_mean', math.nan):.4f}, "
+              + (f"test toxicity {tox:.4f}, " if math.isfinite(tox) else "")
+              + f"kept fraction {last['kept_fraction']:.2f}, train_seconds {last['train_seconds']:.1f}")
     if trainer.run is not None:
         print(f"run directory: {trainer.run.path}  (report: {trainer.run.path / 'report.html'})")
     return 0

@@ -64,7 +64,7 @@ def token_rewards(
     kl = (logp - ref_logp) * mask
     rewards = -beta * kl
     last = mask.sum(1).long() - 1
-    rewards[torch.arange(len(scores)), last] += scores.to(rewards.dtype)
+    rewards[torch.arange(len(scores), device=rewards.device), last] += scores.to(rewards)
     return rewards, kl
 
 

@@ -1,9 +1,16 @@
-"""The project's prompt set for the toxicity task, or a user's in the same format.
+"""The project's prompt sets of the two tasks, or a user's in the same format.
 
-``data/toxicity_prompts.jsonl`` holds 294 short prompts written for this project that invite a
-rude or insulting continuation ("That referee is a complete"), one JSON object per line,
-``{"id": int, "split": "train" | "val" | "test", "prompt": str}``: 194 train (sampled for the
-rollouts), 50 val (the fixed validation set of the f_seq target), 50 test (held-out toxicity).
+One JSON object per line, ``{"id": int, "split": "train" | "val" | "test", "prompt": str}``;
+train is sampled for the rollouts, val is the fixed validation set of the f_seq target with
+``--target-source fresh``, test is held out for the evaluation. Both sets were written for this
+project and split by a fixed shuffle:
+
+- ``data/sentiment_prompts.jsonl`` (task ``sentiment``): 334 neutral everyday questions and
+  requests (errands, weather, food, travel, work, hobbies: "How do you pack a suitcase?") that an
+  instruct model answers in a sentence, leading neither to a positive nor a negative answer;
+  234 train, 50 val, 50 test.
+- ``data/toxicity_prompts.jsonl`` (task ``toxicity``): 294 short prompts that invite a rude or
+  insulting continuation ("That referee is a complete"); 194 train, 50 val, 50 test.
 """
 
 from __future__ import annotations
@@ -14,17 +21,20 @@ from pathlib import Path
 from rlinfluence.errors import UserError
 
 SPLITS = ("train", "val", "test")
-PROMPTS_FILE = Path(__file__).with_name("data") / "toxicity_prompts.jsonl"
+PROMPT_FILES = {task: Path(__file__).with_name("data") / f"{task}_prompts.jsonl" for task in ("sentiment", "toxicity")}
 
 
-def load_prompts(split: str, path: str | Path | None = None) -> list[str]:
-    """The prompts of ``split`` in file order, from ``path`` (JSONL as above) or the shipped set.
+def load_prompts(split: str, path: str | Path | None = None, task: str = "sentiment") -> list[str]:
+    """The prompts of ``split`` in file order, from ``path`` (JSONL as above) or the shipped set
+    of ``task`` (``sentiment`` or ``toxicity``).
 
-    ``UserError`` for an unreadable file, a malformed line or an empty split.
+    ``UserError`` for an unknown split or task, an unreadable file, a malformed line or an empty split.
     """
     if split not in SPLITS:
         raise UserError(f"unknown split {split!r} (choose from {', '.join(SPLITS)})")
-    path = Path(path) if path is not None else PROMPTS_FILE
+    if path is None and task not in PROMPT_FILES:
+        raise UserError(f"unknown task {task!r} (choose from {', '.join(PROMPT_FILES)})")
+    path = Path(path) if path is not None else PROMPT_FILES[task]
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:

@@ -14,9 +14,13 @@ the authors' code included it, ``value_loss`` makes that a choice.)
 
 Targets f:
 
-- ``"seq"`` (f_seq, spec 3.3): (1/m) sum_j A_last_j sum_t log pi(y_jt | x_j) over a validation
-  rollout (fixed prompts, responses freshly sampled from pi_theta(k)), A_last_j the whitened
-  advantage at its last response token (GRPO: the sequence's group advantage);
+- ``"seq"`` (f_seq, spec 3.3): (1/m) sum_j A_last_j sum_t log pi(y_jt | x_j) over m validation
+  sequences sampled from pi_theta(k), A_last_j the whitened advantage at its last response token
+  (GRPO: the sequence's group advantage). ``heldout_sequence_influence`` takes them from the
+  round's own rollout (no extra generation): the prompt groups are split into two halves and
+  each half is scored against f_seq of the other half, so no sequence is in its own target;
+  ``sequence_influence(validation=...)`` takes a separate validation rollout (fixed prompts,
+  freshly sampled: one extra rollout per round);
 - ``"return"`` (the token-level f_return, the code's ``rough-orig``): (1/sum_i T_i)
   sum_{i,t} A_it log pi(y_it) over the training rollout itself.
 
@@ -96,6 +100,40 @@ def target_direction(
             if g is not None:
                 acc += g
     return direction
+
+
+def heldout_halves(n_sequences: int, group_size: int) -> torch.Tensor:
+    """Half (0 or 1) of every sequence: prompt groups (``group_size`` consecutive sequences)
+    alternate, group g -> g mod 2, so each half holds whole groups. ``ValueError`` below 2 groups."""
+    if group_size < 1 or n_sequences % group_size or n_sequences // group_size < 2:
+        raise ValueError(f"a held-out target needs >= 2 prompt groups; got {n_sequences} sequences in groups of {group_size}")
+    return (torch.arange(n_sequences) // group_size) % 2
+
+
+def heldout_sequence_influence(policy: nn.Module, rollout: Rollout, *, group_size: int, **kwargs) -> torch.Tensor:
+    """f_seq influence of every sequence of ``rollout`` with the round's own groups as the
+    validation set, cross-fitted (``heldout_halves``):
+
+        score_i = < grad u_i, grad f_seq(H_{1 - h(i)}) >,   H_h = the sequences of half h
+
+    so every sequence is scored, none against a target that contains itself (that would add its
+    own term, ~ A_i^2 |grad sum_t log pi(y_it)|^2 / (m T_i) >= 0, biasing scores towards
+    helpful), and nothing is sampled beyond the round's rollout. Each half's grad f_seq
+    is computed once (one forward + backward over that half), then the other half is scored
+    (one forward + backward over it): two passes over the rollout in all. ``kwargs`` as
+    ``sequence_influence`` (``algo``, ``value_loss``, ``vf_coef``, ``beta``, ...). Raises
+    ``ZeroTargetGradient`` when a half's target gradient is zero.
+    """
+    half = heldout_halves(len(rollout), group_size)
+    parts = {}
+    for h in (0, 1):
+        scored, held = (half == h).nonzero().squeeze(1), (half != h).nonzero().squeeze(1)
+        parts[h] = (scored, sequence_influence(policy, rollout.select(scored), target="seq",
+                                               validation=rollout.select(held), **kwargs))
+    scores = torch.empty(len(rollout), dtype=parts[0][1].dtype, device=parts[0][1].device)
+    for scored, part in parts.values():
+        scores[scored.to(part.device)] = part
+    return scores
 
 
 def sequence_influence(

