@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("folder", type=Path, help="a compare output folder")
     parser.add_argument("--out", type=Path, required=True, help="PNG to write")
     parser.add_argument("--reference", default="ppo")
+    parser.add_argument("--title", default=None, help="plot title (default: the env)")
     a = parser.parse_args()
     plan = json.loads((a.folder / "compare.json").read_text())
     env = plan.get("env", a.folder.name)
@@ -47,10 +48,13 @@ def main() -> None:
     runs = {(m, s): pd.read_csv(a.folder / f"{m}__seed{s}" / "metrics.csv")
             for m in methods for s in seeds if (a.folder / f"{m}__seed{s}" / "metrics.csv").exists()}
     methods = [m for m in methods if all((m, s) in runs for s in seeds)]
-    fig = Figure(figsize=(9, 10), layout="constrained")
-    axes = fig.subplots(4, 1, sharex=True)
-    columns = (("eval_return_mean", "eval return"), ("approx_kl", "approx_kl"), ("step_scale", "step_scale"),
-               ("drop_pct", "p chosen by auto (%)"))
+    columns = [("eval_return_mean", "eval return"), ("approx_kl", "approx_kl"), ("step_scale", "step_scale"),
+               ("drop_pct", "p chosen by auto (%)")]
+    # a panel only where some method varies it (step_scale is 1 without step control)
+    columns = [(c, label) for c, label in columns
+               if any(c in runs[m, s] and runs[m, s][c].nunique() > 1 for m in methods for s in seeds)]
+    fig = Figure(figsize=(9, 2.5 * len(columns)), layout="constrained")
+    axes = fig.subplots(len(columns), 1, sharex=True, squeeze=False)[:, 0]
     for ax, (column, label) in zip(axes, columns, strict=True):
         for i, m in enumerate(methods):
             if column not in runs[m, seeds[0]]:
@@ -65,7 +69,7 @@ def main() -> None:
             ax.set_yscale("log")
     axes[0].legend(fontsize=8, title=f"mean +/- s.e. over {len(seeds)} seeds", title_fontsize=8)
     round_axis(axes[-1], ROUND_LABEL)
-    fig.suptitle(env)
+    fig.suptitle(a.title or env)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(a.out, dpi=110)
 
