@@ -337,19 +337,24 @@ def test_cli_commands_write_html_and_bad_input_is_one_line(frozenlake_run, tmp_p
         assert len(err) == 1 and err[0].startswith(message), err
 
 
+def rendered_in_chromium(page: str, tmp_path: Path, images: str, facts: str) -> list[str]:
+    """Load ``page`` in headless Chromium and return, for each image of the JS expression
+    ``images`` (an iterable of <img>), the JS string ``facts`` of it (``i`` is the image), after load."""
+    probe = tmp_path / "probe.html"  # the page plus a script writing the facts into the DOM
+    probe.write_text(page.replace("</body>", (
+        "<script>window.addEventListener('load', () => { document.body.setAttribute('data-probe', "
+        f"Array.from({images}).map(i => {facts}).join(' ')); }});</script></body>")), encoding="utf-8")
+    out = subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
+                          "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return re.search(r'data-probe="([^"]*)"', out.stdout).group(1).split()
+
+
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="headless Chromium not installed (apt-get install chromium)")
 def test_report_renders_its_images_in_headless_chromium(frozenlake_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(frozenlake_run, run)
     path, _ = build_report(run, score_rounds=1)
-    # a probe page: the report plus a script that lists, after load, each image's decoded size
-    probe = tmp_path / "probe.html"
-    probe.write_text(path.read_text(encoding="utf-8").replace("</body>", (
-        "<script>window.addEventListener('load', () => { document.body.setAttribute('data-images', "
-        "Array.from(document.images).map(i => i.complete + ':' + i.naturalWidth).join(' ')); });"
-        "</script></body>")), encoding="utf-8")
-    out = subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
-                          "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    sizes = re.search(r'data-images="([^"]*)"', out.stdout).group(1).split()
+    sizes = rendered_in_chromium(path.read_text(encoding="utf-8"), tmp_path, "document.images",
+                                 "i.complete + ':' + i.naturalWidth")
     assert len(sizes) == 2 and all(s.startswith("true:") and int(s.split(":")[1]) > 50 for s in sizes), sizes

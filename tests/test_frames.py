@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +16,7 @@ from rlinfluence.frames import HOW_TO_SAVE, MAX_SIDE, load_frames, record_strip
 from rlinfluence.ppo import PPO
 
 from .conftest import tiny_config
-from .test_analysis import CHROMIUM, _check_html
+from .test_analysis import CHROMIUM, _check_html, rendered_in_chromium
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -103,16 +102,10 @@ def test_frames_render_in_headless_chromium(cartpole_run, tmp_path):
     shutil.copytree(cartpole_run, run)
     assert cli.main(["diagnose", str(run), "--round", "1", "--bottom", "2", "--html"]) == 0
     page = (run / "analyses" / "diagnosis_round_1.html").read_text(encoding="utf-8")
-    # a probe page: the page plus a script that lists, after load, each frame's decoded and shown size
-    probe = tmp_path / "probe.html"
-    probe.write_text(page.replace("</body>", (
-        "<script>window.addEventListener('load', () => { document.body.setAttribute('data-frames', "
-        "Array.from(document.querySelectorAll('figure.record img')).map(i => i.complete + ':' + i.naturalWidth "
-        "+ ':' + i.getBoundingClientRect().width).join(' ')); });</script></body>")), encoding="utf-8")
-    out = subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
-                          "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    frames = [s.split(":") for s in re.search(r'data-frames="([^"]*)"', out.stdout).group(1).split()]
+    # each frame's decoded and shown size
+    frames = [s.split(":") for s in rendered_in_chromium(
+        page, tmp_path, "document.querySelectorAll('figure.record img')",
+        "i.complete + ':' + i.naturalWidth + ':' + i.getBoundingClientRect().width")]
     assert len(frames) >= 4 * (1 + 2)  # each of the 2 + 2 cards: its frame and a strip of at least 2
     assert all(done == "true" and int(width) == MAX_SIDE and float(shown) > 20 for done, width, shown in frames), frames
 
