@@ -258,3 +258,23 @@ def test_rlhf_iif_keeps_every_sequence_when_the_target_has_no_signal(tmp_path):
     with pytest.warns(RuntimeWarning, match=r"IIF kept every sequence \(skipped=1\).*zero gradient"):
         metrics = trainer.train_round()
     assert metrics["skipped"] == 1.0 and seen["keep"].all()
+
+
+def test_iif_scores_include_the_trainers_entropy_bonus():
+    """With ent_coef != 0 the training loss has an entropy term, so the filter's scores are the
+    snapshot scores with that term (and differ from the ent_coef = 0 scores); the trainer passes it."""
+    from rlinfluence.influence import ReturnTarget, snapshot_influence
+
+    trainer = PPO(tiny_config(filter="iif", drop_pct=50, ent_coef=0.5, n_steps=64, n_envs=2), run_dir=False)
+    buffer = trainer.collect()
+    buffer.compute_advantages(0.99, 0.95)
+    context = FilterContext(trainer.policy, 0, 32, ent_coef=0.5)
+    scorer = IIFFilter(drop_pct=50, advantage_norm="batch")
+    flat = [buffer.flat(k) for k in ("obs", "actions", "advantages")]
+    expected = snapshot_influence(trainer.policy, *flat, target=ReturnTarget(), advantage_norm="batch", ent_coef=0.5)
+    torch.testing.assert_close(scorer.scores(buffer, context), expected)
+    assert not torch.allclose(scorer.scores(buffer, FilterContext(trainer.policy, 0, 32)), expected)
+
+    spy = Spy(make_filter("iif", drop_pct=50))
+    PPO(tiny_config(filter="iif", drop_pct=50, ent_coef=0.5, n_steps=64, n_envs=2), filter=spy, run_dir=False).train_round()
+    assert spy.contexts[-1].ent_coef == 0.5

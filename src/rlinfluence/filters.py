@@ -58,6 +58,8 @@ class FilterContext:
     the PPO surrogate mean_j A_norm_j (pi'(a_j|s_j) / pi(a_j|s_j) - 1) (for ``drop_pct="auto"``)."""
     scores: torch.Tensor | None = None
     """The [N] influence scores a scoring filter computed this round (logged as a histogram)."""
+    ent_coef: float = 0.0
+    """The trainer's entropy coefficient: the training loss's entropy bonus enters the scores too."""
 
 
 class Filter(Protocol):
@@ -186,7 +188,7 @@ class InfluenceScorer(_Seeded):
             inverse = adam_inverse_preconditioner(context.optimizer)
         return snapshot_influence(context.policy, obs, actions, advantages, target=target,
                                   advantage_norm=self.advantage_norm, chunk_size=context.batch_size,
-                                  inverse_preconditioner=inverse)
+                                  ent_coef=context.ent_coef, inverse_preconditioner=inverse)
 
     def split_half_reliability(self, context: FilterContext, obs: torch.Tensor, actions: torch.Tensor,
                                advantages: torch.Tensor, episode_ids: torch.Tensor) -> float:

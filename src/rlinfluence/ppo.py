@@ -483,7 +483,7 @@ class PPO:
             validation.compute_advantages(cfg.gamma, cfg.gae_lambda)
         t1 = time.perf_counter()
         context = FilterContext(self.policy, self.round, cfg.batch_size, cfg.gamma, validation=validation,
-                                optimizer=self.optimizer, lookahead=lambda train, held_out: self.lookahead(buffer, train, held_out))
+                                optimizer=self.optimizer, ent_coef=cfg.ent_coef, lookahead=lambda train, held_out: self.lookahead(buffer, train, held_out))
         keep = self.filter(buffer, context)
         step_scale = self.step_scale(buffer, keep) if cfg.step_control != "none" else 1.0
         t2 = time.perf_counter()

@@ -44,17 +44,6 @@ VARIANTS = ("a", "b", "c", "d")
 D_RETRAINS = 8
 
 
-def parse_rounds(text: str) -> list[int]:
-    """"5,10,20" -> [5, 10, 20] (UserError on anything else)."""
-    try:
-        rounds = [int(v) for v in text.replace(" ", "").split(",") if v != ""]
-    except ValueError:
-        raise UserError(f"--rounds must be comma-separated round numbers, got {text!r}") from None
-    if not rounds or min(rounds) < 0:
-        raise UserError(f"--rounds must list rounds >= 0, got {text!r}")
-    return sorted(set(rounds))
-
-
 def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
 
@@ -74,7 +63,7 @@ def intervene_round(run_dir: str | Path, round_index: int, eval_episodes: int = 
                         "(filter none), whose round-k update trained on the whole buffer")
 
     # (b): IIF's scorer with its own seed for the chunk permutation, dropping every negative record
-    context = FilterContext(trainer.policy, round_index, cfg.batch_size, cfg.gamma)
+    context = FilterContext(trainer.policy, round_index, cfg.batch_size, cfg.gamma, ent_coef=cfg.ent_coef)
     iif = IIFFilter(100.0, drop_mode="neg", advantage_norm=advantage_norm, seed=_seed(cfg.seed, round_index, 11))
     keep_b = iif(buffer, context)
     n_drop = int((~keep_b).sum())
