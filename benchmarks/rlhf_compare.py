@@ -15,12 +15,22 @@ on two curves: the mean test reward (evaluated every ``eval_every`` rounds, so m
 that resolution) and the training reward (mean reward of the round's own samples, one value per
 round, of the samples of theta(k) drawn before round k's update, so at k rounds trained;
 smoothed by a trailing mean over ``--window`` rounds; R_std(final) = its last value).
-A pair whose standard run gained nothing, or whose IIF run never reaches the level, has no
-reduction (counted and printed). Across seeds: means with 95% percentile bootstrap intervals
-(``scipy.stats.bootstrap`` via ``rlinfluence.experiments.statistics.bootstrap_mean``) and the
-probability of improvement P(iif > std) of the final test reward and of its mean over the
-evaluations (rliable, stratified bootstrap). With 3 seeds these intervals are wide and the
-bootstrap's coverage is poor: read them as a spread, not as a test.
+The training-reward level starts from the raw round-0 value (the trailing mean of one round)
+and ends at the trailing mean of the last rounds, which lags the policy by about
+(window - 1) / 2 rounds. The test-reward reductions move in steps of ``eval_every`` rounds.
+
+A pair whose standard run gained nothing has no level; a pair whose IIF run never reaches the
+level has no reduction: both are counted and printed, and the reduction's interval is over the
+pairs where both runs reached it only (a censored pair is IIF's worst case, so that mean is
+optimistic for IIF). Across seeds: means with 95% percentile bootstrap intervals
+(``scipy.stats.bootstrap`` via ``rlinfluence.experiments.statistics.bootstrap_mean``); the
+paired difference iif - std of the final test reward and of its mean over the evaluations, with
+the number of seeds where IIF is higher; and, unpaired, rliable's probability of improvement
+P(iif > std) (every IIF seed against every standard seed). With 3 seeds these intervals are wide
+and the bootstrap's coverage is poor: read them as a spread, not as a test.
+
+Paired runs must agree on every setting but the filter (an error names the first that
+differs); the newest run (by the time stamp in its name) of each (algo, filter, seed) is used.
 
 Ends with one ``name: value`` line per figure.
 """
@@ -39,6 +49,8 @@ from rlinfluence.experiments.metrics import first_reach, smooth
 from rlinfluence.experiments.statistics import bootstrap_mean, probability_of_improvement
 
 FRACTION = 0.8
+UNPAIRED_SETTINGS = ("filter", "run_root", "method", "drop_pct", "drop_mode", "target", "target_source",
+                     "score_value_loss", "val_prompts")  # IIF-only settings may differ from the standard run's
 
 
 def finished_runs(folders: Sequence[Path]) -> dict[tuple[str, str, int], Path]:
@@ -51,9 +63,22 @@ def finished_runs(folders: Sequence[Path]) -> dict[tuple[str, str, int], Path]:
             if not metrics.exists() or len(pd.read_csv(metrics)) < config["rounds"]:
                 continue
             key = (config["algo"], config["filter"], int(config["seed"]))
-            if key not in found or config_path.parent.name > found[key].name:
+            if key not in found or _stamp(config_path.parent) > _stamp(found[key]):
                 found[key] = config_path.parent
     return found
+
+
+def _stamp(run_dir: Path) -> str:
+    """The run directory's time stamp (its name ends in ``__<YYYYmmdd-HHMMSS>``)."""
+    return run_dir.name.rsplit("__", 1)[-1]
+
+
+def check_paired(std: Run, iif: Run) -> None:
+    """SystemExit naming the first setting (other than the filter's own) the two runs differ in."""
+    for key in sorted(set(std.config) | set(iif.config)):
+        if key not in UNPAIRED_SETTINGS and std.config.get(key) != iif.config.get(key):
+            raise SystemExit(f"error: {std.path} and {iif.path} differ in {key}: "
+                             f"{std.config.get(key)!r} vs {iif.config.get(key)!r}")
 
 
 class Run:
@@ -103,22 +128,21 @@ def pair_figures(std: Run, iif: Run) -> dict[str, float | None]:
 
 def interval(values: Sequence[float], fmt: str = ".3f") -> str:
     point, low, high = bootstrap_mean(values)
-    return f"{point:{fmt}} [{low:{fmt}}, {high:{fmt}}]"
+    return f"{point:{fmt}} [{low:{fmt}}, {high:{fmt}}]" if len(values) > 1 else f"{point:{fmt}} (n=1)"
 
 
-def plot(runs: dict[tuple[str, str, int], Run], algos: Sequence[str], path: Path) -> None:
+def plot(pairs: dict[str, dict[int, tuple[Run, Run]]], path: Path) -> None:
+    """Per algo: test reward, training reward and KL per round, mean +/- s.e. over the paired seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(algos), 3, figsize=(14, 3.6 * len(algos)), squeeze=False)
-    for row, algo in zip(axes, algos, strict=True):
-        for filt, colour in (("none", "tab:blue"), ("iif", "tab:red")):
-            group = [r for (a, f, _), r in sorted(runs.items()) if a == algo and f == filt]
-            if not group:
-                continue
-            label = f"{algo}{' + iif' if filt == 'iif' else ''} ({len(group)} seeds)"
+    fig, axes = plt.subplots(len(pairs), 3, figsize=(14, 3.6 * len(pairs)), squeeze=False)
+    for row, (algo, by_seed) in zip(axes, pairs.items(), strict=True):
+        for side, colour in ((0, "tab:blue"), (1, "tab:red")):
+            group = [pair[side] for pair in by_seed.values()]
+            label = f"{algo}{' + iif' if side else ''} ({len(group)} seeds)"
             for ax, x, ys in (
                 (row[0], group[0].eval_rounds, [r.test for r in group]),
                 (row[1], np.arange(len(group[0].train_reward)), [r.train_reward for r in group]),
@@ -128,7 +152,8 @@ def plot(runs: dict[tuple[str, str, int], Run], algos: Sequence[str], path: Path
                 mean, se = y.mean(0), (y.std(0, ddof=1) / np.sqrt(len(y)) if len(y) > 1 else np.zeros(y.shape[1]))
                 ax.plot(x, mean, color=colour, label=label, marker="o" if ax is row[0] else None)
                 ax.fill_between(x, mean - se, mean + se, color=colour, alpha=0.2)
-        for ax, title in zip(row, ("test reward (VADER, 50 test prompts)", "training reward (trailing mean)",
+        test_prompts = next(iter(by_seed.values()))[0].config["test_prompts"]
+        for ax, title in zip(row, (f"test reward ({test_prompts} test prompts)", "training reward (trailing mean)",
                                    "KL to the reference (per sequence)"), strict=True):
             ax.set_title(f"{algo.upper()}: {title}", fontsize=10)
             ax.set_xlabel("rounds trained (samples of theta(k) after k rounds)")
@@ -152,43 +177,50 @@ def main() -> None:
     for key, run in sorted(runs.items()):
         print(f"# {key[0]} {key[1]} seed {key[2]}: {run.path}")
     lines: list[str] = []
+    paired: dict[str, dict[int, tuple[Run, Run]]] = {}
     for algo in algos:
         seeds = sorted(s for (a, f, s) in runs if a == algo and f == "none" and (a, "iif", s) in runs)
         if not seeds:
             continue
-        pairs = {s: (runs[(algo, "none", s)], runs[(algo, "iif", s)]) for s in seeds}
+        pairs = paired[algo] = {s: (runs[(algo, "none", s)], runs[(algo, "iif", s)]) for s in seeds}
+        for pair in pairs.values():
+            check_paired(*pair)
         figures = {s: pair_figures(*pair) for s, pair in pairs.items()}
         print(f"\n## {algo}: {len(seeds)} seed pairs {seeds}")
         for s in seeds:
             std, iif = pairs[s]
             f = figures[s]
             print(f"seed {s}: test {np.round(std.test, 3).tolist()} vs iif {np.round(iif.test, 3).tolist()}; "
-                  f"rounds to 80% (test) {f['test_rounds_std']} vs {f['test_rounds_iif']}, "
-                  f"(train) {f['train_rounds_std']} vs {f['train_rounds_iif']}; "
+                  f"rounds to 80% (test, level {f['test_level']:.3f}) {f['test_rounds_std']} vs {f['test_rounds_iif']}, "
+                  f"(train, level {f['train_level']:.3f}) {f['train_rounds_std']} vs {f['train_rounds_iif']}; "
                   f"seconds {std.seconds[-1]:.0f} vs {iif.seconds[-1]:.0f}; kept {iif.kept.mean():.3f}")
-        for filt, tag in (("none", algo), ("iif", f"{algo}_iif")):
-            group = [pairs[s][filt == "iif"] for s in seeds]
+        window = args.window
+        for side, tag in ((0, algo), (1, f"{algo}_iif")):
+            group = [pairs[s][side] for s in seeds]
             lines += [
                 f"{tag}_test_reward_initial: {interval([r.test[0] for r in group])}",
                 f"{tag}_test_reward_final: {interval([r.test[-1] for r in group])}",
                 f"{tag}_test_reward_mean_over_evals: {interval([r.test[1:].mean() for r in group])}",
-                f"{tag}_train_reward_final: {interval([r.train_reward[-1] for r in group])}",
-                f"{tag}_kl_final: {interval([r.kl[-1] for r in group])}",
+                # round k's samples are theta(k)'s: the last rounds' are those of theta(R-window..R-1)
+                f"{tag}_train_reward_last{window}: {interval([r.train_reward[-1] for r in group])}",
+                f"{tag}_kl_last_round: {interval([r.kl[-1] for r in group])}",
                 f"{tag}_train_seconds: {interval([r.seconds[-1] for r in group], '.0f')}",
             ]
         lines.append(f"{algo}_iif_kept_fraction_mean: {np.mean([pairs[s][1].kept.mean() for s in seeds]):.3f}")
         for name in ("test_round_reduction", "test_seconds_reduction", "train_round_reduction", "train_seconds_reduction"):
             values = [figures[s][name] for s in seeds if figures[s][name] is not None]
-            missing = len(seeds) - len(values)
             text = interval(values, ".1f") if values else "undefined"
-            lines.append(f"{algo}_iif_{name}_pct: {text}" + (f" ({missing} of {len(seeds)} pairs undefined)" if missing else ""))
+            lines.append(f"{algo}_iif_{name}_pct: {text} ({len(values)} of {len(seeds)} pairs reached the level)")
         for name, pick in (("final", lambda r: r.test[-1]), ("mean_over_evals", lambda r: r.test[1:].mean())):
             x = np.array([[pick(pairs[s][1])] for s in seeds])
             y = np.array([[pick(pairs[s][0])] for s in seeds])
+            diff = (x - y)[:, 0]
+            lines.append(f"{algo}_iif_minus_{algo}_test_reward_{name}: {interval(diff.tolist())} "
+                         f"(paired; iif higher in {int((diff > 0).sum())} of {len(seeds)} seeds)")
             p, low, high = probability_of_improvement(x, y)
-            lines.append(f"{algo}_iif_p_improvement_test_reward_{name}: {p:.2f} [{low:.2f}, {high:.2f}]")
+            lines.append(f"{algo}_iif_p_improvement_test_reward_{name}: {p:.2f} [{low:.2f}, {high:.2f}] (unpaired)")
     if args.png is not None:
-        plot(runs, algos, args.png)
+        plot(paired, args.png)
         lines.append(f"figure: {args.png}")
     print()
     print("\n".join(lines))

@@ -23,7 +23,7 @@ from rlinfluence.analysis.diagnosis import (
     monte_carlo_advantages,
     spearman,
 )
-from rlinfluence.analysis.intervention import intervene_round, intervention_section
+from rlinfluence.analysis.intervention import intervene_round, intervention_section, parse_rounds
 from rlinfluence.analysis.report import build_report, load_sections, save_section
 from rlinfluence.analysis.timeline import (
     dirichlet_roughness,
@@ -248,6 +248,13 @@ def test_match_kl_bisects_and_treats_a_diverging_scale_as_too_large():
     assert kl == pytest.approx(0.009, rel=0.05) and scale == pytest.approx(3.0, rel=0.03) and retrains <= 8
     scale, kl, _ = match_kl(Round(), target_kl=1.0, kl_at_one=0.001)  # unreachable without diverging
     assert scale <= 5 and math.isfinite(kl)
+
+
+def test_parse_rounds():
+    assert parse_rounds("20, 5,10,5") == [5, 10, 20]
+    for bad in ("a,b", "", "-1"):
+        with pytest.raises(UserError, match="--rounds"):
+            parse_rounds(bad)
 
 
 # -- report --------------------------------------------------------------------------------

@@ -44,6 +44,17 @@ VARIANTS = ("a", "b", "c", "d")
 D_RETRAINS = 8
 
 
+def parse_rounds(text: str) -> list[int]:
+    """"5,10,20" -> [5, 10, 20] (UserError on anything else)."""
+    try:
+        rounds = [int(v) for v in text.replace(" ", "").split(",") if v != ""]
+    except ValueError:
+        raise UserError(f"--rounds must be comma-separated round numbers, got {text!r}") from None
+    if not rounds or min(rounds) < 0:
+        raise UserError(f"--rounds must list rounds >= 0, got {text!r}")
+    return sorted(set(rounds))
+
+
 def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
 
