@@ -22,8 +22,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import csv  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from rlinfluence.errors import UserError  # noqa: E402
 from rlinfluence.experiments import CompareConfig, compare, parse_methods, write_summary  # noqa: E402
 
 # Evaluation episodes per round (paper: 1000; 100 for highway and BipedalWalker).
@@ -90,4 +92,8 @@ def main() -> None:
                     print(f"{name}/{stat}_ci: {value}", flush=True)
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as exc:  # bad input (a method spec, an override, a run folder): one line, exit 2
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
