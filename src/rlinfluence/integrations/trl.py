@@ -87,6 +87,7 @@ from rlinfluence.influence import (
     target_gradient,
     unchanged,
 )
+from rlinfluence.rlhf.influence import heldout_halves
 
 __all__ = ["IIFGRPOConfig", "IIFGRPOTrainer", "completion_influence"]
 
@@ -231,9 +232,9 @@ def completion_influence(trainer: GRPOTrainer, batch: dict[str, Any]) -> torch.T
     if getattr(trainer.args, "iif_target", "batch") == "batch":
         pairs = [(torch.arange(n), torch.arange(n))]  # (scored rows, target rows)
     else:  # completions come in consecutive groups of num_generations, one group per prompt
-        even = (torch.arange(n) // trainer.num_generations) % 2 == 0
-        even_rows, odd_rows = even.nonzero().squeeze(1), (~even).nonzero().squeeze(1)
-        pairs = [(even_rows, odd_rows), (odd_rows, even_rows)]
+        half = heldout_halves(n, trainer.num_generations)
+        halves = [(half == h).nonzero().squeeze(1) for h in (0, 1)]
+        pairs = [(halves[0], halves[1]), (halves[1], halves[0])]
     completion_mask = batch["completion_mask"]
     loss_mask = completion_mask if "tool_mask" not in batch else completion_mask * batch["tool_mask"]
     loss_mask = loss_mask.to(torch.float32)
