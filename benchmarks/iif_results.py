@@ -1,4 +1,4 @@
-"""IIF vs PPO vs random on the paper's environments: the runs behind docs/results.md.
+"""IIF vs PPO vs random on the paper's environments: the runs behind docs/results/paper-protocol.md and docs/results/first-tuned-study.md.
 
     python benchmarks/iif_results.py --envs FrozenLake-v1,Acrobot-v1 --seeds 5 --out bench_out/results
     python benchmarks/iif_results.py --envs FrozenLake-v1 --methods ppo,iif --clock cpu \

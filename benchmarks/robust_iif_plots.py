@@ -1,5 +1,5 @@
 """Per-round picture of the IIF options in compare folders: return, approx_kl, step_scale and the
-p that ``--drop-pct auto`` chose, mean +/- s.e. over the evaluation seeds (docs/results.md,
+p that ``--drop-pct auto`` chose, mean +/- s.e. over the evaluation seeds (docs/results/variants.md,
 "Robust IIF").
 
     python benchmarks/robust_iif_plots.py bench_out/robust14/Acrobot-v1 --out docs/robust14_acrobot.png

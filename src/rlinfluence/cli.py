@@ -128,6 +128,8 @@ class AggregateArgs:
     """output folder: aggregate.md/.csv/.html and the PNG plots"""
     bootstrap_reps: int = 2000
     """bootstrap replications of every interval"""
+    bootstrap_seed: int = 0
+    """seed of every bootstrap: the same seed gives the same intervals"""
 
 
 def aggregate(a: AggregateArgs) -> int:
@@ -136,7 +138,7 @@ def aggregate(a: AggregateArgs) -> int:
 
     if a.bootstrap_reps < 1:
         raise UserError(f"--bootstrap-reps must be >= 1, got {a.bootstrap_reps}")
-    out = run_aggregate(a.folders, a.out, a.bootstrap_reps)
+    out = run_aggregate(a.folders, a.out, a.bootstrap_reps, a.bootstrap_seed)
     print((out / "aggregate.md").read_text())
     print(f"wrote {out / 'aggregate.html'}")
     return 0

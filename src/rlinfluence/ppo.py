@@ -96,7 +96,7 @@ class PPOConfig:
     """stop the round's update once approx_kl > 1.5 * target_kl (SB3); None = never"""
     filter: Literal["none", "iif", "iif-robust", "random", "advantage", "td-error", "reward-extremes"] = "none"
     """records to drop before each update: none = standard PPO; iif = influence-based filtering
-    (the paper's); iif-robust = iif with ROBUST_IIF's options (drop_pct auto; docs/results.md)"""
+    (the paper's); iif-robust = iif with ROBUST_IIF's options (drop_pct auto; docs/results/variants.md)"""
     drop_pct: float | Literal["auto"] = 50.0
     """p in (0, 100]: iif drops p% of the negative records (neg-bottom); baselines p% of records;
     auto (iif): choose p each round from 0, 6.25, 12.5, 25, 50, 100 by a cross-fitted lookahead"""
@@ -276,10 +276,11 @@ class PPOConfig:
 FIELD_TYPES: dict[str, Any] = typing.get_type_hints(PPOConfig)
 
 ROBUST_IIF: dict[str, Any] = {"drop_pct": "auto"}
-"""What ``--filter iif-robust`` sets on top of iif: the option measured best against tuned PPO
-in docs/results.md ("Robust IIF"): p chosen each round by the cross-fitted lookahead, which also
-switches filtering off (p = 0) in rounds without signal. Step control and the gate lost there.
-``--filter iif`` keeps the paper's behaviour."""
+"""What ``--filter iif-robust`` sets on top of iif: the option that did best against tuned PPO
+among the variants tried on seeds 1-5 (docs/results/variants.md): p chosen each round by the
+cross-fitted lookahead, among candidates that include p = 0 (no filtering). Step control and the
+gate lost there. Its confirmation on fresh seeds: docs/results/tuned-ppo.md. ``--filter iif``
+keeps the paper's behaviour."""
 
 
 def coerce(key: str, text: str | Any) -> Any:

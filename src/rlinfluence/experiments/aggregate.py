@@ -5,7 +5,8 @@ folder's reference (``statistics``). Across envs they form, per method, a [runs,
 (the first n seeds of each env, n = the fewest any env has), from which rliable gives
 
     IQM and mean over all runs and envs, with stratified-bootstrap 95% intervals;
-    P(method > reference), averaged over envs, with its interval;
+    P(method > reference), averaged over envs, with its interval: paired (seed i against seed i)
+    when in every env the method's seeds are the reference's, unpaired otherwise, and said so;
     performance profiles: the fraction of runs whose score exceeds tau, for tau on a grid.
 
 Outputs: aggregate.md, aggregate.csv, intervals.png, performance_profile.png,
@@ -47,8 +48,10 @@ def _load(folder: Path) -> tuple[str, str, pd.DataFrame]:
     return config["env"], str(scores["reference"].iloc[0]), scores
 
 
-def score_matrices(folders: Sequence[str | Path]) -> tuple[list[str], str, list[str], dict[str, dict[str, np.ndarray]]]:
-    """(envs, reference, methods, {kind: {method: [runs, envs]}}) of the methods every folder has."""
+def score_matrices(folders: Sequence[str | Path]
+                   ) -> tuple[list[str], str, list[str], dict[str, dict[str, np.ndarray]], bool]:
+    """(envs, reference, methods, {kind: {method: [runs, envs]}}, paired) of the methods every
+    folder has; paired = row i of every matrix is the same seed in each env."""
     if not folders:
         raise UserError("aggregate needs at least one compare folder")
     loaded = [_load(Path(f)) for f in folders]
@@ -63,25 +66,35 @@ def score_matrices(folders: Sequence[str | Path]) -> tuple[list[str], str, list[
                if all(m in set(s["method"]) for _, _, s in loaded)]
     n_runs = min(int((s["method"] == reference).sum()) for _, _, s in loaded)
     matrices: dict[str, dict[str, np.ndarray]] = {kind: {} for kind in KINDS}
+    for _, _, s in loaded:
+        repeated = s[s.duplicated(["method", "seed"])]
+        if len(repeated):
+            raise UserError(f"scores.csv lists {repeated.iloc[0]['method']} seed {repeated.iloc[0]['seed']} twice")
+
+    def seeds_of(s: pd.DataFrame, m: str) -> list[int]:
+        return sorted(s[s["method"] == m]["seed"])[:n_runs]
+
+    paired = all(seeds_of(s, m) == seeds_of(s, reference) for _, _, s in loaded for m in methods)
     for kind in KINDS:
         for m in methods:
             columns = [s[s["method"] == m].sort_values("seed")[kind].to_numpy()[:n_runs] for _, _, s in loaded]
             matrices[kind][m] = np.stack(columns, axis=1)
-    return envs, reference, methods, matrices
+    return envs, reference, methods, matrices, paired
 
 
-def aggregate(folders: Sequence[str | Path], out: str | Path, reps: int = DEFAULT_REPS) -> Path:
+def aggregate(folders: Sequence[str | Path], out: str | Path, reps: int = DEFAULT_REPS, seed: int = 0) -> Path:
     """Write the aggregate table, plots and HTML page into ``out``; returns ``out``."""
     from rlinfluence.analysis.report import Section, Table, write_html
 
-    envs, reference, methods, matrices = score_matrices(folders)
+    envs, reference, methods, matrices, paired = score_matrices(folders)
+    pairing = "paired" if paired else "unpaired"
     for kind in KINDS:
         bad = [m for m, x in matrices[kind].items() if not np.isfinite(x).all()]
         if bad:
             raise UserError(f"{kind} scores of {bad} are undefined in some env (its reference did not move)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    estimates = {kind: interval_estimates(matrices[kind], reps) for kind in KINDS}
+    estimates = {kind: interval_estimates(matrices[kind], reps, seed) for kind in KINDS}
     rows: list[dict[str, Any]] = []
     for m in methods:
         row: dict[str, Any] = {"method": m, "envs": len(envs), "runs_per_env": matrices["auc"][m].shape[0]}
@@ -89,7 +102,7 @@ def aggregate(folders: Sequence[str | Path], out: str | Path, reps: int = DEFAUL
             for stat in ("iqm", "mean"):
                 row[f"{stat}_{kind}"], row[f"{stat}_{kind}_lo"], row[f"{stat}_{kind}_hi"] = estimates[kind][m][stat]
             row[f"poi_{kind}"], row[f"poi_{kind}_lo"], row[f"poi_{kind}_hi"] = probability_of_improvement(
-                matrices[kind][m], matrices[kind][reference], reps)
+                matrices[kind][m], matrices[kind][reference], reps, seed, paired)
         rows.append(row)
     table = pd.DataFrame(rows)
     atomic_write(out / "aggregate.csv", lambda p: table.to_csv(p, index=False))
@@ -97,26 +110,28 @@ def aggregate(folders: Sequence[str | Path], out: str | Path, reps: int = DEFAUL
     def cell(r: dict[str, Any], key: str) -> str:
         return f"{r[key]:.2f} [{r[key + '_lo']:.2f}, {r[key + '_hi']:.2f}]"
 
-    columns = ["method", "IQM auc", "mean auc", "IQM final", "mean final", f"P(> {reference}) auc",
-               f"P(> {reference}) final"]
+    columns = ["method", "IQM auc", "mean auc", "IQM final", "mean final", f"{pairing} P(> {reference}) auc",
+               f"{pairing} P(> {reference}) final"]
     body = [[r["method"], *(cell(r, k) for k in ("iqm_auc", "mean_auc", "iqm_final", "mean_final", "poi_auc",
                                                  "poi_final"))] for r in rows]
     note = (f"Envs: {', '.join(envs)}; {rows[0]['runs_per_env']} evaluation runs per env and method. Scores "
             f"normalised per env to {reference} (0 = its first-round return, 1 = its plateau); auc = mean of the "
             f"normalised curve over rounds, final = normalised plateau. 95% stratified-bootstrap intervals "
-            f"(rliable, {reps} replications).")
+            f"({reps} replications, bootstrap seed {seed}). P(> {reference}) is {pairing}: "
+            + ("a method's seed i against the reference's seed i in each env." if paired else
+               "every run against every run of the reference (the folders' seeds differ between methods)."))
     lines = [f"# Aggregate over {len(envs)} envs against {reference}", "", note, ""]
     atomic_write(out / "aggregate.md", lambda p: p.write_text("\n".join(lines + markdown_table(columns, body)) + "\n"))
 
     title = f"{', '.join(envs)}: {rows[0]['runs_per_env']} runs per env and method"
     figures = {"intervals": _intervals_png(estimates, methods, title),
                "performance_profile": _profile_png(matrices, methods, title),
-               "probability_of_improvement": _poi_png(matrices, methods, reference, reps, title)}
+               "probability_of_improvement": _poi_png(matrices, methods, reference, reps, title, seed, paired)}
     section = Section("aggregate", f"Aggregate over {len(envs)} envs against {reference}", paragraphs=[note])
     section.tables.append(Table("Aggregate (point [95% CI])", columns, body))
     captions = {"intervals": "IQM and mean of the normalised scores with 95% stratified-bootstrap intervals.",
                 "performance_profile": "Fraction of runs (all envs) whose normalised score exceeds tau.",
-                "probability_of_improvement": f"P(method > {reference}) with 95% intervals."}
+                "probability_of_improvement": f"{pairing} P(method > {reference}) with 95% intervals."}
     for name, png in figures.items():
         atomic_write(out / f"{name}.png", lambda p, png=png: p.write_bytes(png))
         section.figures[name] = (png, captions[name])
@@ -183,7 +198,7 @@ def _profile_png(matrices: dict[str, dict[str, np.ndarray]], methods: list[str],
 
 
 def _poi_png(matrices: dict[str, dict[str, np.ndarray]], methods: list[str], reference: str, reps: int,
-            title: str) -> bytes:
+             title: str, seed: int, paired: bool) -> bytes:
     others = [m for m in methods if m != reference]
 
     def draw(plt: Any) -> Any:
@@ -191,7 +206,7 @@ def _poi_png(matrices: dict[str, dict[str, np.ndarray]], methods: list[str], ref
         labels, points, lows, highs = [], [], [], []
         for kind in KINDS:
             for m in others:
-                p, lo, hi = probability_of_improvement(matrices[kind][m], matrices[kind][reference], reps)
+                p, lo, hi = probability_of_improvement(matrices[kind][m], matrices[kind][reference], reps, seed, paired)
                 labels.append(f"{m} ({kind})")
                 points.append(p)
                 lows.append(p - lo)
@@ -200,7 +215,7 @@ def _poi_png(matrices: dict[str, dict[str, np.ndarray]], methods: list[str], ref
         ax.errorbar(points, y, xerr=[lows, highs], fmt="o", capsize=4)
         ax.axvline(0.5, color="k", lw=0.8, ls="--")
         ax.set_yticks(y, labels)
-        ax.set(xlim=(0, 1), xlabel=f"P(method > {reference}), 95% stratified-bootstrap intervals", title=title)
+        ax.set(xlim=(0, 1), xlabel=f"{'paired' if paired else 'unpaired'} P(method > {reference}), 95% bootstrap intervals", title=title)
         ax.grid(alpha=0.3, axis="x")
         fig.tight_layout()
         return fig

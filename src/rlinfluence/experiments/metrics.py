@@ -9,11 +9,17 @@ curve reaches at least v; T(v) = cumulative training seconds at that round):
     SE_peak = reduction(max s)          RT_peak = 1 - T_o(max s) / T_s(max s)
     se_{f}  = reduction(s_0 + f (plateau(s) - s_0)),  plateau = mean of s's last 5 rounds
 
-A level the other curve never reaches makes that pair's value undefined (None).
+A level the other curve never reaches makes that pair's value undefined (None): those are the
+paper's definitions. The censoring-aware figures (``time_to_level``, ``paired_speed``) never drop
+such a pair: a run of n rounds that never reaches v is right-censored, its rounds counted as
+n + 1 (a lower bound on the truth), and the pair's speed-up is the symmetric log ratio
+
+    log_ratio(v) = ln(m_s(v) / m_o(v))       (+0.69 = twice as fast, -0.69 = twice as slow)
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +39,22 @@ def first_reach(curve: Sequence[float], level: float) -> int | None:
     """Rounds trained (1-based) when ``curve`` first reaches ``level``; None if never."""
     hits = np.flatnonzero(np.asarray(curve) >= level)
     return int(hits[0]) + 1 if len(hits) else None
+
+
+def time_to_level(curve: Sequence[float], level: float) -> tuple[int, bool]:
+    """(rounds, reached): ``first_reach``, or (len(curve) + 1, False) when the run never got there
+    (right-censored: the true time is at least that)."""
+    m = first_reach(curve, level)
+    return (m, True) if m is not None else (len(curve) + 1, False)
+
+
+def paired_speed(standard: Sequence[float], other: Sequence[float], level: float) -> dict[str, float]:
+    """One seed pair at ``level``: both runs' (censored) rounds, whether each reached it, and
+    ln(m_standard / m_other) (positive = other is faster)."""
+    m_std, std_reached = time_to_level(standard, level)
+    m_other, other_reached = time_to_level(other, level)
+    return {"rounds": float(m_other), "reached": float(other_reached), "reference_rounds": float(m_std),
+            "reference_reached": float(std_reached), "log_ratio": math.log(m_std / m_other)}
 
 
 def running_max_levels(curve: Sequence[float]) -> list[float]:
@@ -106,6 +128,13 @@ class Curve:
         return float(self.returns[-PLATEAU_ROUNDS:].mean())
 
 
+def level_of(standard: Curve, fraction: float) -> float:
+    """s_0 + fraction (plateau(s) - s_0): ``fraction`` of the way from the reference's first round
+    to its plateau."""
+    start = float(standard.returns[0])
+    return start + fraction * (standard.plateau - start)
+
+
 def pair_metrics(standard: Curve, other: Curve, fractions: Sequence[float] = (0.5, 0.8, 0.9)
                  ) -> dict[str, float | None]:
     """All comparison figures of one seed pair (percent reductions; None = undefined)."""
@@ -120,9 +149,8 @@ def pair_metrics(standard: Curve, other: Curve, fractions: Sequence[float] = (0.
         "final_return": float(other.returns[-1]),
         "auc": float(other.returns.mean()),
     }
-    start = float(standard.returns[0])
     for f in fractions:
-        level = start + f * (standard.plateau - start)
+        level = level_of(standard, f)
         tag = f"{round(100 * f)}pct"
         out[f"se_{tag}"] = reduction(standard.returns, other.returns, level)
         out[f"rt_{tag}"] = time_reduction(standard.returns, standard.seconds, other.returns, other.seconds, level)

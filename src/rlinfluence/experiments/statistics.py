@@ -1,4 +1,4 @@
-"""Statistics that hold at 3-5 seeds (Agarwal et al., NeurIPS 2021; the ``rliable`` library).
+"""Statistics that hold at 5-10 seeds (Agarwal et al., NeurIPS 2021), reproducible and paired.
 
 Scores are normalised per env against the reference method r:
 
@@ -10,22 +10,26 @@ A run's scores are ``auc`` (the mean of its normalised curve over rounds: how fa
 and ``final`` (its normalised plateau). Over runs (x tasks):
 
     IQM          = mean of the middle 50% of the scores (scipy.stats.trim_mean(x, 0.25))
-    P(X > Y)     = mean over tasks of  1/(n m) sum_i sum_j [x_i > y_j] + 1/2 [x_i = y_j]
+    P(X > Y)     unpaired: mean over tasks of 1/(n m) sum_i sum_j [x_i > y_j] + 1/2 [x_i = y_j]
+                 paired (run i of X and of Y share seed i): mean over tasks of
+                 1/n sum_i [x_i > y_i] + 1/2 [x_i = y_i]
 
-with 95% intervals from rliable's stratified bootstrap (runs resampled within each task).
-Per-seed-pair reductions (rounds to 80%, ...) get a bootstrap interval of their mean.
+95% percentile intervals come from a stratified bootstrap written here rather than rliable's
+(whose generator ignores the seed passed in): runs are resampled within each task, with one
+set of indices for both sides of a paired statistic and separate sets for an unpaired one,
+from ``numpy.random.default_rng(seed)``, so the same seed gives the same interval.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from scipy import stats
 
 DEFAULT_REPS = 2000
+Interval = tuple[float, float, float]
 
 
 def mean_se(values: Sequence[float]) -> tuple[float, float]:
@@ -34,7 +38,7 @@ def mean_se(values: Sequence[float]) -> tuple[float, float]:
     return float(x.mean()), float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else 0.0
 
 
-def ci95(values: Sequence[float]) -> tuple[float, float, float]:
+def ci95(values: Sequence[float]) -> Interval:
     """(mean, low, high) of a 95% t-interval: mean +/- t_{0.975, n-1} s.e. (2.776 for 5 seeds)."""
     mean, se = mean_se(values)
     t = stats.t.ppf(0.975, len(values) - 1) if len(values) > 1 else math.nan
@@ -48,61 +52,66 @@ def normalise(returns: np.ndarray, start: float, plateau: float) -> np.ndarray:
     return (np.asarray(returns, float) - start) / span if span != 0 else np.full(np.shape(returns), np.nan)
 
 
-def _rng(seed: int) -> np.random.RandomState:
-    return np.random.RandomState(seed)
-
-
-def _bootstrap(scores: Mapping[str, object], func: Callable[..., np.ndarray], reps: int, seed: int) -> tuple[dict, dict]:
-    """rliable's ``get_interval_estimates`` (its arch backend warns about ``random_state``)."""
-    from rliable import library
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return library.get_interval_estimates(scores, func, reps=reps, random_state=_rng(seed))
-
-
 def iqm(scores: np.ndarray) -> float:
-    """Interquartile mean of all entries (rliable's ``aggregate_iqm``)."""
-    from rliable import metrics
+    """Interquartile mean of all entries: the mean of the middle 50% (trim 25% each side)."""
+    return float(stats.trim_mean(np.asarray(scores, float), 0.25, axis=None))
 
-    return float(metrics.aggregate_iqm(np.asarray(scores, float)))
+
+def stratified_bootstrap(
+    matrices: Sequence[np.ndarray], statistic: Callable[..., float], reps: int = DEFAULT_REPS, seed: int = 0,
+    paired: bool = False,
+) -> Interval:
+    """(statistic(*matrices), 2.5th, 97.5th percentile over ``reps`` resamples) of [runs, tasks]
+    matrices: each task's runs resampled with replacement, with the same row indices in every
+    matrix when ``paired`` (they must then have the same number of runs), independently otherwise."""
+    xs = [np.asarray(m, float) for m in matrices]
+    if paired and len({x.shape for x in xs}) > 1:
+        raise ValueError(f"paired matrices need the same shape, got {[x.shape for x in xs]}")
+    point = float(statistic(*xs))
+    rng = np.random.default_rng(seed)
+    draws = np.empty(reps)
+    for r in range(reps):
+        if paired:
+            idx = rng.integers(0, xs[0].shape[0], size=xs[0].shape)
+            resampled = [np.take_along_axis(x, idx, axis=0) for x in xs]
+        else:
+            resampled = [np.take_along_axis(x, rng.integers(0, x.shape[0], size=x.shape), axis=0) for x in xs]
+        draws[r] = statistic(*resampled)
+    low, high = np.nanpercentile(draws, [2.5, 97.5]) if np.isfinite(draws).any() else (math.nan, math.nan)
+    return point, float(low), float(high)
 
 
 def interval_estimates(
     scores: Mapping[str, np.ndarray], reps: int = DEFAULT_REPS, seed: int = 0
-) -> dict[str, dict[str, tuple[float, float, float]]]:
-    """Per method: IQM and mean of its [runs, tasks] scores, each as (point, low, high), from
-    rliable's stratified bootstrap (percentile intervals, 95%)."""
-    from rliable import metrics
+) -> dict[str, dict[str, Interval]]:
+    """Per method: IQM and mean of its [runs, tasks] scores, each as (point, low, high)."""
+    return {k: {"iqm": stratified_bootstrap([v], iqm, reps, seed),
+                "mean": stratified_bootstrap([v], lambda x: float(np.mean(x)), reps, seed)}
+            for k, v in scores.items()}
 
-    def aggregates(x: np.ndarray) -> np.ndarray:
-        return np.array([metrics.aggregate_iqm(x), metrics.aggregate_mean(x)])
 
-    points, intervals = _bootstrap({k: np.asarray(v, float) for k, v in scores.items()}, aggregates, reps, seed)
-    return {k: {name: (float(points[k][i]), float(intervals[k][0, i]), float(intervals[k][1, i]))
-                for i, name in enumerate(("iqm", "mean"))} for k in scores}
+def _poi(x: np.ndarray, y: np.ndarray, paired: bool) -> float:
+    if paired:
+        per_task = ((x > y) + 0.5 * (x == y)).mean(axis=0)
+    else:
+        wins = (x[:, None, :] > y[None, :, :]) + 0.5 * (x[:, None, :] == y[None, :, :])
+        per_task = wins.mean(axis=(0, 1))
+    return float(per_task.mean())
 
 
 def probability_of_improvement(
-    x: np.ndarray, y: np.ndarray, reps: int = DEFAULT_REPS, seed: int = 0
-) -> tuple[float, float, float]:
-    """P(X > Y) of two [runs, tasks] score matrices as (point, low, high), with rliable's
-    stratified independent bootstrap (the runs of x and of y resampled separately)."""
-    from rliable import metrics
-
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    points, intervals = _bootstrap(
-        {"p": (x, y)}, lambda a, b: np.array([metrics.probability_of_improvement(a, b)]), reps, seed)
-    return float(points["p"][0]), float(intervals["p"][0, 0]), float(intervals["p"][1, 0])
+    x: np.ndarray, y: np.ndarray, reps: int = DEFAULT_REPS, seed: int = 0, paired: bool = False
+) -> Interval:
+    """P(X > Y) of two [runs, tasks] score matrices as (point, low, high): ``paired`` when run i of
+    x and of y share a seed (the chance that on a seed X beats Y), unpaired otherwise (the chance
+    that a run of X beats a run of Y)."""
+    return stratified_bootstrap([x, y], lambda a, b: _poi(a, b, paired), reps, seed, paired)
 
 
-def bootstrap_mean(values: Sequence[float], reps: int = DEFAULT_REPS, seed: int = 0) -> tuple[float, float, float]:
-    """Mean of per-seed values with a 95% percentile bootstrap interval (``scipy.stats.bootstrap``);
+def bootstrap_mean(values: Sequence[float], reps: int = DEFAULT_REPS, seed: int = 0) -> Interval:
+    """Mean of per-seed values (e.g. paired differences) with a 95% percentile bootstrap interval;
     a single value has no interval (NaN bounds)."""
     x = np.asarray(values, float)
-    if len(x) < 2 or np.all(x == x[0]):
-        low = high = float(x[0]) if len(x) > 1 else math.nan
-        return float(x.mean()), low, high
-    result = stats.bootstrap((x,), np.mean, n_resamples=reps, confidence_level=0.95, method="percentile",
-                             random_state=np.random.default_rng(seed))
-    return float(x.mean()), float(result.confidence_interval.low), float(result.confidence_interval.high)
+    if len(x) < 2:
+        return float(x.mean()), math.nan, math.nan
+    return stratified_bootstrap([x[:, None]], lambda a: float(a.mean()), reps, seed)
