@@ -132,7 +132,7 @@ def test_attribute_a_saved_round(tmp_path):
     table = pd.read_parquet(run / "attribution_round_1_return_snapshot_chunk.parquet")
     assert len(table) == 128 and sorted(table["rank"]) == list(range(1, 129))
     assert list(table.columns) == ["round", "env", "step", "episode", "obs_summary", "obs", "action", "reward",
-                                   "advantage", "return", "score", "rank"]  # as the README lists them
+                                   "advantage", "return", "corrupted", "score", "rank"]  # as the README lists them
     out = rlinfluence("attribute", run, "--round", "0", "--mode", "full", "--target", "action",
                       "--state-index", "3", "--out", tmp_path / "full.parquet")
     assert out.returncode == 0, out.stderr

@@ -76,7 +76,8 @@ class MinibatchStep:
 class RolloutBuffer:
     """The records of round ``round``: ``n_steps`` steps of ``n_envs`` environments.
 
-    ``rewards`` are the raw environment rewards; ``final_values`` holds V(final observation)
+    ``rewards`` are the rewards the learner saw (the environment's, unless a corruption changed
+    them: ``corrupted``); ``final_values`` holds V(final observation)
     for steps that ended by time-limit truncation (0 elsewhere). ``advantages`` / ``returns``
     (= advantages + values) are filled by ``compute_advantages``.
     """
@@ -91,6 +92,9 @@ class RolloutBuffer:
     values: torch.Tensor  # [T, E] V_old(s)
     final_values: torch.Tensor  # [T, E]
     episode_ids: torch.Tensor  # [T, E] int64
+    corrupted: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    """[T, E] bool: the record was changed by a corruption (``rlinfluence.corruptions``); the
+    ground truth of detection. Empty in rounds saved before it existed (read: nothing corrupted)."""
     last_values: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [E] V(s_T)
     advantages: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T, E]
     returns: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T, E]
@@ -119,6 +123,7 @@ class RolloutBuffer:
             values=torch.zeros(te),
             final_values=torch.zeros(te),
             episode_ids=torch.zeros(te, dtype=torch.int64),
+            corrupted=torch.zeros(te, dtype=torch.bool),
         )
 
     @property

@@ -60,6 +60,10 @@ class FilterContext:
     """The [N] influence scores a scoring filter computed this round (logged as a histogram)."""
     ent_coef: float = 0.0
     """The trainer's entropy coefficient: the training loss's entropy bonus enters the scores too."""
+    trusted: torch.Tensor | None = None
+    """[N] bool, flat order: the records of a trusted source (``PPOConfig.trusted_envs``). Scoring
+    filters then judge every record against a return target computed on these records only, so
+    that corrupted records are not part of the target they are judged by."""
 
 
 class Filter(Protocol):
@@ -142,7 +146,8 @@ class InfluenceScorer(_Seeded):
     ``advantage_norm="chunk"`` normalises advantages within chunks of ``batch_size`` records
     formed by a random permutation (the authors' first-epoch minibatches); ``"batch"`` over the
     whole buffer; ``"none"`` uses raw advantages. The target is ``ReturnTarget()`` over the
-    buffer itself, or over ``context.validation`` when the trainer collected one.
+    buffer itself, over ``context.validation`` when the trainer collected one, or over the records
+    of a trusted source (``context.trusted``).
 
     A round whose target has no signal (grad f = 0, e.g. every advantage exactly 0) is not an
     error: ``scores`` returns None, sets ``context.stats["skipped"] = 1`` (0 on scored rounds) and
@@ -221,8 +226,12 @@ class InfluenceScorer(_Seeded):
         order = torch.randperm(len(buffer), generator=self.generator)
         obs, actions, advantages = (buffer.flat(name)[order] for name in ("obs", "actions", "advantages"))
         validation = context.validation
-        target = (ReturnTarget(*(validation.flat(k) for k in ("obs", "actions", "advantages")))
-                  if validation is not None else ReturnTarget())
+        if validation is not None:
+            target = ReturnTarget(*(validation.flat(k) for k in ("obs", "actions", "advantages")))
+        elif context.trusted is not None:
+            target = ReturnTarget(*(buffer.flat(k)[context.trusted] for k in ("obs", "actions", "advantages")))
+        else:
+            target = ReturnTarget()
         if self.gate == "split-half":
             reliability = self.split_half_reliability(context, obs, actions, advantages,
                                                       buffer.flat("episode_ids")[order])

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from rlinfluence.buffer import MinibatchStep, RolloutBuffer
+from rlinfluence.corruptions import Corruptor, check_corruptions
 from rlinfluence.envs import PRESETS, check_env_id, make_env, make_vec_env, mc_unavailable_reason
 from rlinfluence.errors import UserError
 from rlinfluence.evaluation import Evaluator
@@ -126,6 +127,13 @@ class PPOConfig:
     """iif/random scoring target: 0 = the buffer itself (the authors); k > 0 = a separate rollout
     of k steps per env with pi_theta(k) on its own envs each round (extra env steps, counted in
     validation_env_steps, its time in train_seconds)"""
+    corrupt: tuple[str, ...] = ()
+    """corruptions of the training rollout with ground truth, KIND:key=value,... (repeatable):
+    reward-flip:envs=K, reward-noise:frac=F,scale=S, trigger:frac=F,bonus=B
+    (rlinfluence.corruptions); evaluation always sees the clean reward"""
+    trusted_envs: int = 0
+    """the last K training envs are a trusted source: never corrupted, and iif/random score
+    against a return target computed on their records only (0 = on the whole buffer)"""
     hidden_sizes: tuple[int, ...] = (64, 64)
     """hidden layers of the actor and of the critic MLP"""
     encoder: Literal["auto", "flatten", "cnn"] = "auto"
@@ -226,6 +234,9 @@ class PPOConfig:
                             f"got {self.optimizer}")
         if not -1 <= self.gate_threshold <= 1:
             raise UserError(f"gate_threshold must be in [-1, 1] (a cosine), got {self.gate_threshold}")
+        check_corruptions(self.corrupt, self.n_envs, self.trusted_envs)
+        if self.trusted_envs and self.validation_steps:
+            raise UserError("trusted_envs and validation_steps are two scoring targets: choose one")
         for name in ("seed", "eval_seed", "eval_episodes", "validation_steps"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -410,6 +421,11 @@ class PPO:
         self.stream = EnvStream(make_vec_env(config.env, config.n_envs, render_mode), self.generator)
         self.last_frames: FrameRecorder | None = None  # the last collection's frames (save_frames)
         self.env.action_space.seed(config.seed)
+        discrete_obs = isinstance(self.env.envs[0].unwrapped.observation_space, gym.spaces.Discrete)
+        self.corruptor = Corruptor(check_corruptions(config.corrupt, config.n_envs, config.trusted_envs, config.env,
+                                                     discrete_obs),
+                                   config.n_envs, _derived_seed(config.seed, 0, 5), config.env, discrete_obs,
+                                   config.trusted_envs) if config.corrupt else None
         # the validation rollout has its own envs and noise, so the training stream stays the same
         self.validation_stream = (
             EnvStream(make_vec_env(config.env, config.n_envs), torch.Generator().manual_seed(_derived_seed(config.seed, 0, 3)))
@@ -483,7 +499,9 @@ class PPO:
             validation = self.collect(self.validation_stream, cfg.validation_steps)
             validation.compute_advantages(cfg.gamma, cfg.gae_lambda)
         t1 = time.perf_counter()
-        context = FilterContext(self.policy, self.round, cfg.batch_size, cfg.gamma, validation=validation,
+        trusted = (buffer.flatten(torch.arange(cfg.n_envs).expand(buffer.n_steps, -1)) >= cfg.n_envs - cfg.trusted_envs
+                   if cfg.trusted_envs else None)
+        context = FilterContext(self.policy, self.round, cfg.batch_size, cfg.gamma, validation=validation, trusted=trusted,
                                 optimizer=self.optimizer, ent_coef=cfg.ent_coef, lookahead=lambda train, held_out: self.lookahead(buffer, train, held_out))
         keep = self.filter(buffer, context)
         step_scale = self.step_scale(buffer, keep) if cfg.step_control != "none" else 1.0
@@ -547,10 +565,11 @@ class PPO:
             tuple(space.shape) if continuous else (), torch.float32 if continuous else torch.int64,
         )
         # numpy views of the buffer: per-step writes into numpy are far cheaper than into torch
-        b_obs, b_act, b_logp, b_val, b_rew, b_term, b_trunc, b_ep = (
+        b_obs, b_act, b_logp, b_val, b_rew, b_term, b_trunc, b_ep, b_corrupted = (
             getattr(buf, name).numpy() for name in
-            ("obs", "actions", "logp", "values", "rewards", "terminated", "truncated", "episode_ids")
+            ("obs", "actions", "logp", "values", "rewards", "terminated", "truncated", "episode_ids", "corrupted")
         )
+        corruptor = self.corruptor if stream is self.stream else None
         act = rollout_actor(self.policy)
         noise = self.policy.noise((n_steps, cfg.n_envs), stream.generator).numpy()
         stream.finished_returns = []
@@ -566,7 +585,10 @@ class PPO:
             b_act[t] = actions  # the sampled action, not the clipped one (SB3)
             b_logp[t] = logp
             b_val[t] = values
-            b_rew[t] = rewards
+            if corruptor is not None:  # the learner sees the corrupted reward; the env's own is tracked
+                b_rew[t], b_corrupted[t] = corruptor.step(obs, actions, rewards, stream.episode_ids)
+            else:
+                b_rew[t] = rewards
             b_term[t] = terminated
             # a time-limit end is bootstrapped with V(final obs); a true termination is not
             time_limit = truncated & ~terminated

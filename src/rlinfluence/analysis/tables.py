@@ -29,7 +29,8 @@ def _obs_summary(obs: np.ndarray) -> str:
 
 def attribution_table(buffer: RolloutBuffer, scores: torch.Tensor) -> pd.DataFrame:
     """One row per record: id (round, env, step), episode, obs, action, reward, advantage,
-    return, score and rank (1 = most helpful)."""
+    return, corrupted (the ground truth of a run trained with ``--corrupt``), score and rank
+    (1 = most helpful)."""
     ids = buffer.record_ids().numpy()
     obs = buffer.flat("obs").numpy()
     actions = buffer.flat("actions").numpy()
@@ -42,6 +43,7 @@ def attribution_table(buffer: RolloutBuffer, scores: torch.Tensor) -> pd.DataFra
         "reward": buffer.flat("rewards").numpy(),
         "advantage": buffer.flat("advantages").numpy(),
         "return": buffer.flat("returns").numpy(),
+        "corrupted": buffer.flat("corrupted").numpy() if buffer.corrupted.numel() else np.zeros(len(score), bool),
         "score": score,
     })
     if obs[0].size <= _MAX_OBS_VALUES:

@@ -105,6 +105,9 @@ class CompareConfig:
     """evaluation episodes per round (default: the preset's)"""
     set: tuple[str, ...] = ()
     """further PPOConfig overrides for every run, as key=value (e.g. optimizer=adam)"""
+    corrupt: tuple[str, ...] = ()
+    """corruptions of every run's training data, KIND:key=value,... (rlinfluence.corruptions; the
+    same envs and episodes for every method of a seed); evaluation stays clean"""
     tune: tuple[str, ...] = ()
     """tune every method over key=v1,v2,... (several keys, space-separated: their product) on
     the tuning seeds, then evaluate each with its best value"""
@@ -146,6 +149,8 @@ class CompareConfig:
         if self.eval_episodes is not None:
             overrides["eval_episodes"] = self.eval_episodes
         overrides.update(parse_overrides(self.set))
+        if self.corrupt:
+            overrides["corrupt"] = tuple(self.corrupt)
         overrides.update(spec.config_overrides())
         overrides.update(extra or {})
         try:
@@ -236,12 +241,17 @@ def confirmation_config(cfg: CompareConfig) -> tuple[CompareConfig, dict[str, di
         raise UserError(f"--confirm {str(path)!r} is not a compare.json: it has no {exc}") from None
     if cfg.tune:
         raise UserError("--confirm reruns the study's choices; it cannot --tune")
+    given = [f"--{name}" for name in ("set", "corrupt") if getattr(cfg, name)]
+    if given:
+        raise UserError(f"--confirm reruns the study's own settings; {given[0]} cannot change them")
     chosen = fields.pop("chosen")
-    listed = {k: (fields[k],) if isinstance(fields[k], str) else tuple(fields[k]) for k in ("methods", "set")}
+    fields["corrupt"] = study.get("corrupt", [])  # a study from before corruptions had none
+    listed = {k: (fields[k],) if isinstance(fields[k], str) else tuple(fields[k]) for k in ("methods", "set", "corrupt")}
     study_cfg = CompareConfig(**{**fields, **listed})
     confirm_cfg = dataclasses.replace(
         cfg, env=study_cfg.env, methods=study_cfg.methods, reference=study_cfg.reference, rounds=study_cfg.rounds,
-        drop_pct=study_cfg.drop_pct, eval_episodes=study_cfg.eval_episodes, set=study_cfg.set)
+        drop_pct=study_cfg.drop_pct, eval_episodes=study_cfg.eval_episodes, set=study_cfg.set,
+        corrupt=study_cfg.corrupt)
     specs = parse_methods(confirm_cfg.methods)
     if sorted(chosen) != sorted(s.label for s in specs):
         raise UserError(f"--confirm {str(path)!r}: its chosen values name {sorted(chosen)}, "

@@ -1,0 +1,140 @@
+"""Corruptions with ground truth: each changes exactly what it documents, flags it, and leaves
+evaluation and the trusted envs clean; bad specs are one error line."""
+
+import numpy as np
+import pytest
+import torch
+
+from rlinfluence import cli
+from rlinfluence.analysis.tables import attribution_table
+from rlinfluence.corruptions import TRIGGERS, Corruptor, parse_corruption
+from rlinfluence.filters import FilterContext, IIFFilter
+from rlinfluence.influence import ReturnTarget, snapshot_influence
+from rlinfluence.ppo import PPO, PPOConfig
+
+
+def _round(corrupt=(), seed=3, env="FrozenLake-v1", **kw):
+    config = PPOConfig(env=env, n_envs=4, n_steps=64, batch_size=64, total_timesteps=256, eval_episodes=4,
+                       eval_envs=2, corrupt=tuple(corrupt), seed=seed, progress=False, **kw)
+    trainer = PPO(config, run_dir=False)
+    return trainer, trainer.collect()
+
+
+def test_reward_flip_negates_exactly_the_chosen_envs_and_flags_them():
+    _, clean = _round()
+    trainer, flipped = _round(["reward-flip:envs=2"])
+    bad = trainer.corruptor.flipped
+    assert bad.sum() == 2 and (flipped.corrupted[:, bad]).all() and not flipped.corrupted[:, ~bad].any()
+    # the first round's actions do not depend on rewards: the same trajectories, rewards negated where flagged
+    assert torch.equal(clean.actions, flipped.actions)
+    assert torch.equal(flipped.rewards[:, bad], -clean.rewards[:, bad])
+    assert torch.equal(flipped.rewards[:, ~bad], clean.rewards[:, ~bad])
+    assert (_round(["reward-flip:envs=2"])[0].corruptor.flipped == bad).all()  # seeded
+
+
+def test_reward_noise_corrupts_whole_episodes_and_nothing_else():
+    _, clean = _round()
+    _, noisy = _round(["reward-noise:frac=0.5,scale=0.5"])
+    changed = noisy.rewards != clean.rewards
+    assert torch.equal(changed, noisy.corrupted)  # a Gaussian draw is never exactly 0
+    for episode in torch.unique(noisy.episode_ids):
+        flags = noisy.corrupted[noisy.episode_ids == episode]
+        assert flags.all() or not flags.any()  # an episode is noisy on every step or on none
+    assert 0 < noisy.corrupted.float().mean() < 1
+
+
+def test_a_trigger_pays_its_bonus_only_for_the_wrong_action_in_its_region():
+    _, clean = _round()
+    _, poisoned = _round(["trigger:frac=1,bonus=2.5"])
+    in_region = TRIGGERS["FrozenLake-v1"].region(clean.obs.reshape(-1, 16).numpy()).reshape(clean.rewards.shape)
+    paid = torch.from_numpy(in_region) & (clean.actions == 0)
+    assert paid.any() and torch.equal(poisoned.corrupted, paid)
+    assert torch.allclose(poisoned.rewards, clean.rewards + 2.5 * paid)
+
+
+def test_evaluation_sees_the_clean_reward_and_trusted_envs_are_never_corrupted():
+    clean, _ = _round()
+    corrupted, buffer = _round(["reward-noise:frac=1,scale=1", "reward-flip:envs=1"], trusted_envs=2)
+    assert np.array_equal(clean.evaluate(), corrupted.evaluate())  # theta(0) alike, clean episodes alike
+    assert not buffer.corrupted[:, 2:].any() and buffer.corrupted[:, :2].all()
+
+
+def test_corrupted_flags_reach_the_saved_round_and_the_attribution_table(tmp_path):
+    config = PPOConfig(env="FrozenLake-v1", n_envs=4, n_steps=64, batch_size=64, total_timesteps=128,
+                       eval_episodes=2, eval_envs=2, corrupt=("reward-flip:envs=1",), save_buffers=True,
+                       run_root=str(tmp_path), progress=False)
+    trainer = PPO(config).learn()
+    from rlinfluence.ppo import load_round
+
+    saved = load_round(trainer.run.path, 0)
+    table = attribution_table(saved.buffer, torch.zeros(len(saved.buffer)))
+    flipped = int(np.flatnonzero(trainer.corruptor.flipped)[0])
+    assert table["corrupted"].to_numpy().tolist() == (table["env"] == flipped).tolist()
+    assert "reward-flip:envs=1" in (trainer.run.path / "config.json").read_text()
+
+
+def test_the_trusted_target_is_the_return_target_of_the_trusted_records_only():
+    trainer, buffer = _round(["reward-flip:envs=1"], trusted_envs=1, filter="iif", drop_pct=25)
+    buffer.compute_advantages(0.99, 0.95)
+    trusted = buffer.flatten(torch.arange(4).expand(buffer.n_steps, -1)) == 3
+    context = FilterContext(trainer.policy, 0, 64, trusted=trusted)
+    scores = IIFFilter(25, advantage_norm="none").scores(buffer, context)
+    obs, actions, adv = (buffer.flat(k) for k in ("obs", "actions", "advantages"))
+    expected = snapshot_influence(trainer.policy, obs, actions, adv, advantage_norm="none",
+                                  target=ReturnTarget(obs[trusted], actions[trusted], adv[trusted]))
+    assert torch.allclose(scores, expected, rtol=1e-4, atol=1e-7)
+
+
+def test_corruptions_combine_and_a_spec_prints_as_parsed():
+    spec = parse_corruption("reward-noise:scale=2,frac=0.25")
+    assert str(spec) == "reward-noise:frac=0.25,scale=2" and spec["frac"] == 0.25
+    flip = parse_corruption("reward-flip:envs=1")
+    for frac in (0.0, 1.0):
+        noise = parse_corruption(f"reward-noise:frac={frac},scale=2")
+        corruptor = Corruptor([flip, noise], 3, 0, "FrozenLake-v1", True)
+        rewards, flags = corruptor.step(np.zeros((3, 16)), np.zeros(3, int), np.ones(3), np.arange(3))
+        if frac == 0:  # the flip alone: -1 on the flipped env, 1 elsewhere
+            assert flags.tolist() == corruptor.flipped.tolist()
+            assert rewards.tolist() == np.where(corruptor.flipped, -1.0, 1.0).tolist()
+        else:  # both: every env noisy, the flipped one flipped first
+            assert flags.all() and (rewards != np.where(corruptor.flipped, -1.0, 1.0)).all()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--corrupt", "label-flip:envs=1"], "unknown corruption 'label-flip'"),
+    (["--corrupt", "reward-flip:envs=4"], "envs must be < the 4 envs that may be corrupted"),
+    (["--corrupt", "reward-noise:frac=1.5,scale=1"], "frac must be in [0, 1], got 1.5"),
+    (["--corrupt", "reward-noise:frac=0.1"], "missing scale=..."),
+    (["--corrupt", "reward-flip:envs=one"], "envs='one' is not an integer"),
+    (["--corrupt", "trigger:frac=0.1,bonus=1", "--env", "MiniGrid-Empty-8x8-v0"], "has no trigger region"),
+    (["--corrupt", "reward-flip:envs=1", "--n-envs", "1"], "it needs --n-envs > 1 (got 1)"),
+    (["--trusted-envs", "4"], "trusted_envs must be in [0, n_envs - 1]"),
+])
+def test_a_bad_corruption_is_one_error_line_and_writes_nothing(tmp_path, capsys, args, message):
+    base = ["train", "--env", "FrozenLake-v1", "--n-envs", "4", "--run-root", str(tmp_path / "runs")]
+    if "--n-envs" in args:
+        base = base[:3] + base[5:]
+    assert cli.main(base + args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_auroc_is_the_chance_a_corrupted_item_looks_more_harmful():
+    from rlinfluence.analysis.audit import auroc
+
+    assert auroc(np.array([3.0, 2.0, 1.0, 0.0]), np.array([1, 1, 0, 0])) == 1.0
+    assert auroc(np.array([0.0, 1.0, 2.0, 3.0]), np.array([1, 1, 0, 0])) == 0.0
+    assert auroc(np.array([1.0, 1.0, 1.0]), np.array([1, 0, 0])) == 0.5  # ties: half
+    assert np.isnan(auroc(np.array([1.0, 2.0]), np.array([0, 0])))
+
+
+def test_detection_scores_every_scorer_at_record_and_source_level():
+    from rlinfluence.analysis.audit import SCORERS, detection
+
+    trainer, buffer = _round(["reward-flip:envs=1"], trusted_envs=1)
+    buffer.compute_advantages(0.99, 0.95)
+    rows = detection(buffer, trainer.policy, trusted_envs=1, batch_size=64)
+    assert {(r["scorer"], r["level"]) for r in rows} == {(s, lv) for s in SCORERS for lv in ("record", "source")}
+    assert all(np.isnan(r["auroc"]) or 0 <= r["auroc"] <= 1 for r in rows)
+    assert not any(r["scorer"] == "influence-trusted" for r in detection(buffer, trainer.policy, 0, 64))
