@@ -109,6 +109,7 @@ def test_corruptions_combine_and_a_spec_prints_as_parsed():
     (["--corrupt", "trigger:frac=0.1,bonus=1", "--env", "MiniGrid-Empty-8x8-v0"], "has no trigger region"),
     (["--corrupt", "reward-flip:envs=1", "--n-envs", "1"], "it needs --n-envs > 1 (got 1)"),
     (["--trusted-envs", "4"], "trusted_envs must be in [0, n_envs - 1]"),
+    (["--scoring-target", "trusted"], "scoring_target trusted needs trusted_envs >= 1"),
 ])
 def test_a_bad_corruption_is_one_error_line_and_writes_nothing(tmp_path, capsys, args, message):
     base = ["train", "--env", "FrozenLake-v1", "--n-envs", "4", "--run-root", str(tmp_path / "runs")]
@@ -138,3 +139,33 @@ def test_detection_scores_every_scorer_at_record_and_source_level():
     assert {(r["scorer"], r["level"]) for r in rows} == {(s, lv) for s in SCORERS for lv in ("record", "source")}
     assert all(np.isnan(r["auroc"]) or 0 <= r["auroc"] <= 1 for r in rows)
     assert not any(r["scorer"] == "influence-trusted" for r in detection(buffer, trainer.policy, 0, 64))
+
+
+def test_the_trainer_hands_the_trusted_records_to_its_filter_only_when_asked():
+    from rlinfluence.filters import KeepAll
+
+    class Capture(KeepAll):
+        def __call__(self, buffer, context):
+            self.trusted = context.trusted
+            return super().__call__(buffer, context)
+
+    for target, expected in (("buffer", None), ("trusted", [False] * 3 * 64 + [True] * 64)):
+        config = PPOConfig(env="FrozenLake-v1", n_envs=4, n_steps=64, batch_size=64, total_timesteps=256,
+                           eval_episodes=0, corrupt=("reward-flip:envs=1",), trusted_envs=1, scoring_target=target,
+                           progress=False)
+        capture = Capture()
+        PPO(config, filter=capture, run_dir=False).train_round()
+        assert (capture.trusted is None) if expected is None else capture.trusted.tolist() == expected
+
+
+def test_the_oracle_drops_exactly_the_corrupted_records(tmp_path):
+    config = PPOConfig(env="FrozenLake-v1", n_envs=4, n_steps=64, batch_size=64, total_timesteps=256,
+                       eval_episodes=0, corrupt=("reward-flip:envs=1",), filter="oracle", save_buffers=True,
+                       run_root=str(tmp_path), progress=False)
+    trainer = PPO(config).learn()
+    from rlinfluence.ppo import load_round
+
+    saved = load_round(trainer.run.path, 0)
+    assert torch.equal(saved.keep, ~saved.buffer.flat("corrupted")) and saved.buffer.corrupted.any()
+    assert cli.main(["train", "--env", "FrozenLake-v1", "--filter", "oracle", "--run-root", str(tmp_path / "x"),
+                     "--total-timesteps", "64", "--n-steps", "64", "--eval-episodes", "0"]) == 2

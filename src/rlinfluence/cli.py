@@ -512,6 +512,50 @@ def validate(a: ValidateArgs) -> int:
     return 0
 
 
+@dataclass
+class AuditArgs:
+    """Which sources (training envs) of a run push its updates the wrong way? Every saved round is
+    scored; each env's mean harm (minus its influence on the return target) is tested against the
+    other envs with a permutation test within rounds, Holm-corrected: a flagged env is more harmful
+    than chance at family-wise error rate --alpha. A run trained with --corrupt also gets the
+    detection AUROC of every scorer at record, episode and env level."""
+
+    run_dir: tyro.conf.Positional[str]
+    """run directory trained with --save-buffers and --n-envs > 1"""
+    rounds: Rounds = ()
+    """saved rounds to score (default: every saved round)"""
+    scorer: str | None = None
+    """harm score of the sources test: influence, influence-trusted (default with --trusted-envs),
+    negative-advantage, abs-advantage, random"""
+    alpha: float = 0.01
+    """family-wise error rate of the flags across the envs"""
+    permutations: int = 2000
+    """permutation draws of the test"""
+    seed: int = 0
+    """seed of the permutations and bootstrap intervals"""
+
+
+def audit(a: AuditArgs) -> int:
+    """Audit a run; write RUN_DIR/audit/sources.csv (+ detection.csv with ground truth), sources.png."""
+    from rlinfluence.analysis.audit import audit_run, plot_sources
+
+    sources, found = audit_run(a.run_dir, a.rounds, a.scorer, a.alpha, a.permutations, a.seed)
+    folder = Path(a.run_dir) / "audit"
+    folder.mkdir(exist_ok=True)
+    atomic_write(folder / "sources.csv", lambda p: sources.to_csv(p, index=False))
+    atomic_write(folder / "sources.png", lambda p: p.write_bytes(plot_sources(sources, a.alpha)))
+    print(sources.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    flagged = sources[sources["flagged"]]["source"].tolist()
+    print(f"flagged (Holm-adjusted p < {a.alpha}): {', '.join(f'env {s}' for s in flagged) or 'none'}")
+    if len(found):
+        atomic_write(folder / "detection.csv", lambda p: found.to_csv(p, index=False))
+        means = found.groupby(["scorer", "level"], sort=False)["auroc"].mean().unstack()
+        print("detection AUROC, mean over rounds (0.5 = chance):")
+        print(means.to_string(float_format=lambda x: f"{x:.2f}"))
+    print(f"wrote {folder / 'sources.csv'}" + (", detection.csv" if len(found) else "") + ", sources.png")
+    return 0
+
+
 def rlhf(config: RLHFConfig) -> int:
     """PPO / GRPO for causal language models, optionally with IIF (needs rlinfluence[rlhf])."""
     from rlinfluence.rlhf.cli import run_rlhf
@@ -533,6 +577,8 @@ COMMANDS: dict[str, tuple[type, Callable[[Any], int], str]] = {
                   "random drop"),
     "validate": (ValidateArgs, validate, "counterfactual check of the scores: LDS over retrains on random "
                  "subsets of a round"),
+    "audit": (AuditArgs, audit, "which training envs of a run are harmful: a permutation test per env "
+              "(and detection AUROC for runs trained with --corrupt)"),
     "report": (ReportArgs, report, "one self-contained HTML file: learning curve, influence statistics, saved "
                "analyses"),
     "rlhf": (RLHFConfig, rlhf, "PPO or GRPO on a causal language model with LoRA, optionally with IIF"),

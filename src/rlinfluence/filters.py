@@ -443,7 +443,21 @@ class RewardExtremesFilter(_Seeded):
         return guard_minibatch(keep, torch.zeros(len(rewards)), context)
 
 
-FILTER_NAMES = ("none", "iif", "random", "advantage", "td-error", "reward-extremes")
+class OracleFilter(_Seeded):
+    """Drops exactly the records a corruption changed (``RolloutBuffer.corrupted``): the ceiling a
+    detector of bad data can reach. Only for runs trained with ``--corrupt``; logs ``dropped_corrupted``."""
+
+    name = "oracle"
+
+    def __call__(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
+        if not buffer.corrupted.numel():
+            raise UserError("the oracle filter drops the corrupted records: train with --corrupt")
+        corrupted = buffer.flat("corrupted")
+        context.stats["dropped_corrupted"] = float(corrupted.sum())
+        return guard_minibatch(~corrupted, (~corrupted).float(), context)
+
+
+FILTER_NAMES = ("none", "iif", "random", "advantage", "td-error", "reward-extremes", "oracle")
 
 
 def make_filter(
@@ -475,4 +489,6 @@ def make_filter(
         return TDErrorFilter(seed=seed)
     if name == "reward-extremes":
         return RewardExtremesFilter(drop_pct, seed)
+    if name == "oracle":
+        return OracleFilter(seed)
     raise UserError(f"unknown filter {name!r} (choose from {', '.join(FILTER_NAMES)})")

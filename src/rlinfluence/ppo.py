@@ -95,9 +95,11 @@ class PPOConfig:
     """global gradient-norm clip; None = no clipping (as the paper's code ran)"""
     target_kl: float | None = None
     """stop the round's update once approx_kl > 1.5 * target_kl (SB3); None = never"""
-    filter: Literal["none", "iif", "iif-robust", "random", "advantage", "td-error", "reward-extremes"] = "none"
+    filter: Literal["none", "iif", "iif-robust", "random", "advantage", "td-error", "reward-extremes",
+                    "oracle"] = "none"
     """records to drop before each update: none = standard PPO; iif = influence-based filtering
-    (the paper's); iif-robust = iif with ROBUST_IIF's options (drop_pct auto; docs/results/variants.md)"""
+    (the paper's); iif-robust = iif with ROBUST_IIF's options (drop_pct auto; docs/results/variants.md);
+    oracle = exactly the records a --corrupt corruption changed (the ceiling of any detector)"""
     drop_pct: float | Literal["auto"] = 50.0
     """p in (0, 100]: iif drops p% of the negative records (neg-bottom); baselines p% of records;
     auto (iif): choose p each round from 0, 6.25, 12.5, 25, 50, 100 by a cross-fitted lookahead"""
@@ -132,8 +134,10 @@ class PPOConfig:
     reward-flip:envs=K, reward-noise:frac=F,scale=S, trigger:frac=F,bonus=B
     (rlinfluence.corruptions); evaluation always sees the clean reward"""
     trusted_envs: int = 0
-    """the last K training envs are a trusted source: never corrupted, and iif/random score
-    against a return target computed on their records only (0 = on the whole buffer)"""
+    """the last K training envs are a trusted source: never corrupted (their records still train)"""
+    scoring_target: Literal["buffer", "trusted"] = "buffer"
+    """iif/random's return target: buffer = computed on the scored buffer itself (the paper's),
+    trusted = on the trusted envs' records only, so corrupted records do not judge themselves"""
     hidden_sizes: tuple[int, ...] = (64, 64)
     """hidden layers of the actor and of the critic MLP"""
     encoder: Literal["auto", "flatten", "cnn"] = "auto"
@@ -235,8 +239,12 @@ class PPOConfig:
         if not -1 <= self.gate_threshold <= 1:
             raise UserError(f"gate_threshold must be in [-1, 1] (a cosine), got {self.gate_threshold}")
         check_corruptions(self.corrupt, self.n_envs, self.trusted_envs)
-        if self.trusted_envs and self.validation_steps:
-            raise UserError("trusted_envs and validation_steps are two scoring targets: choose one")
+        if self.filter == "oracle" and not self.corrupt:
+            raise UserError("the oracle filter drops the records a corruption changed: it needs --corrupt")
+        if self.scoring_target == "trusted" and not self.trusted_envs:
+            raise UserError("scoring_target trusted needs trusted_envs >= 1 (the envs its target is computed on)")
+        if self.scoring_target == "trusted" and self.validation_steps:
+            raise UserError("scoring_target trusted and validation_steps are two scoring targets: choose one")
         for name in ("seed", "eval_seed", "eval_episodes", "validation_steps"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -500,7 +508,7 @@ class PPO:
             validation.compute_advantages(cfg.gamma, cfg.gae_lambda)
         t1 = time.perf_counter()
         trusted = (buffer.flatten(torch.arange(cfg.n_envs).expand(buffer.n_steps, -1)) >= cfg.n_envs - cfg.trusted_envs
-                   if cfg.trusted_envs else None)
+                   if cfg.scoring_target == "trusted" else None)
         context = FilterContext(self.policy, self.round, cfg.batch_size, cfg.gamma, validation=validation, trusted=trusted,
                                 optimizer=self.optimizer, ent_coef=cfg.ent_coef, lookahead=lambda train, held_out: self.lookahead(buffer, train, held_out))
         keep = self.filter(buffer, context)

@@ -10,20 +10,24 @@ For a saved round with ground truth (``RolloutBuffer.corrupted``, a run trained 
     random              a uniform draw (the chance line)
 
 and detection is measured as AUROC (the probability that a corrupted record is ranked more
-harmful than a clean one; 0.5 = chance) at two levels: per record, and per source (a training
-env), where a source's harm is the mean harm of its records. Trusted envs are left out of both
+harmful than a clean one; 0.5 = chance) at three levels: per record, per episode and per source
+(a training env), an episode's or a source's harm being the mean harm of its records (and it
+counts as corrupted when any of its records, for a source most of them, is). Trusted envs are left out of both
 (their records are clean by construction and the trusted target is built from them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 from sklearn.metrics import roc_auc_score
 
 from rlinfluence.buffer import RolloutBuffer
+from rlinfluence.errors import UserError
 from rlinfluence.filters import FilterContext, InfluenceScorer
 
 Scorer = Callable[[RolloutBuffer, torch.nn.Module, torch.Tensor | None, int], np.ndarray]
@@ -63,7 +67,7 @@ def auroc(harm: np.ndarray, corrupted: np.ndarray) -> float:
 
 def detection(buffer: RolloutBuffer, policy: torch.nn.Module, trusted_envs: int, batch_size: int,
               scorers: tuple[str, ...] = tuple(SCORERS)) -> list[dict[str, float | str | int]]:
-    """One row per scorer and level (record, source) of one round: its AUROC."""
+    """One row per scorer and level (record, episode, source) of one round: its AUROC."""
     n_envs = buffer.n_envs
     env = buffer.flatten(torch.arange(n_envs).expand(buffer.n_steps, -1)).numpy()
     trusted = torch.from_numpy(env >= n_envs - trusted_envs) if trusted_envs else None
@@ -79,6 +83,121 @@ def detection(buffer: RolloutBuffer, policy: torch.nn.Module, trusted_envs: int,
         source_corrupted = np.array([corrupted[env == s].mean() > 0.5 for s in sources])
         rows.append({"round": buffer.round, "scorer": name, "level": "record",
                      "auroc": auroc(harm[judged], corrupted[judged])})
+        episodes = buffer.flat("episode_ids").numpy()[judged]
+        _, episode_index = np.unique(episodes, return_inverse=True)
+        episode_harm = np.bincount(episode_index, weights=harm[judged]) / np.bincount(episode_index)
+        episode_corrupted = np.bincount(episode_index, weights=corrupted[judged].astype(float)) > 0
+        rows.append({"round": buffer.round, "scorer": name, "level": "episode",
+                     "auroc": auroc(episode_harm, episode_corrupted)})
         rows.append({"round": buffer.round, "scorer": name, "level": "source",
                      "auroc": auroc(source_harm, source_corrupted)})
     return rows
+
+
+# -- a run's audit: which sources are harmful, and (with ground truth) how well each scorer sees it --
+def source_test(harm_by_round: list[np.ndarray], env_by_round: list[np.ndarray], sources: np.ndarray,
+                permutations: int = 2000, seed: int = 0) -> list[dict[str, float | int]]:
+    """Per source s: its mean harm over rounds and a one-sided permutation p-value of "s is more
+    harmful than the other sources".
+
+    The statistic is T_s = mean over rounds k of (h_s,k - mean_j h_j,k), h_s,k the mean harm of
+    source s's records in round k. Under the null that the sources are exchangeable (no source is
+    broken), the labels of the sources are a random permutation within each round, whatever the
+    correlations inside a source (its episodes); so the null draws permute the h_.,k of every
+    round independently, and p = (1 + #{T*_s >= T_s}) / (1 + permutations).
+    """
+    h = np.array([[harm[env == s].mean() for s in sources] for harm, env in zip(harm_by_round, env_by_round,
+                                                                                strict=True)])
+    centred = h - h.mean(axis=1, keepdims=True)
+    observed = centred.mean(axis=0)
+    rng = np.random.default_rng(seed)
+    null = np.stack([np.take_along_axis(centred, rng.permuted(np.tile(np.arange(len(sources)), (len(h), 1)), axis=1),
+                                        axis=1).mean(axis=0) for _ in range(permutations)])
+    p_values = (1 + (null >= observed).sum(axis=0)) / (1 + permutations)
+    return [{"source": int(s), "rounds": len(h), "mean_harm": float(h[:, i].mean()), "p_value": float(p_values[i])}
+            for i, s in enumerate(sources)]
+
+
+def holm(p_values: np.ndarray) -> np.ndarray:
+    """Holm's step-down adjusted p-values (family-wise error rate across the sources)."""
+    p = np.asarray(p_values, float)
+    order = np.argsort(p)
+    adjusted = np.minimum(1.0, np.maximum.accumulate((len(p) - np.arange(len(p))) * p[order]))
+    out = np.empty_like(p)
+    out[order] = adjusted
+    return out
+
+
+def audit_run(run_dir: str | Path, rounds: Sequence[int] | None = None, scorer: str | None = None,
+              alpha: float = 0.01, permutations: int = 2000, seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(sources, detection) of a run trained with ``--save-buffers``.
+
+    sources: one row per training env but the trusted ones: records, mean harm with a 95%
+    bootstrap interval over rounds, the permutation p-value (``source_test``), its Holm-adjusted
+    value across sources and ``flagged`` = adjusted p < ``alpha``. ``scorer`` defaults to
+    influence-trusted for a run with trusted envs, else influence. detection: the AUROC of every
+    scorer at every level per round (``detection``), empty for a run without ground truth."""
+    from rlinfluence.experiments.statistics import bootstrap_mean
+    from rlinfluence.ppo import load_round
+    from rlinfluence.rundir import RunDirectory
+
+    run = RunDirectory.open_existing(run_dir, tensorboard=False)
+    config = run.read_config()
+    trusted_envs, n_envs = int(config.get("trusted_envs", 0)), int(config["n_envs"])
+    scorer = scorer or ("influence-trusted" if trusted_envs else "influence")
+    if scorer not in SCORERS or (scorer == "influence-trusted" and not trusted_envs):
+        raise UserError(f"unknown scorer {scorer!r} for this run (scorers: "
+                        f"{', '.join(s for s in SCORERS if trusted_envs or s != 'influence-trusted')})")
+    saved = sorted(int(p.stem.split("_")[1]) for p in (Path(run_dir) / "buffers").glob("round_*.safetensors"))
+    rounds = list(rounds) if rounds else saved
+    if not rounds:
+        raise UserError(f"{str(run_dir)!r} has no saved rounds: train with --save-buffers")
+    if n_envs - trusted_envs < 2:
+        raise UserError(f"an audit compares sources: {str(run_dir)!r} has {n_envs - trusted_envs} untrusted env(s)")
+    if not 0 < alpha < 1:
+        raise UserError(f"--alpha must be in (0, 1), got {alpha}")
+    if permutations < 1:
+        raise UserError(f"--permutations must be >= 1, got {permutations}")
+    sources = np.arange(n_envs - trusted_envs)
+    harms, envs, rows = [], [], []
+    for k in rounds:
+        loaded = load_round(run_dir, k)
+        buffer, policy = loaded.buffer, loaded.trainer.policy
+        env = buffer.flatten(torch.arange(n_envs).expand(buffer.n_steps, -1)).numpy()
+        trusted = torch.from_numpy(env >= n_envs - trusted_envs) if trusted_envs else None
+        harms.append(SCORERS[scorer](buffer, policy, trusted, int(config["batch_size"])))
+        envs.append(env)
+        if config.get("corrupt"):
+            rows += detection(buffer, policy, trusted_envs, int(config["batch_size"]))
+    table = pd.DataFrame(source_test(harms, envs, sources, permutations, seed))
+    per_round = np.array([[harm[env == s].mean() for s in sources] for harm, env in zip(harms, envs, strict=True)])
+    intervals = [bootstrap_mean(per_round[:, i], seed=seed) for i in range(len(sources))]
+    table.insert(1, "records", [int(sum((env == s).sum() for env in envs)) for s in sources])
+    table.insert(4, "ci_low", [lo for _, lo, _ in intervals])
+    table.insert(5, "ci_high", [hi for _, _, hi in intervals])
+    table["p_holm"] = holm(table["p_value"].to_numpy())
+    table["flagged"] = table["p_holm"] < alpha
+    table["scorer"] = scorer
+    return table, pd.DataFrame(rows, columns=["round", "scorer", "level", "auroc"])
+
+
+def plot_sources(sources: pd.DataFrame, alpha: float) -> bytes:
+    """PNG: each source's mean harm with its 95% interval, flagged sources in red."""
+    import io
+
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(max(4.0, 0.6 * len(sources) + 2), 3.2), layout="constrained")
+    ax = fig.add_subplot()
+    colors = ["C3" if f else "C0" for f in sources["flagged"]]
+    x = np.arange(len(sources))
+    mean = sources["mean_harm"].to_numpy()
+    ax.bar(x, mean, color=colors)
+    ax.errorbar(x, mean, yerr=[mean - sources["ci_low"], sources["ci_high"] - mean], fmt="none", ecolor="k", capsize=3)
+    ax.axhline(0, color="k", lw=0.6)
+    ax.set_xticks(x, [f"env {s}" for s in sources["source"]])
+    ax.set(ylabel=f"mean harm ({sources['scorer'].iloc[0]})",
+           title=f"red: flagged (Holm-adjusted p < {alpha}); bars: 95% interval over rounds")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
