@@ -3,7 +3,8 @@
     python benchmarks/corruption_detection.py --seeds 3 --rounds 6 --out bench_out/corruption_detection
 
 Per env: plain PPO (every record kept, at the learning rate tuned for PPO in
-``benchmarks/studies/<env>.json``) trains on 8 envs of 256 steps (a round of 2048 records, as
+``benchmarks/studies/<env>.json``; CartPole, which has no study, at PPOConfig's defaults: Adam 3e-4)
+trains on 8 envs of 256 steps (a round of 2048 records, as
 the paper's presets), one of which pays the negated reward (``--corrupt reward-flip:envs=1``)
 and the last of which is trusted (``--trusted-envs 1``); every round is saved. Each of the first
 ``--rounds`` rounds is then scored at theta(k) by every scorer of
@@ -33,12 +34,13 @@ from rlinfluence.experiments.statistics import bootstrap_mean  # noqa: E402
 from rlinfluence.ppo import PPO, PPOConfig, load_round  # noqa: E402
 
 STUDIES = Path(__file__).parent / "studies"
-ENVS = "FrozenLake-v1,Acrobot-v1,MiniGrid-Empty-8x8-v0,LunarLander-v3"
+ENVS = "CartPole-v1,FrozenLake-v1,Acrobot-v1,MiniGrid-Empty-8x8-v0,LunarLander-v3"
 
 
 def run_seed(env: str, seed: int, rounds: int, out: Path) -> list[dict]:
-    lr = json.loads((STUDIES / f"{env}.json").read_text())["chosen"]["ppo"]["learning_rate"]
-    config = PPOConfig.for_env(env, n_envs=8, n_steps=256, batch_size=64, learning_rate=lr, seed=seed,
+    study = STUDIES / f"{env}.json"
+    lr = {"learning_rate": json.loads(study.read_text())["chosen"]["ppo"]["learning_rate"]} if study.is_file() else {}
+    config = PPOConfig.for_env(env, n_envs=8, n_steps=256, batch_size=64, **lr, seed=seed,
                                total_timesteps=rounds * 2048, eval_episodes=10, eval_envs=10,
                                corrupt=("reward-flip:envs=1",), trusted_envs=1, save_buffers=True,
                                run_root=str(out / "runs"), method=f"flip1of8__seed{seed}", progress=False,

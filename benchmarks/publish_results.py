@@ -1,12 +1,15 @@
 """Write every generated results table of README.md and docs/ from committed result data.
 
     python benchmarks/publish_results.py --collect bench_out/confirm   # refresh docs/data/ from run folders
+    python benchmarks/publish_results.py --collect-detection bench_out/corruption_detection/detection.csv \
+        --collect-corruption bench_out/corruption
     python benchmarks/publish_results.py                               # rewrite the tables from docs/data/
     python benchmarks/publish_results.py --check                       # exit 1 if a page's table differs
 
 ``--collect`` gathers the summary rows of the confirmation folders (``confirm_iif_robust.py``)
-into docs/data/confirmation.csv; then every page in PAGES gets the table between its markers
-(``rlinfluence.experiments.published``). Ends with one line per figure: ``<env>/<method>/<stat>: value``.
+into docs/data/confirmation.csv, ``--collect-detection`` and ``--collect-corruption`` those of
+``corruption_detection.py`` and ``corruption_learning.py``; then every page of TABLES gets its
+tables between their markers (``rlinfluence.experiments.published``). Ends with one line per figure: ``<env>/<method>/<stat>: value``.
 """
 
 from __future__ import annotations
@@ -18,40 +21,63 @@ from pathlib import Path
 import pandas as pd
 
 from rlinfluence.errors import UserError
-from rlinfluence.experiments.published import collect, fill, headline_table
+from rlinfluence.experiments.published import (
+    collect,
+    detection_table,
+    fill,
+    gap_table,
+    headline_table,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "docs" / "data" / "confirmation.csv"
-PAGES = ("README.md", "docs/index.md", "docs/results/tuned-ppo.md")
+DATA = ROOT / "docs" / "data"
 ENVS = ("FrozenLake-v1", "Acrobot-v1", "MiniGrid-Empty-8x8-v0", "LunarLander-v3")
+# table name -> (its data file, how the table is built from it, the pages that show it)
+TABLES = {
+    "confirmation": ("confirmation.csv", headline_table, ("README.md", "docs/index.md", "docs/results/tuned-ppo.md")),
+    "detection": ("detection.csv", detection_table, ("docs/results/harmful-records.md",)),
+    "corruption": ("corruption.csv", gap_table, ("docs/results/harmful-records.md",)),
+}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--collect", metavar="DIR", help="folder holding one confirmation compare folder per env")
+    parser.add_argument("--collect", metavar="DIR", help="confirmation folders (one compare folder per env)")
+    parser.add_argument("--collect-detection", metavar="CSV", help="corruption_detection.py's detection.csv")
+    parser.add_argument("--collect-corruption", metavar="DIR", help="corruption_learning.py's compare folders")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated table is stale")
     args = parser.parse_args()
+    DATA.mkdir(parents=True, exist_ok=True)
     if args.collect:
         folders = [Path(args.collect) / env for env in ENVS if (Path(args.collect) / env / "summary.csv").is_file()]
-        DATA.parent.mkdir(parents=True, exist_ok=True)
-        collect(folders).to_csv(DATA, index=False)
-    data = pd.read_csv(DATA)
-    lines = headline_table(data)
+        collect(folders).to_csv(DATA / "confirmation.csv", index=False)
+    if args.collect_detection:
+        pd.read_csv(args.collect_detection).to_csv(DATA / "detection.csv", index=False)
+    if args.collect_corruption:
+        folders = sorted(p.parent for p in Path(args.collect_corruption).glob("*/summary.csv"))
+        collect(folders).to_csv(DATA / "corruption.csv", index=False)
     stale = []
-    for page in PAGES:
-        path = ROOT / page
-        old = path.read_text()
-        new = fill(old, "confirmation", lines)
-        if new != old:
-            stale.append(page)
-            if not args.check:
-                path.write_text(new)
-    for row in data.itertuples():
-        if row.method != "ppo":
-            print(f"{row.env}/{row.method}/log_ratio80: {row.log_ratio80:.3f} [{row.log_ratio80_lo:.3f}, "
-                  f"{row.log_ratio80_hi:.3f}]")
-            print(f"{row.env}/{row.method}/paired_poi_auc: {row.poi_auc:.2f} [{row.poi_auc_lo:.2f}, {row.poi_auc_hi:.2f}]")
-        print(f"{row.env}/{row.method}/reached80: {row.reached80_n}/{row.seeds}")
+    for name, (data_file, build, pages) in TABLES.items():
+        if not (DATA / data_file).is_file():
+            continue
+        data = pd.read_csv(DATA / data_file)
+        lines = build(data)
+        for page in pages:
+            path = ROOT / page
+            old = path.read_text()
+            new = fill(old, name, lines)
+            if new != old:
+                stale.append(f"{page} ({name})")
+                if not args.check:
+                    path.write_text(new)
+        if name == "confirmation":
+            for row in data.itertuples():
+                if row.method != "ppo":
+                    print(f"{row.env}/{row.method}/log_ratio80: {row.log_ratio80:.3f} [{row.log_ratio80_lo:.3f}, "
+                          f"{row.log_ratio80_hi:.3f}]")
+                    print(f"{row.env}/{row.method}/paired_poi_auc: {row.poi_auc:.2f} "
+                          f"[{row.poi_auc_lo:.2f}, {row.poi_auc_hi:.2f}]")
+                print(f"{row.env}/{row.method}/reached80: {row.reached80_n}/{row.seeds}")
     if args.check and stale:
         print(f"stale generated tables in {', '.join(stale)}: run python benchmarks/publish_results.py", file=sys.stderr)
         return 1

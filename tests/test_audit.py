@@ -63,3 +63,25 @@ def test_bad_audit_input_is_one_error_line(tmp_path, capsys, extra, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not (run.run.path / "audit").exists()
+
+
+def test_dtv_scores_equal_brute_force_per_record_gradients():
+    import torch
+
+    from rlinfluence.analysis.audit import dtv_scores
+
+    config = PPOConfig(env="CartPole-v1", n_envs=2, n_steps=32, batch_size=16, total_timesteps=64, eval_episodes=0,
+                       progress=False)
+    trainer = PPO(config, run_dir=False)
+    buffer = trainer.collect()
+    buffer.compute_advantages(0.99, 0.95)
+    obs, actions, adv = (buffer.flat(k) for k in ("obs", "actions", "advantages"))
+    norm = (adv - adv.mean()) / (adv.std() + 1e-8)
+    params = list(trainer.policy.policy_parameters())
+    grads = []
+    for i in range(len(obs)):  # g_i = A_i grad log pi(a_i|s_i), one autograd call per record
+        logp = trainer.policy.log_prob(obs[i:i + 1], actions[i:i + 1]).sum()
+        grads.append(norm[i] * torch.cat([g.flatten() for g in torch.autograd.grad(logp, params)]))
+    g = torch.stack(grads)
+    expected = g @ g.mean(0)
+    assert torch.allclose(dtv_scores(trainer.policy, obs, actions, adv), expected, rtol=1e-4, atol=1e-6)

@@ -136,7 +136,7 @@ def test_detection_scores_every_scorer_at_record_and_source_level():
     trainer, buffer = _round(["reward-flip:envs=1"], trusted_envs=1)
     buffer.compute_advantages(0.99, 0.95)
     rows = detection(buffer, trainer.policy, trusted_envs=1, batch_size=64)
-    assert {(r["scorer"], r["level"]) for r in rows} == {(s, lv) for s in SCORERS for lv in ("record", "source")}
+    assert {(r["scorer"], r["level"]) for r in rows} == {(s, lv) for s in SCORERS for lv in ("record", "episode", "source")}
     assert all(np.isnan(r["auroc"]) or 0 <= r["auroc"] <= 1 for r in rows)
     assert not any(r["scorer"] == "influence-trusted" for r in detection(buffer, trainer.policy, 0, 64))
 

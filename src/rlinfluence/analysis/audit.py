@@ -5,6 +5,8 @@ For a saved round with ground truth (``RolloutBuffer.corrupted``, a run trained 
 
     influence           -<grad l_i, grad f>, f the return target on the whole buffer (IIF's scores)
     influence-trusted   the same with f on the trusted envs' records only (``trusted_envs``)
+    dtv                 -g_i . mean_j g_j, g_i = A_i grad log pi(a_i|s_i) (A batch-normalised): the
+                        gradient alignment of "Not All Rollouts Are Worth Learning", no target needed
     negative-advantage  -A_i
     abs-advantage       |A_i|
     random              a uniform draw (the chance line)
@@ -29,6 +31,7 @@ from sklearn.metrics import roc_auc_score
 from rlinfluence.buffer import RolloutBuffer
 from rlinfluence.errors import UserError
 from rlinfluence.filters import FilterContext, InfluenceScorer
+from rlinfluence.influence import ReturnTarget, ZeroTargetGradient, normalize_for_attribution, snapshot_influence
 
 Scorer = Callable[[RolloutBuffer, torch.nn.Module, torch.Tensor | None, int], np.ndarray]
 
@@ -44,6 +47,23 @@ def _influence(trusted_only: bool) -> Scorer:
     return harm
 
 
+def dtv_scores(policy: torch.nn.Module, obs: torch.Tensor, actions: torch.Tensor, advantages: torch.Tensor
+               ) -> torch.Tensor:
+    """g_i . (1/N) sum_j g_j per record, g_i = A_i grad log pi(a_i|s_i) with A normalised over the
+    buffer: each record's policy gradient against the buffer's mean one (ghost dot products)."""
+    normalised = normalize_for_attribution(advantages, "batch", len(advantages))
+    return snapshot_influence(policy, obs, actions, advantages, advantage_norm="batch",
+                              target=ReturnTarget(obs, actions, normalised))
+
+
+def _dtv(buffer: RolloutBuffer, policy: torch.nn.Module, *_: object) -> np.ndarray:
+    obs, actions, advantages = (buffer.flat(k) for k in ("obs", "actions", "advantages"))
+    try:
+        return -dtv_scores(policy, obs, actions, advantages).double().numpy()
+    except ZeroTargetGradient:
+        return np.zeros(len(buffer))
+
+
 def _random(buffer: RolloutBuffer, *_: object) -> np.ndarray:
     return np.random.default_rng(buffer.round).random(len(buffer))
 
@@ -51,6 +71,7 @@ def _random(buffer: RolloutBuffer, *_: object) -> np.ndarray:
 SCORERS: dict[str, Scorer] = {
     "influence": _influence(False),
     "influence-trusted": _influence(True),
+    "dtv": _dtv,
     "negative-advantage": lambda buffer, *_: -buffer.flat("advantages").double().numpy(),
     "abs-advantage": lambda buffer, *_: buffer.flat("advantages").abs().double().numpy(),
     "random": _random,

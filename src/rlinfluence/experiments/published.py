@@ -27,10 +27,10 @@ from rlinfluence.experiments.comparison import markdown_table, robust_cells, rob
 
 # the summary.csv columns a published table reads (a committed CSV keeps just these)
 PUBLISHED_COLUMNS = (
-    "env", "method", "chosen", "seeds", "first_seed", "reached80_n", "reference_reached80_n",
+    "env", "folder", "method", "chosen", "seeds", "first_seed", "reached80_n", "reference_reached80_n",
     *(f"{k}{s}" for k in ("rounds80", "log_ratio80", "poi_auc", "diff_auc", "iqm_auc_norm", "iqm_final_norm")
       for s in ("_mean" if k == "rounds80" else "", "_lo", "_hi")),
-    "verdict80", "approx_kl_mean", "failed_seeds",
+    "verdict80", "approx_kl_mean", "failed_seeds", "mean_auc_norm",
 )
 
 
@@ -42,7 +42,7 @@ def collect(folders: Sequence[str | Path]) -> pd.DataFrame:
         if not summary.is_file() or not config.is_file():
             raise UserError(f"{str(folder)!r} is not a finished compare folder (no summary.csv / compare.json)")
         settings = json.loads(config.read_text())
-        rows = pd.read_csv(summary).assign(env=settings["env"], first_seed=settings["first_seed"])
+        rows = pd.read_csv(summary).assign(env=settings["env"], folder=folder.name, first_seed=settings["first_seed"])
         missing = sorted(set(PUBLISHED_COLUMNS) - set(rows.columns))
         if missing:
             raise UserError(f"{summary} has no {', '.join(missing)}: re-run `rlinfluence compare --out {folder}`")
@@ -74,6 +74,47 @@ def headline_table(data: pd.DataFrame, reference: str = "ppo") -> list[str]:
         body.append([row["env"], cells[0], _chosen(row["chosen"]), *cells[1:]])
     columns = robust_columns(reference)
     return markdown_table(["env", columns[0], "tuned", *columns[1:]], body)
+
+
+def gap_table(data: pd.DataFrame, reference: str = "ppo", ceiling: str = "oracle") -> list[str]:
+    """Per folder and method: the paired comparison with ``reference`` and, where the folder has a
+    ``ceiling`` method, the fraction of its gain recovered, (auc_m - auc_ref) / (auc_ceiling - auc_ref)
+    on the mean normalised auc (NaN where the ceiling does not beat the reference)."""
+    body = []
+    for folder, group in data.groupby("folder", sort=False):
+        auc = group.set_index("method")["mean_auc_norm"]
+        for record in group.to_dict("records"):
+            row = _row(record)
+            gap = "-"
+            if ceiling in auc and row["method"] not in (reference, ceiling) and auc[ceiling] > auc[reference]:
+                gap = f"{(auc[row['method']] - auc[reference]) / (auc[ceiling] - auc[reference]):.2f}"
+            cells = robust_cells(row, reference)
+            body.append([folder, cells[0], _chosen(row["chosen"]), f"{row['mean_auc_norm']:.2f}", *cells[5:7], gap,
+                         cells[1], cells[4]])
+    return markdown_table(["folder", "method", "lr", "mean auc", f"paired P(> {reference}), auc",
+                           f"auc - {reference}'s, paired", f"gap to {ceiling} closed", "reached 80% (seeds)",
+                           "reading (rounds to 80%)"], body)
+
+
+def detection_table(rows: pd.DataFrame, reps: int = 2000, seed: int = 0) -> list[str]:
+    """Per env and scorer: the mean detection AUROC at each level (record, episode, source), each
+    a mean over seeds of the seed's mean over rounds, with a seeded 95% bootstrap interval over seeds."""
+    from rlinfluence.experiments.statistics import bootstrap_mean
+
+    levels = ("record", "episode", "source")
+    body = []
+    for (env, scorer), group in rows.groupby(["env", "scorer"], sort=False):
+        cells = []
+        for level in levels:
+            per_seed = group[group["level"] == level].groupby("seed")["auroc"].mean().dropna().to_numpy()
+            if not len(per_seed):
+                cells.append("undefined")
+                continue
+            mean, lo, hi = bootstrap_mean(per_seed, reps, seed)
+            cells.append(f"{mean:.2f}" + (f" [{lo:.2f}, {hi:.2f}]" if not math.isnan(lo) else ""))
+        n_rounds, n_seeds = group["round"].nunique(), group["seed"].nunique()
+        body.append([env, scorer, *cells, f"{n_rounds} x {n_seeds}"])
+    return markdown_table(["env", "scorer", "record AUROC", "episode AUROC", "env AUROC", "rounds x seeds"], body)
 
 
 def fill(text: str, name: str, lines: Sequence[str]) -> str:
