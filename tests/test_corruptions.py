@@ -1,6 +1,8 @@
 """Corruptions with ground truth: each changes exactly what it documents, flags it, and leaves
 evaluation and the trusted envs clean; bad specs are one error line."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -110,6 +112,8 @@ def test_corruptions_combine_and_a_spec_prints_as_parsed():
     (["--corrupt", "reward-flip:envs=1", "--n-envs", "1"], "it needs --n-envs > 1 (got 1)"),
     (["--trusted-envs", "4"], "trusted_envs must be in [0, n_envs - 1]"),
     (["--scoring-target", "trusted"], "scoring_target trusted needs trusted_envs >= 1"),
+    (["--corrupt", "stale:frac=0.1,lag=1"], "rounds to 0 envs"),
+    (["--corrupt", "stale:frac=0.5,lag=0"], "lag must be >= 1, got 0"),
 ])
 def test_a_bad_corruption_is_one_error_line_and_writes_nothing(tmp_path, capsys, args, message):
     base = ["train", "--env", "FrozenLake-v1", "--n-envs", "4", "--run-root", str(tmp_path / "runs")]
@@ -169,3 +173,29 @@ def test_the_oracle_drops_exactly_the_corrupted_records(tmp_path):
     assert torch.equal(saved.keep, ~saved.buffer.flat("corrupted")) and saved.buffer.corrupted.any()
     assert cli.main(["train", "--env", "FrozenLake-v1", "--filter", "oracle", "--run-root", str(tmp_path / "x"),
                      "--total-timesteps", "64", "--n-steps", "64", "--eval-episodes", "0"]) == 2
+
+
+def test_stale_envs_act_with_the_policy_of_lag_rounds_ago_and_are_flagged(tmp_path):
+    config = PPOConfig(env="CartPole-v1", n_envs=4, n_steps=64, batch_size=64, total_timesteps=4 * 256,
+                       eval_episodes=0, corrupt=("stale:frac=0.5,lag=2",), learning_rate=0.01, seed=2,
+                       run_root=str(tmp_path), progress=False, tensorboard=False)
+    trainer = PPO(config)
+    policies = []
+    for k in range(4):
+        policies.append(copy.deepcopy(trainer.policy.state_dict()))
+        trainer.train_round()
+        buffer, stale = trainer.last_buffer, trainer.corruptor.stale_envs(k)
+        assert stale.sum() == 2
+        assert (buffer.corrupted[:, stale].all() if k > 0 else not buffer.corrupted.any())
+        assert not buffer.corrupted[:, ~stale].any()
+        old = copy.deepcopy(trainer.policy)
+        old.load_state_dict(policies[max(0, k - 2)])
+        for env in np.flatnonzero(stale):  # the logged log-probs are theta(k - 2)'s
+            with torch.no_grad():
+                logp = old.log_prob(buffer.obs[:, env], buffer.actions[:, env])
+            assert torch.allclose(buffer.logp[:, env], logp, atol=1e-5)
+    # a resumed run keeps the lagging policies
+    resumed = PPO.resume(trainer.run.path)
+    assert len(resumed.past_policies) == len(trainer.past_policies) == 3
+    for a, b in zip(resumed.past_policies, trainer.past_policies, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)

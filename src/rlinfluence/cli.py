@@ -525,8 +525,8 @@ class AuditArgs:
     rounds: Rounds = ()
     """saved rounds to score (default: every saved round)"""
     scorer: str | None = None
-    """harm score of the sources test: influence, influence-trusted (default with --trusted-envs),
-    negative-advantage, abs-advantage, random"""
+    """harm score of the sources test: influence (default), influence-trusted (default with
+    --trusted-envs), dtv, negative-advantage, abs-advantage, random"""
     alpha: float = 0.01
     """family-wise error rate of the flags across the envs"""
     permutations: int = 2000

@@ -20,6 +20,11 @@ so detection can be measured against the truth:
     push-left; Acrobot the first link up and to the side (sin theta1 > 0.5) with torque -1;
     LunarLander left of the pad (x < -0.2) with the left engine; any other env with a ``Discrete``
     observation: state 0 with action 0. Only the records that were paid are corrupted.
+``stale:frac=F,lag=L``
+    asynchronous actors: each round, round(F x the corruptible envs) envs (a fresh seeded choice per
+    round) act with the policy of L rounds ago, theta(k - L) (theta(0) while k < L), and deliver
+    that policy's log-probs and values, as a lagging worker does. Their records are corrupted from
+    round 1 on (in round 0 the old policy is the current one). Needs F x corruptible envs >= 1.
 
 Episode choices are a function of (seed, corruption, env, episode id), so they do not depend on
 the order of collection; ``trusted`` envs (``PPOConfig.trusted_envs``, the last K) are never
@@ -43,6 +48,7 @@ _PARAMETERS: dict[str, dict[str, tuple[type, Callable[[Any], bool], str]]] = {
     "reward-noise": {"frac": (float, lambda f: 0 <= f <= 1, "in [0, 1]"), "scale": (float, lambda s: s > 0, "> 0")},
     "trigger": {"frac": (float, lambda f: 0 <= f <= 1, "in [0, 1]"),
                 "bonus": (float, math.isfinite, "finite")},
+    "stale": {"frac": (float, lambda f: 0 < f <= 1, "in (0, 1]"), "lag": (int, lambda k: k >= 1, ">= 1")},
 }
 KINDS = tuple(_PARAMETERS)
 
@@ -122,6 +128,8 @@ def check_corruptions(texts: Sequence[str], n_envs: int, trusted_envs: int = 0, 
             if spec["envs"] >= corruptible:
                 raise UserError(f"--corrupt {spec}: envs must be < the {corruptible} envs that may be corrupted "
                                 f"(n_envs {n_envs} - trusted_envs {trusted_envs}): one env must stay clean")
+        if spec.kind == "stale" and round(spec["frac"] * corruptible) < 1:
+            raise UserError(f"--corrupt {spec}: frac x the {corruptible} envs that may be corrupted rounds to 0 envs")
         if spec.kind == "trigger" and env_id is not None and env_id not in TRIGGERS and discrete_obs is False:
             raise UserError(f"--corrupt {spec}: {env_id} has no trigger region (envs with one: "
                             f"{', '.join(TRIGGERS)}, or any env with a Discrete observation)")
@@ -166,6 +174,21 @@ class Corruptor:
             draws[env] = np.random.default_rng([self.seed, index, int(env), int(episode_ids[env])]).random()
         return (draws < fraction) & self.corruptible
 
+    @property
+    def stale_lag(self) -> int:
+        """L of the stale corruption (0 without one): how many past policies the trainer keeps."""
+        return max((spec["lag"] for spec in self.specs if spec.kind == "stale"), default=0)
+
+    def stale_envs(self, round_index: int) -> np.ndarray:
+        """[E] the envs acting with the stale policy in round ``round_index`` (none without ``stale``)."""
+        mask = np.zeros(self.n_envs, dtype=bool)
+        for i, spec in enumerate(self.specs):
+            if spec.kind == "stale":
+                count = round(spec["frac"] * int(self.corruptible.sum()))
+                rng = np.random.default_rng([self.seed, i, round_index])
+                mask[rng.choice(int(self.corruptible.sum()), count, replace=False)] = True
+        return mask
+
     def reward_scale(self) -> float:
         rms = math.sqrt(self.clean_square_sum / self.clean_count) if self.clean_count else 0.0
         return rms if rms > 0 else 1.0
@@ -184,7 +207,7 @@ class Corruptor:
                 noisy = self.chosen(i, spec["frac"], episode_ids)
                 out[noisy] += self.noise.normal(0.0, spec["scale"] * self.reward_scale(), int(noisy.sum()))
                 corrupted |= noisy
-            else:  # trigger
+            elif spec.kind == "trigger":
                 paid = (self.chosen(i, spec["frac"], episode_ids) & self.trigger.region(obs)
                         & (np.asarray(actions).reshape(len(clean)) == self.trigger.action))
                 out[paid] += spec["bonus"]

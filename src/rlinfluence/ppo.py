@@ -17,6 +17,7 @@ One round k:
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import json
@@ -131,7 +132,7 @@ class PPOConfig:
     validation_env_steps, its time in train_seconds)"""
     corrupt: tuple[str, ...] = ()
     """corruptions of the training rollout with ground truth, KIND:key=value,... (repeatable):
-    reward-flip:envs=K, reward-noise:frac=F,scale=S, trigger:frac=F,bonus=B
+    reward-flip:envs=K, reward-noise:frac=F,scale=S, trigger:frac=F,bonus=B, stale:frac=F,lag=L
     (rlinfluence.corruptions); evaluation always sees the clean reward"""
     trusted_envs: int = 0
     """the last K training envs are a trusted source: never corrupted (their records still train)"""
@@ -434,6 +435,9 @@ class PPO:
                                                      discrete_obs),
                                    config.n_envs, _derived_seed(config.seed, 0, 5), config.env, discrete_obs,
                                    config.trusted_envs) if config.corrupt else None
+        # the policies theta(k - L) .. theta(k) that a stale corruption's lagging actors use
+        lag = self.corruptor.stale_lag if self.corruptor is not None else 0
+        self.past_policies: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=lag + 1)
         # the validation rollout has its own envs and noise, so the training stream stays the same
         self.validation_stream = (
             EnvStream(make_vec_env(config.env, config.n_envs), torch.Generator().manual_seed(_derived_seed(config.seed, 0, 3)))
@@ -578,6 +582,14 @@ class PPO:
             ("obs", "actions", "logp", "values", "rewards", "terminated", "truncated", "episode_ids", "corrupted")
         )
         corruptor = self.corruptor if stream is self.stream else None
+        stale = corruptor.stale_envs(self.round) if corruptor is not None else np.zeros(cfg.n_envs, dtype=bool)
+        stale_act = None
+        if stale.any():  # lagging actors: theta(k - L) acts and reports its log-probs and values
+            self.past_policies.append(copy.deepcopy(self.policy.state_dict()))
+            old = copy.deepcopy(self.policy)
+            old.load_state_dict(self.past_policies[0])
+            stale_act = rollout_actor(old)
+            stale_records = stale if self.round > 0 else np.zeros_like(stale)
         act = rollout_actor(self.policy)
         noise = self.policy.noise((n_steps, cfg.n_envs), stream.generator).numpy()
         stream.finished_returns = []
@@ -587,6 +599,11 @@ class PPO:
             if frames is not None:
                 frames.capture(t, stream.env)  # the frame of obs, before the step
             actions, logp, values = act(obs, noise[t])
+            if stale_act is not None:
+                old_actions, old_logp, old_values = stale_act(obs, noise[t])
+                env_mask = stale.reshape((-1,) + (1,) * (actions.ndim - 1))
+                actions = np.where(env_mask, old_actions, actions)
+                logp, values = np.where(stale, old_logp, logp), np.where(stale, old_values, values)
             env_actions = np.clip(actions, space.low, space.high) if continuous else actions
             next_obs, rewards, terminated, truncated, infos = stream.env.step(env_actions)
             b_obs[t] = obs
@@ -595,6 +612,8 @@ class PPO:
             b_val[t] = values
             if corruptor is not None:  # the learner sees the corrupted reward; the env's own is tracked
                 b_rew[t], b_corrupted[t] = corruptor.step(obs, actions, rewards, stream.episode_ids)
+                if stale_act is not None:
+                    b_corrupted[t] |= stale_records
             else:
                 b_rew[t] = rewards
             b_term[t] = terminated
@@ -837,6 +856,7 @@ class PPO:
             "generator": self.generator.get_state(),
             "filter": self.filter.state_dict(),
             **({"validation_generator": self.validation_stream.generator.get_state()} if self.validation_stream else {}),
+            **({"past_policies": list(self.past_policies)} if self.past_policies else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any], source: str = "checkpoint") -> None:
@@ -868,6 +888,8 @@ class PPO:
             self.validation_stream.generator.set_state(state["validation_generator"])
         self.train_seconds = float(state["train_seconds"])
         self.train_cpu_seconds = float(state.get("train_cpu_seconds", 0.0))
+        self.past_policies.clear()
+        self.past_policies.extend(state.get("past_policies", []))
         self._reset_envs(_derived_seed(self.config.seed, self.round, 0))
 
     def save(self, path: str | Path) -> None:

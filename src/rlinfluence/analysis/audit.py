@@ -31,7 +31,12 @@ from sklearn.metrics import roc_auc_score
 from rlinfluence.buffer import RolloutBuffer
 from rlinfluence.errors import UserError
 from rlinfluence.filters import FilterContext, InfluenceScorer
-from rlinfluence.influence import ReturnTarget, ZeroTargetGradient, normalize_for_attribution, snapshot_influence
+from rlinfluence.influence import (
+    ReturnTarget,
+    ZeroTargetGradient,
+    normalize_for_attribution,
+    snapshot_influence,
+)
 
 Scorer = Callable[[RolloutBuffer, torch.nn.Module, torch.Tensor | None, int], np.ndarray]
 
