@@ -68,7 +68,7 @@ def test_bad_audit_input_is_one_error_line(tmp_path, capsys, extra, message):
 def test_dtv_scores_equal_brute_force_per_record_gradients():
     import torch
 
-    from rlinfluence.analysis.audit import dtv_scores
+    from rlinfluence.influence import gradient_alignment
 
     config = PPOConfig(env="CartPole-v1", n_envs=2, n_steps=32, batch_size=16, total_timesteps=64, eval_episodes=0,
                        progress=False)
@@ -84,4 +84,24 @@ def test_dtv_scores_equal_brute_force_per_record_gradients():
         grads.append(norm[i] * torch.cat([g.flatten() for g in torch.autograd.grad(logp, params)]))
     g = torch.stack(grads)
     expected = g @ g.mean(0)
-    assert torch.allclose(dtv_scores(trainer.policy, obs, actions, adv), expected, rtol=1e-4, atol=1e-6)
+    assert torch.allclose(gradient_alignment(trainer.policy, obs, actions, adv), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_the_dtv_filter_drops_the_most_misaligned_records(tmp_path):
+    import torch
+
+    from rlinfluence.filters import FilterContext, make_filter
+    from rlinfluence.influence import gradient_alignment
+
+    config = PPOConfig(env="CartPole-v1", n_envs=2, n_steps=64, batch_size=16, total_timesteps=128, eval_episodes=0,
+                       progress=False)
+    trainer = PPO(config, run_dir=False)
+    buffer = trainer.collect()
+    buffer.compute_advantages(0.99, 0.95)
+    keep = make_filter("dtv", drop_pct=50)(buffer, FilterContext(trainer.policy, 0, 16))
+    scores = gradient_alignment(trainer.policy, *(buffer.flat(k) for k in ("obs", "actions", "advantages")))
+    n_drop = int((scores < 0).sum()) // 2
+    assert int((~keep).sum()) == n_drop and scores[~keep].max() <= scores[keep].min()
+    assert cli.main(["train", "--env", "CartPole-v1", "--filter", "dtv", "--drop-pct", "25", "--total-timesteps", "128",
+                     "--n-steps", "128", "--batch-size", "32", "--eval-episodes", "0", "--run-root", str(tmp_path)]) == 0
+    assert torch.isfinite(torch.tensor(pd.read_csv(next(tmp_path.glob("*/metrics.csv")))["kept_fraction"])).all()

@@ -30,6 +30,7 @@ from rlinfluence.influence import (
     ReturnTarget,
     ZeroTargetGradient,
     adam_inverse_preconditioner,
+    gradient_alignment,
     snapshot_influence,
     unchanged,
 )
@@ -443,6 +444,30 @@ class RewardExtremesFilter(_Seeded):
         return guard_minibatch(keep, torch.zeros(len(rewards)), context)
 
 
+class DTVFilter(_Seeded):
+    """Drops the records whose policy gradient points against the buffer's mean one
+    (``gradient_alignment``: g_i . mean_j g_j, the DTV rule; no target): floor(p * N_neg) lowest
+    in ``neg-bottom`` mode, as IIF drops by influence. A round without gradient keeps every record."""
+
+    name = "dtv"
+
+    def __init__(self, drop_pct: float, drop_mode: DropMode = "neg-bottom", seed: int = 0):
+        super().__init__(seed)
+        iif_drop_count(torch.zeros(1), 50.0, drop_mode)  # validates drop_mode
+        self.drop_pct, self.drop_mode = drop_pct, drop_mode
+
+    def __call__(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
+        try:
+            scores = gradient_alignment(context.policy, *(buffer.flat(k) for k in ("obs", "actions", "advantages")))
+        except ZeroTargetGradient:
+            context.stats["skipped"] = 1.0
+            return torch.ones(len(buffer), dtype=torch.bool)
+        context.stats.update(skipped=0.0, n_negative=float((scores < 0).sum()))
+        context.scores = scores
+        keep = drop_lowest(scores, iif_drop_count(scores, self.drop_pct, self.drop_mode))
+        return guard_minibatch(keep, scores, context)
+
+
 class OracleFilter(_Seeded):
     """Drops exactly the records a corruption changed (``RolloutBuffer.corrupted``): the ceiling a
     detector of bad data can reach. Only for runs trained with ``--corrupt``; logs ``dropped_corrupted``."""
@@ -457,7 +482,7 @@ class OracleFilter(_Seeded):
         return guard_minibatch(~corrupted, (~corrupted).float(), context)
 
 
-FILTER_NAMES = ("none", "iif", "random", "advantage", "td-error", "reward-extremes", "oracle")
+FILTER_NAMES = ("none", "iif", "random", "advantage", "td-error", "reward-extremes", "dtv", "oracle")
 
 
 def make_filter(
@@ -489,6 +514,8 @@ def make_filter(
         return TDErrorFilter(seed=seed)
     if name == "reward-extremes":
         return RewardExtremesFilter(drop_pct, seed)
+    if name == "dtv":
+        return DTVFilter(drop_pct, drop_mode, seed)
     if name == "oracle":
         return OracleFilter(seed)
     raise UserError(f"unknown filter {name!r} (choose from {', '.join(FILTER_NAMES)})")

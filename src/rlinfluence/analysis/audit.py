@@ -31,12 +31,7 @@ from sklearn.metrics import roc_auc_score
 from rlinfluence.buffer import RolloutBuffer
 from rlinfluence.errors import UserError
 from rlinfluence.filters import FilterContext, InfluenceScorer
-from rlinfluence.influence import (
-    ReturnTarget,
-    ZeroTargetGradient,
-    normalize_for_attribution,
-    snapshot_influence,
-)
+from rlinfluence.influence import ZeroTargetGradient, gradient_alignment
 
 Scorer = Callable[[RolloutBuffer, torch.nn.Module, torch.Tensor | None, int], np.ndarray]
 
@@ -52,19 +47,10 @@ def _influence(trusted_only: bool) -> Scorer:
     return harm
 
 
-def dtv_scores(policy: torch.nn.Module, obs: torch.Tensor, actions: torch.Tensor, advantages: torch.Tensor
-               ) -> torch.Tensor:
-    """g_i . (1/N) sum_j g_j per record, g_i = A_i grad log pi(a_i|s_i) with A normalised over the
-    buffer: each record's policy gradient against the buffer's mean one (ghost dot products)."""
-    normalised = normalize_for_attribution(advantages, "batch", len(advantages))
-    return snapshot_influence(policy, obs, actions, advantages, advantage_norm="batch",
-                              target=ReturnTarget(obs, actions, normalised))
-
-
 def _dtv(buffer: RolloutBuffer, policy: torch.nn.Module, *_: object) -> np.ndarray:
     obs, actions, advantages = (buffer.flat(k) for k in ("obs", "actions", "advantages"))
     try:
-        return -dtv_scores(policy, obs, actions, advantages).double().numpy()
+        return -gradient_alignment(policy, obs, actions, advantages).double().numpy()
     except ZeroTargetGradient:
         return np.zeros(len(buffer))
 

@@ -4,6 +4,7 @@ Scorers (what is computed) and targets (what influence is measured on) are indep
 
 - ``snapshot_influence``: score_i = A_norm_i <grad log pi(a_i|s_i), grad f> at theta(k) (IIF's
   fast scores, ghost dot products);
+- ``gradient_alignment``: g_i . mean_j g_j, no target (DTV);
 - ``tracin_influence``: full local TracIn over the round's recorded optimiser steps;
 - targets ``ActionTarget`` (mean log pi(a*|s*)) and ``ReturnTarget`` ((1/n) sum_j A_j log pi(a_j|s_j));
 - ``score_buffer`` scores a ``RolloutBuffer``; ``top_records`` picks proponents / opponents;
@@ -23,6 +24,7 @@ from rlinfluence.influence.snapshot import (
     DEFAULT_ADVANTAGE_NORM,
     adam_inverse_preconditioner,
     chunk_permutation,
+    gradient_alignment,
     normalize_for_attribution,
     snapshot_influence,
 )
@@ -52,6 +54,7 @@ __all__ = [
     "ZeroTargetGradient",
     "adam_inverse_preconditioner",
     "chunk_permutation",
+    "gradient_alignment",
     "normalize_for_attribution",
     "per_record_dots",
     "plan_ghost",

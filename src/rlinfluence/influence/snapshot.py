@@ -166,6 +166,17 @@ def snapshot_influence(
     return scores
 
 
+def gradient_alignment(policy: nn.Module, obs: torch.Tensor, actions: torch.Tensor, advantages: torch.Tensor
+                       ) -> torch.Tensor:
+    """g_i . (1/N) sum_j g_j per record, g_i = A_i grad log pi(a_i|s_i) with A normalised over the
+    records: each record's policy gradient against the batch's mean one, no target needed (the
+    alignment rule of "Not All Rollouts Are Worth Learning", DTV). Ghost dot products, as
+    ``snapshot_influence`` with a return target whose advantages are the normalised ones."""
+    normalised = normalize_for_attribution(advantages, "batch", len(advantages))
+    return snapshot_influence(policy, obs, actions, advantages, advantage_norm="batch",
+                              target=ReturnTarget(obs, actions, normalised))
+
+
 def adam_inverse_preconditioner(optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, torch.Tensor]:
     """P^-1 of the step ``torch.optim.Adam`` takes next, per parameter, with its moments frozen:
 
