@@ -12,7 +12,7 @@ from rlinfluence.ppo import PPO, PPOConfig
 
 def _run(tmp_path, seed, corrupt=()):
     config = PPOConfig(env="CartPole-v1", n_envs=4, n_steps=64, batch_size=64, total_timesteps=6 * 256, seed=seed,
-                       eval_episodes=0, corrupt=tuple(corrupt), save_buffers=True, run_root=str(tmp_path),
+                       eval_episodes=2, eval_envs=2, corrupt=tuple(corrupt), save_buffers=True, run_root=str(tmp_path),
                        method=f"s{seed}{'flip' if corrupt else ''}", progress=False, tensorboard=False)
     trainer = PPO(config).learn()
     return trainer
@@ -44,6 +44,9 @@ def test_audit_flags_the_flipped_env_and_no_env_of_clean_runs(tmp_path, capsys):
     assert list(written.columns[:3]) == ["source", "records", "rounds"] and (written["scorer"] == "influence").all()
     assert (flipped.run.path / "audit" / "detection.csv").is_file() and (flipped.run.path / "audit" / "sources.png").is_file()
     assert "flagged (Holm-adjusted p < 0.01)" in capsys.readouterr().out
+    assert cli.main(["report", str(flipped.run.path)]) == 0  # the audit is a section of the run's report
+    html = next(flipped.run.path.glob("report*.html")).read_text()
+    assert "Audit: which training envs push the updates the wrong way" in html and "Detection AUROC" in html
     for seed in (2, 3):
         clean = _run(tmp_path, seed)
         for scorer in ("influence", "negative-advantage"):

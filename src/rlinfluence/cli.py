@@ -536,14 +536,18 @@ class AuditArgs:
 
 
 def audit(a: AuditArgs) -> int:
-    """Audit a run; write RUN_DIR/audit/sources.csv (+ detection.csv with ground truth), sources.png."""
-    from rlinfluence.analysis.audit import audit_run, plot_sources
+    """Audit a run; write RUN_DIR/audit/sources.csv (+ detection.csv with ground truth), sources.png,
+    and its section of the run's report."""
+    from rlinfluence.analysis.audit import audit_run, audit_section
+    from rlinfluence.analysis.report import ANALYSES_DIR, save_section
 
     sources, found = audit_run(a.run_dir, a.rounds, a.scorer, a.alpha, a.permutations, a.seed)
     folder = Path(a.run_dir) / "audit"
     folder.mkdir(exist_ok=True)
+    section = audit_section(sources, found, a.alpha)
     atomic_write(folder / "sources.csv", lambda p: sources.to_csv(p, index=False))
-    atomic_write(folder / "sources.png", lambda p: p.write_bytes(plot_sources(sources, a.alpha)))
+    atomic_write(folder / "sources.png", lambda p: p.write_bytes(section.figures["sources"][0]))
+    save_section(Path(a.run_dir) / ANALYSES_DIR, section)  # `rlinfluence report` shows it
     print(sources.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     flagged = sources[sources["flagged"]]["source"].tolist()
     print(f"flagged (Holm-adjusted p < {a.alpha}): {', '.join(f'env {s}' for s in flagged) or 'none'}")

@@ -28,6 +28,7 @@ import pandas as pd
 import torch
 from sklearn.metrics import roc_auc_score
 
+from rlinfluence.analysis.report import Section
 from rlinfluence.buffer import RolloutBuffer
 from rlinfluence.errors import UserError
 from rlinfluence.filters import FilterContext, InfluenceScorer
@@ -195,12 +196,10 @@ def audit_run(run_dir: str | Path, rounds: Sequence[int] | None = None, scorer: 
 
 def plot_sources(sources: pd.DataFrame, alpha: float) -> bytes:
     """PNG: each source's mean harm with its 95% interval, flagged sources in red."""
-    import io
+    from rlinfluence.analysis.report import figure_png, new_figure
 
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(max(4.0, 0.6 * len(sources) + 2), 3.2), layout="constrained")
-    ax = fig.add_subplot()
+    fig, axes = new_figure(max(4.0, 0.6 * len(sources) + 2), 3.2)
+    ax = axes[0, 0]
     colors = ["C3" if f else "C0" for f in sources["flagged"]]
     x = np.arange(len(sources))
     mean = sources["mean_harm"].to_numpy()
@@ -210,6 +209,29 @@ def plot_sources(sources: pd.DataFrame, alpha: float) -> bytes:
     ax.set_xticks(x, [f"env {s}" for s in sources["source"]])
     ax.set(ylabel=f"mean harm ({sources['scorer'].iloc[0]})",
            title=f"red: flagged (Holm-adjusted p < {alpha}); bars: 95% interval over rounds")
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    return buf.getvalue()
+    return figure_png(fig)
+
+
+def audit_section(sources: pd.DataFrame, found: pd.DataFrame, alpha: float) -> Section:
+    """The audit as a report section: the sources table and plot, and the detection AUROC per
+    scorer and level (mean over rounds) where the run has ground truth."""
+    from rlinfluence.analysis.report import Table
+
+    flagged = [f"env {s}" for s in sources.loc[sources["flagged"], "source"]]
+    section = Section("audit", "Audit: which training envs push the updates the wrong way", paragraphs=[
+        f"Harm = minus a record's score by {sources['scorer'].iloc[0]} (higher = more harmful). Each env's mean harm is "
+        "tested against the other envs with a permutation test within rounds (the envs' labels shuffled in every "
+        f"round), Holm-corrected across envs: a clean run is flagged with probability at most {alpha}.",
+        f"Flagged: {', '.join(flagged) or 'none'}."])
+    section.tables.append(Table("Sources", ["env", "records", "rounds", "mean harm", "95% interval", "p", "p (Holm)",
+                                            "flagged"],
+                                [[int(r.source), int(r.records), int(r.rounds), f"{r.mean_harm:.4g}",
+                                  f"[{r.ci_low:.4g}, {r.ci_high:.4g}]", f"{r.p_value:.3g}", f"{r.p_holm:.3g}",
+                                  "yes" if r.flagged else ""] for r in sources.itertuples()]))
+    section.figures["sources"] = (plot_sources(sources, alpha), "Mean harm per env with its 95% interval over rounds.")
+    if len(found):
+        means = found.groupby(["scorer", "level"], sort=False)["auroc"].mean().unstack()
+        section.tables.append(Table("Detection AUROC against the ground truth, mean over rounds (0.5 = chance)",
+                                    ["scorer", *means.columns],
+                                    [[name, *(f"{v:.2f}" for v in row)] for name, row in means.iterrows()]))
+    return section
