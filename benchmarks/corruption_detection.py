@@ -26,15 +26,28 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from rlinfluence.analysis.audit import detection  # noqa: E402
+from rlinfluence.analysis.audit import SCORERS, detection  # noqa: E402
 from rlinfluence.experiments.statistics import bootstrap_mean  # noqa: E402
 from rlinfluence.ppo import PPO, PPOConfig, load_round  # noqa: E402
 
 STUDIES = Path(__file__).parent / "studies"
 ENVS = "CartPole-v1,FrozenLake-v1,Acrobot-v1,MiniGrid-Empty-8x8-v0,LunarLander-v3"
+
+
+def score_run(run_dir: Path, env: str, seed: int, rounds: int, scorers: tuple[str, ...] = tuple(SCORERS)
+              ) -> list[dict]:
+    """Detection rows of the first ``rounds`` saved rounds of one run."""
+    config = json.loads((run_dir / "config.json").read_text())
+    rows = []
+    for k in range(rounds):
+        saved = load_round(run_dir, k)
+        flipped = int(saved.buffer.corrupted.any(0).nonzero()[0, 0])
+        for row in detection(saved.buffer, saved.trainer.policy, config["trusted_envs"], config["batch_size"],
+                             scorers):
+            rows.append({"env": env, "seed": seed, "flipped_env": flipped, **row})
+    return rows
 
 
 def run_seed(env: str, seed: int, rounds: int, out: Path) -> list[dict]:
@@ -45,14 +58,7 @@ def run_seed(env: str, seed: int, rounds: int, out: Path) -> list[dict]:
                                corrupt=("reward-flip:envs=1",), trusted_envs=1, save_buffers=True,
                                run_root=str(out / "runs"), method=f"flip1of8__seed{seed}", progress=False,
                                tensorboard=False)
-    trainer = PPO(config).learn()
-    flipped = int(np.flatnonzero(trainer.corruptor.flipped)[0])
-    rows = []
-    for k in range(rounds):
-        saved = load_round(trainer.run.path, k)
-        for row in detection(saved.buffer, saved.trainer.policy, config.trusted_envs, config.batch_size):
-            rows.append({"env": env, "seed": seed, "flipped_env": flipped, **row})
-    return rows
+    return score_run(PPO(config).learn().run.path, env, seed, rounds)
 
 
 def main() -> None:
@@ -61,11 +67,19 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", default="bench_out/corruption_detection")
+    parser.add_argument("--rescore", metavar="SCORER", help="recompute one scorer's rows from the saved runs")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "detection.csv"
     table = pd.read_csv(path) if path.is_file() else pd.DataFrame(columns=["env", "seed"])
+    if args.rescore:
+        fresh = []
+        for run_dir in sorted((out / "runs").glob("*flip1of8__seed*")):
+            env, seed = run_dir.name.split("__")[0], int(run_dir.name.split("seed")[1].split("__")[0])
+            fresh += score_run(run_dir, env, seed, args.rounds, (args.rescore,))
+        table = pd.concat([table[table["scorer"] != args.rescore], pd.DataFrame(fresh)], ignore_index=True)
+        table.to_csv(path, index=False)
     for env in args.envs.split(","):
         for seed in range(1, args.seeds + 1):
             if ((table["env"] == env) & (table["seed"] == seed)).any():

@@ -23,6 +23,7 @@ import pandas as pd
 from rlinfluence.errors import UserError
 from rlinfluence.experiments.published import (
     collect,
+    detection_by_round_table,
     detection_table,
     fill,
     gap_table,
@@ -36,6 +37,7 @@ ENVS = ("FrozenLake-v1", "Acrobot-v1", "MiniGrid-Empty-8x8-v0", "LunarLander-v3"
 TABLES = {
     "confirmation": ("confirmation.csv", headline_table, ("README.md", "docs/index.md", "docs/results/tuned-ppo.md")),
     "detection": ("detection.csv", detection_table, ("docs/results/harmful-records.md",)),
+    "detection-rounds": ("detection.csv", detection_by_round_table, ("docs/results/harmful-records.md",)),
     "corruption": ("corruption.csv", gap_table, ("docs/results/harmful-records.md",)),
 }
 

@@ -9,7 +9,7 @@ For a saved round with ground truth (``RolloutBuffer.corrupted``, a run trained 
                         gradient alignment of "Not All Rollouts Are Worth Learning", no target needed
     negative-advantage  -A_i
     abs-advantage       |A_i|
-    random              a uniform draw (the chance line)
+    random              a uniform draw (the chance line), seeded by the round and the buffer
 
 and detection is measured as AUROC (the probability that a corrupted record is ranked more
 harmful than a clean one; 0.5 = chance) at three levels: per record, per episode and per source
@@ -20,6 +20,7 @@ counts as corrupted when any of its records, for a source most of them, is). Tru
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -57,7 +58,10 @@ def _dtv(buffer: RolloutBuffer, policy: torch.nn.Module, *_: object) -> np.ndarr
 
 
 def _random(buffer: RolloutBuffer, *_: object) -> np.ndarray:
-    return np.random.default_rng(buffer.round).random(len(buffer))
+    """Uniform draws, seeded by the round and a checksum of the buffer's actions: reproducible,
+    and different for every run and round (a seed of the round alone would repeat across runs)."""
+    checksum = zlib.crc32(buffer.flat("actions").numpy().tobytes())
+    return np.random.default_rng([buffer.round, checksum]).random(len(buffer))
 
 
 SCORERS: dict[str, Scorer] = {

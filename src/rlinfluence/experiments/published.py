@@ -117,6 +117,13 @@ def detection_table(rows: pd.DataFrame, reps: int = 2000, seed: int = 0) -> list
     return markdown_table(["env", "scorer", "record AUROC", "episode AUROC", "env AUROC", "rounds x seeds"], body)
 
 
+def detection_by_round_table(rows: pd.DataFrame, level: str = "source") -> list[str]:
+    """Per env and scorer: the mean over seeds of the ``level`` AUROC in each round."""
+    table = rows[rows["level"] == level].groupby(["env", "scorer", "round"], sort=False)["auroc"].mean().unstack()
+    return markdown_table(["env", "scorer", *(f"round {int(k)}" for k in table.columns)],
+                          [[env, scorer, *(f"{v:.2f}" for v in values)] for (env, scorer), values in table.iterrows()])
+
+
 def fill(text: str, name: str, lines: Sequence[str]) -> str:
     """``text`` with the lines between ``<!-- table:name -->`` and ``<!-- /table:name -->``
     replaced by ``lines`` (``UserError`` if the markers are missing)."""
