@@ -248,3 +248,12 @@ def test_iif_robust_is_iif_with_the_recommended_options_written_out():
     assert config.filter == "iif" and config.method_label == "iif-robust"
     assert all(getattr(config, key) == value for key, value in ROBUST_IIF.items())
     assert PPOConfig.from_dict(config.to_dict()) == config  # config.json says what ran
+
+
+def test_iif_robust_runs_on_a_preset_whose_p_differs_from_its_own():
+    from rlinfluence.experiments import CompareConfig, plan_comparison
+    from rlinfluence.ppo import PPOConfig
+
+    config = PPOConfig.for_env("MiniGrid-Empty-8x8-v0", filter="iif-robust")  # the preset's p is 12.5
+    assert (config.filter, config.drop_pct, config.method) == ("iif", "auto", "iif-robust")
+    plan_comparison(CompareConfig(env="MiniGrid-Empty-8x8-v0", methods=("ppo", "iif-robust")))

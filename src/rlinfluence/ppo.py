@@ -191,9 +191,12 @@ class PPOConfig:
 
     @classmethod
     def for_env(cls, env: str, **overrides: Any) -> PPOConfig:
-        """The paper's preset for ``env`` (if it has one), then ``overrides``."""
-        preset = PRESETS.get(env)
-        return cls(env=env, **{**(preset.config_overrides() if preset else {}), **overrides})
+        """The paper's preset for ``env`` (if it has one), then ``overrides``; with
+        ``filter="iif-robust"`` the preset's values of ROBUST_IIF's options give way to it."""
+        preset = dict(PRESETS[env].config_overrides()) if env in PRESETS else {}
+        if overrides.get("filter") == "iif-robust":  # its options replace the preset's (MiniGrid's p = 12.5)
+            preset = {k: v for k, v in preset.items() if k not in ROBUST_IIF}
+        return cls(env=env, **{**preset, **overrides})
 
     @property
     def method_label(self) -> str:
