@@ -89,9 +89,8 @@ def gap_table(data: pd.DataFrame, reference: str = "ppo", ceiling: str = "oracle
             if ceiling in auc and row["method"] not in (reference, ceiling) and auc[ceiling] > auc[reference]:
                 gap = f"{(auc[row['method']] - auc[reference]) / (auc[ceiling] - auc[reference]):.2f}"
             cells = robust_cells(row, reference)
-            body.append([folder, cells[0], _chosen(row["chosen"]), f"{row['mean_auc_norm']:.2f}", *cells[5:7], gap,
-                         cells[1], cells[4]])
-    return markdown_table(["folder", "method", "lr", "mean auc", f"paired P(> {reference}), auc",
+            body.append([folder, cells[0], f"{row['mean_auc_norm']:.2f}", *cells[5:7], gap, cells[1], cells[4]])
+    return markdown_table(["folder", "method", "mean auc", f"paired P(> {reference}), auc",
                            f"auc - {reference}'s, paired", f"gap to {ceiling} closed", "reached 80% (seeds)",
                            "reading (rounds to 80%)"], body)
 
