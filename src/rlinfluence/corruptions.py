@@ -153,7 +153,7 @@ class Corruptor:
     def __init__(self, specs: Sequence[CorruptionSpec], n_envs: int, seed: int, env_id: str,
                  discrete_obs: bool, trusted_envs: int = 0):
         self.specs, self.n_envs, self.seed = list(specs), n_envs, seed
-        corruptible = n_envs - trusted_envs
+        self.n_corruptible = corruptible = n_envs - trusted_envs
         self.flipped = np.zeros(n_envs, dtype=bool)
         for i, spec in enumerate(self.specs):
             if spec.kind == "reward-flip":
@@ -184,9 +184,8 @@ class Corruptor:
         mask = np.zeros(self.n_envs, dtype=bool)
         for i, spec in enumerate(self.specs):
             if spec.kind == "stale":
-                count = round(spec["frac"] * int(self.corruptible.sum()))
                 rng = np.random.default_rng([self.seed, i, round_index])
-                mask[rng.choice(int(self.corruptible.sum()), count, replace=False)] = True
+                mask[rng.choice(self.n_corruptible, round(spec["frac"] * self.n_corruptible), replace=False)] = True
         return mask
 
     def reward_scale(self) -> float:

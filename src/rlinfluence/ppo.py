@@ -515,7 +515,7 @@ class PPO:
             validation = self.collect(self.validation_stream, cfg.validation_steps)
             validation.compute_advantages(cfg.gamma, cfg.gae_lambda)
         t1 = time.perf_counter()
-        trusted = (buffer.flatten(torch.arange(cfg.n_envs).expand(buffer.n_steps, -1)) >= cfg.n_envs - cfg.trusted_envs
+        trusted = (buffer.record_ids()[:, 1] >= cfg.n_envs - cfg.trusted_envs
                    if cfg.scoring_target == "trusted" else None)
         context = FilterContext(self.policy, self.round, cfg.batch_size, cfg.gamma, validation=validation, trusted=trusted,
                                 optimizer=self.optimizer, ent_coef=cfg.ent_coef, lookahead=lambda train, held_out: self.lookahead(buffer, train, held_out))

@@ -86,7 +86,7 @@ def detection(buffer: RolloutBuffer, policy: torch.nn.Module, trusted_envs: int,
               scorers: tuple[str, ...] = tuple(SCORERS)) -> list[dict[str, float | str | int]]:
     """One row per scorer and level (record, episode, source) of one round: its AUROC."""
     n_envs = buffer.n_envs
-    env = buffer.flatten(torch.arange(n_envs).expand(buffer.n_steps, -1)).numpy()
+    env = buffer.record_ids()[:, 1].numpy()
     trusted = torch.from_numpy(env >= n_envs - trusted_envs) if trusted_envs else None
     judged = env < n_envs - trusted_envs
     corrupted = buffer.flat("corrupted").numpy()
@@ -112,6 +112,12 @@ def detection(buffer: RolloutBuffer, policy: torch.nn.Module, trusted_envs: int,
 
 
 # -- a run's audit: which sources are harmful, and (with ground truth) how well each scorer sees it --
+def source_means(harm_by_round: list[np.ndarray], env_by_round: list[np.ndarray], sources: np.ndarray) -> np.ndarray:
+    """[rounds, sources]: h_s,k, the mean harm of source s's records in round k."""
+    return np.array([[harm[env == s].mean() for s in sources]
+                     for harm, env in zip(harm_by_round, env_by_round, strict=True)])
+
+
 def source_test(harm_by_round: list[np.ndarray], env_by_round: list[np.ndarray], sources: np.ndarray,
                 permutations: int = 2000, seed: int = 0) -> list[dict[str, float | int]]:
     """Per source s: its mean harm over rounds and a one-sided permutation p-value of "s is more
@@ -123,8 +129,7 @@ def source_test(harm_by_round: list[np.ndarray], env_by_round: list[np.ndarray],
     correlations inside a source (its episodes); so the null draws permute the h_.,k of every
     round independently, and p = (1 + #{T*_s >= T_s}) / (1 + permutations).
     """
-    h = np.array([[harm[env == s].mean() for s in sources] for harm, env in zip(harm_by_round, env_by_round,
-                                                                                strict=True)])
+    h = source_means(harm_by_round, env_by_round, sources)
     centred = h - h.mean(axis=1, keepdims=True)
     observed = centred.mean(axis=0)
     rng = np.random.default_rng(seed)
@@ -180,14 +185,14 @@ def audit_run(run_dir: str | Path, rounds: Sequence[int] | None = None, scorer: 
     for k in rounds:
         loaded = load_round(run_dir, k)
         buffer, policy = loaded.buffer, loaded.trainer.policy
-        env = buffer.flatten(torch.arange(n_envs).expand(buffer.n_steps, -1)).numpy()
+        env = buffer.record_ids()[:, 1].numpy()
         trusted = torch.from_numpy(env >= n_envs - trusted_envs) if trusted_envs else None
         harms.append(SCORERS[scorer](buffer, policy, trusted, int(config["batch_size"])))
         envs.append(env)
         if config.get("corrupt"):
             rows += detection(buffer, policy, trusted_envs, int(config["batch_size"]))
     table = pd.DataFrame(source_test(harms, envs, sources, permutations, seed))
-    per_round = np.array([[harm[env == s].mean() for s in sources] for harm, env in zip(harms, envs, strict=True)])
+    per_round = source_means(harms, envs, sources)
     intervals = [bootstrap_mean(per_round[:, i], seed=seed) for i in range(len(sources))]
     table.insert(1, "records", [int(sum((env == s).sum() for env in envs)) for s in sources])
     table.insert(4, "ci_low", [lo for _, lo, _ in intervals])
