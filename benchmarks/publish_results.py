@@ -8,7 +8,7 @@
 
 ``--collect`` gathers the summary rows of the confirmation folders (``confirm_iif_robust.py``)
 into docs/data/confirmation.csv, ``--collect-detection`` and ``--collect-corruption`` those of
-``corruption_detection.py`` and ``corruption_learning.py``; then every page of TABLES gets its
+``corruption_detection.py`` and ``corruption.py``; then every page of TABLES gets its
 tables between their markers (``rlinfluence.experiments.published``). Ends with one line per figure: ``<env>/<method>/<stat>: value``.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
@@ -28,6 +29,7 @@ from rlinfluence.experiments.published import (
     fill,
     gap_table,
     headline_table,
+    target_table,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +40,10 @@ TABLES = {
     "confirmation": ("confirmation.csv", headline_table, ("README.md", "docs/index.md", "docs/results/tuned-ppo.md")),
     "detection": ("detection.csv", detection_table, ("docs/results/harmful-records.md",)),
     "detection-rounds": ("detection.csv", detection_by_round_table, ("docs/results/harmful-records.md",)),
+    **{f"detection-{c}": ("detection.csv", partial(detection_table, condition=c), ("docs/results/harmful-records.md",))
+       for c in ("noise25", "trigger25", "stale25")},
     "corruption": ("corruption.csv", gap_table, ("docs/results/harmful-records.md",)),
+    "corruption-targets": ("corruption.csv", target_table, ("docs/results/harmful-records.md",)),
 }
 
 
@@ -46,7 +51,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--collect", metavar="DIR", help="confirmation folders (one compare folder per env)")
     parser.add_argument("--collect-detection", metavar="CSV", help="corruption_detection.py's detection.csv")
-    parser.add_argument("--collect-corruption", metavar="DIR", help="corruption_learning.py's compare folders")
+    parser.add_argument("--collect-corruption", metavar="DIR", help="corruption.py's compare folders")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated table is stale")
     args = parser.parse_args()
     DATA.mkdir(parents=True, exist_ok=True)

@@ -25,32 +25,34 @@ def test_holm_adjusts_as_the_step_down_procedure():
 
 def test_the_source_test_finds_a_source_that_is_worst_every_round_and_no_other():
     rng = np.random.default_rng(0)
-    env = np.repeat(np.arange(5), 20)
-    harms = [rng.normal(size=100) + 3.0 * (env == 2) for _ in range(6)]
-    rows = source_test(harms, [env] * 6, np.arange(5), permutations=4000)
-    p = {r["source"]: r["p_value"] for r in rows}
+    h = rng.normal(size=(6, 5)) + 3.0 * (np.arange(5) == 2)
+    _, p = source_test(h, permutations=4000)
     assert p[2] < 0.001 and min(p[s] for s in (0, 1, 3, 4)) > 0.01
 
 
 def test_audit_flags_the_flipped_env_and_no_env_of_clean_runs(tmp_path, capsys):
     flipped = _run(tmp_path, 1, ["reward-flip:envs=1"])
     bad = int(np.flatnonzero(flipped.corruptor.flipped)[0])
-    sources, found = audit_run(flipped.run.path, scorer="negative-advantage")
+    sources, found, _ = audit_run(flipped.run.path, scorer="negative-advantage")
     assert sources["flagged"].tolist() == [s == bad for s in range(4)]
     assert set(found["level"]) == {"record", "episode", "source"} and set(found["round"]) == set(range(6))
+    assert list(sources.columns[:8]) == ["source", "records", "rounds", "mean_score", "ci_low", "ci_high", "p_value",
+                                         "p_holm"]
     # the default scorer is IIF's own influence; it is audited as any other, whatever it finds
     assert cli.main(["audit", str(flipped.run.path)]) == 0
     written = pd.read_csv(flipped.run.path / "audit" / "sources.csv")
     assert list(written.columns[:3]) == ["source", "records", "rounds"] and (written["scorer"] == "influence").all()
+    assert list(pd.read_csv(flipped.run.path / "audit" / "detection.csv").columns) == ["scorer", "level", "round",
+                                                                                      "auroc", "precision"]
     assert (flipped.run.path / "audit" / "detection.csv").is_file() and (flipped.run.path / "audit" / "sources.png").is_file()
     assert "flagged (Holm-adjusted p < 0.01)" in capsys.readouterr().out
     assert cli.main(["report", str(flipped.run.path)]) == 0  # the audit is a section of the run's report
     html = next(flipped.run.path.glob("report*.html")).read_text()
-    assert "Audit: which training envs push the updates the wrong way" in html and "Detection AUROC" in html
+    assert "Audit: which training envs push the updates the wrong way" in html and "Detection against the ground truth" in html
     for seed in (2, 3):
         clean = _run(tmp_path, seed)
         for scorer in ("influence", "negative-advantage"):
-            sources, found = audit_run(clean.run.path, scorer=scorer)
+            sources, found, _ = audit_run(clean.run.path, scorer=scorer)
             assert not sources["flagged"].any() and found.empty
 
 
@@ -108,3 +110,46 @@ def test_the_dtv_filter_drops_the_most_misaligned_records(tmp_path):
     assert cli.main(["train", "--env", "CartPole-v1", "--filter", "dtv", "--drop-pct", "25", "--total-timesteps", "128",
                      "--n-steps", "128", "--batch-size", "32", "--eval-episodes", "0", "--run-root", str(tmp_path)]) == 0
     assert torch.isfinite(torch.tensor(pd.read_csv(next(tmp_path.glob("*/metrics.csv")))["kept_fraction"])).all()
+
+
+def test_the_advantage_sign_filter_drops_the_most_negative_advantages_as_iif_counts():
+    import torch
+
+    from rlinfluence.filters import FilterContext, iif_drop_count, make_filter
+
+    config = PPOConfig(env="CartPole-v1", n_envs=2, n_steps=64, batch_size=16, total_timesteps=128, eval_episodes=0,
+                       progress=False)
+    trainer = PPO(config, run_dir=False)
+    buffer = trainer.collect()
+    buffer.advantages = torch.randn(buffer.rewards.shape, generator=torch.Generator().manual_seed(0))
+    advantages = buffer.flat("advantages")
+    assert 0 < int((advantages < 0).sum()) < len(advantages)
+    for pct in (50, 100):
+        keep = make_filter("advantage-sign", drop_pct=pct)(buffer, FilterContext(trainer.policy, 0, 16))
+        assert int((~keep).sum()) == iif_drop_count(advantages, pct, "neg-bottom")
+        assert advantages[~keep].max() <= advantages[keep].min() and (advantages[~keep] < 0).all()
+    assert (advantages[keep] >= 0).all()  # p = 100: every negative dropped
+
+
+def test_audit_reads_a_users_own_harm_tables_with_any_source_ids(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    scores = tmp_path / "run" / "audit" / "scores"
+    scores.mkdir(parents=True)
+    workers = np.repeat(["ann", "bob", "cyd", "dee", "eve"], 30)
+    for k in range(6):
+        harm = rng.normal(size=len(workers)) + 2.0 * (workers == "cyd")
+        pd.DataFrame({"round": k, "source": workers, "episode": np.tile(np.arange(3).repeat(10), 5),
+                      "step": np.tile(np.arange(10), 15), "trusted": False, "my_score": harm,
+                      "corrupted": workers == "cyd"}).to_parquet(scores / f"round_{k:06d}.parquet")
+    assert cli.main(["audit", str(tmp_path / "run"), "--by", "record"]) == 0
+    sources = pd.read_csv(tmp_path / "run" / "audit" / "sources.csv")
+    assert sources.set_index("source")["flagged"].to_dict() == {"ann": False, "bob": False, "cyd": True, "dee": False,
+                                                                "eve": False}
+    found = pd.read_csv(tmp_path / "run" / "audit" / "detection.csv")
+    assert set(found["scorer"]) == {"my_score"} and found.loc[found["level"] == "source", "auroc"].eq(1.0).all()
+    ranked = pd.read_csv(tmp_path / "run" / "audit" / "ranked_record.csv")
+    assert len(ranked) == 6 * 150 and ranked["harm"].is_monotonic_decreasing
+    capsys.readouterr()
+    pd.DataFrame({"round": [0], "source": [0]}).to_parquet(scores / "round_000009.parquet")
+    assert cli.main(["audit", str(tmp_path / "run")]) == 2
+    assert "has no column 'episode'" in capsys.readouterr().err

@@ -128,6 +128,25 @@ def test_tuning_uses_only_tuning_seeds_and_evaluation_never_enters_the_choice(tm
         compare(_tiny(tmp_path / "z", methods="ppo,iif@learning_rate=0.1", tune=("learning_rate=0.001,0.002",)))
 
 
+def test_tune_only_tunes_the_named_methods_and_runs_the_rest_at_the_references_choice(tmp_path):
+    out = compare(_tiny(tmp_path, methods="ppo,iif,random", tune=("learning_rate=0.0003,0.003",), tune_only=("ppo",),
+                        tune_seeds=1))
+    assert sorted(p.name for p in (out / "tune").iterdir()) == ["ppo@learning_rate=0.0003__seed1001",
+                                                               "ppo@learning_rate=0.003__seed1001"]
+    chosen = json.loads((out / "compare.json").read_text())["chosen"]
+    assert chosen["iif"] == chosen["random"] == chosen["ppo"]
+    assert json.loads((out / "random__seed1" / "config.json").read_text())["learning_rate"] == \
+        chosen["ppo"]["learning_rate"]
+    summary = (out / "summary.md").read_text()
+    assert "Not tuned (run at ppo's chosen values): iif, random." in summary and "ppo's: learning_rate=" in summary
+    for kwargs, message in (({"tune_only": ("iif",)}, "must include the reference 'ppo'"),
+                            ({"tune_only": ("ppo", "dqn")}, "--tune-only names 'dqn'")):
+        with pytest.raises(UserError, match=message):
+            compare(_tiny(tmp_path / "z", tune=("learning_rate=0.001,0.002",), **kwargs))
+    with pytest.raises(UserError, match="--tune-only needs --tune"):
+        compare(_tiny(tmp_path / "z", tune_only=("ppo",)))
+
+
 # -- statistics ----------------------------------------------------------------------------
 def _fake_run(folder, returns):
     folder.mkdir(parents=True)

@@ -134,15 +134,31 @@ def test_auroc_is_the_chance_a_corrupted_item_looks_more_harmful():
     assert np.isnan(auroc(np.array([1.0, 2.0]), np.array([0, 0])))
 
 
-def test_detection_scores_every_scorer_at_record_and_source_level():
-    from rlinfluence.analysis.audit import SCORERS, detection
+def test_detection_scores_every_scorer_at_every_level_with_auroc_and_precision(tmp_path):
+    from rlinfluence.analysis.audit import SCORERS, detection, harm_table
+    from rlinfluence.ppo import load_round
 
-    trainer, buffer = _round(["reward-flip:envs=1"], trusted_envs=1)
-    buffer.compute_advantages(0.99, 0.95)
-    rows = detection(buffer, trainer.policy, trusted_envs=1, batch_size=64)
-    assert {(r["scorer"], r["level"]) for r in rows} == {(s, lv) for s in SCORERS for lv in ("record", "episode", "source")}
-    assert all(np.isnan(r["auroc"]) or 0 <= r["auroc"] <= 1 for r in rows)
-    assert not any(r["scorer"] == "influence-trusted" for r in detection(buffer, trainer.policy, 0, 64))
+    config = PPOConfig(env="FrozenLake-v1", n_envs=4, n_steps=64, batch_size=64, total_timesteps=512, eval_episodes=2,
+                       eval_envs=2, corrupt=("reward-flip:envs=1",), trusted_envs=1, seed=3, save_buffers=True,
+                       run_root=str(tmp_path), progress=False, tensorboard=False)
+    saved = load_round(PPO(config).learn().run.path, 1)
+    table = harm_table(saved, list(SCORERS))
+    assert len(table) == 256 and table["trusted"].sum() == 64 and table["corrupted"].sum() == 64
+    found = detection(table, list(SCORERS))
+    assert {(r.scorer, r.level) for r in found.itertuples()} == {(s, lv) for s in SCORERS
+                                                                for lv in ("record", "episode", "source")}
+    assert found["auroc"].between(0, 1).all() and found["precision"].between(0, 1).all()
+    # at source level one of 3 untrusted envs is broken: precision is 1 exactly when AUROC is
+    source = found[found["level"] == "source"]
+    assert ((source["auroc"] == 1.0) == (source["precision"] == 1.0)).all()
+
+
+def test_precision_at_the_corrupted_fraction_counts_the_top_m():
+    from rlinfluence.analysis.audit import precision_at_fraction
+
+    assert precision_at_fraction(np.array([5.0, 4.0, 3.0, 2.0]), np.array([1, 0, 1, 0])) == 0.5
+    assert precision_at_fraction(np.array([5.0, 4.0, 3.0, 2.0]), np.array([1, 1, 0, 0])) == 1.0
+    assert np.isnan(precision_at_fraction(np.array([1.0, 2.0]), np.array([1, 1])))
 
 
 def test_the_trainer_hands_the_trusted_records_to_its_filter_only_when_asked():

@@ -6,6 +6,7 @@ import csv
 
 import gymnasium as gym
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -19,10 +20,12 @@ from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
 from stable_baselines3.common.envs import FakeImageEnv  # noqa: E402
 from stable_baselines3.common.logger import configure  # noqa: E402
 from stable_baselines3.common.torch_layers import BaseFeaturesExtractor  # noqa: E402
+from stable_baselines3.common.vec_env import DummyVecEnv  # noqa: E402
 
 from rlinfluence.filters import drop_lowest, iif_drop_count  # noqa: E402
 from rlinfluence.influence import ActionTarget, snapshot_influence  # noqa: E402
 from rlinfluence.integrations.sb3 import (  # noqa: E402
+    AuditCallback,
     FilteredRolloutBuffer,
     InfluenceFilterCallback,
     SB3PolicyAdapter,
@@ -417,3 +420,49 @@ def test_iif_on_joint_action_spaces_warns_once(space):
         model.learn(16, callback=callback)
         model.learn(16, callback=callback, reset_num_timesteps=False)
     assert sum("joint action" in str(w.message) for w in record) == 1
+
+
+def _audited_cartpole(path, flipped_env=None, seed=3, rollouts=6):
+    """SB3 PPO on 4 CartPole envs (env ``flipped_env`` paying the negated reward), audited."""
+    def make(i):
+        env = gym.make("CartPole-v1")
+        return gym.wrappers.TransformReward(env, lambda r: -r) if i == flipped_env else env
+
+    vec = DummyVecEnv([lambda i=i: make(i) for i in range(4)])
+    vec.seed(seed)
+    model = PPO("MlpPolicy", vec, n_steps=64, batch_size=64, n_epochs=2, seed=seed, device="cpu")
+    callback = AuditCallback(path, corrupted_envs=() if flipped_env is None else (flipped_env,))
+    model.learn(rollouts * 256, callback=callback)
+    return model, callback
+
+
+def test_audit_of_an_sb3_run_flags_the_flipped_env_and_no_env_of_clean_runs(tmp_path, capsys):
+    from rlinfluence import cli
+
+    _, callback = _audited_cartpole(tmp_path / "flip", flipped_env=1)
+    tables = sorted((tmp_path / "flip" / "audit" / "scores").glob("round_*.parquet"))
+    assert len(tables) == callback.rounds == 6
+    first = pd.read_parquet(tables[0])
+    assert list(first.columns[:6]) == ["round", "source", "episode", "step", "trusted", "corrupted"]
+    assert (first["source"].to_numpy() == np.repeat(np.arange(4), 64)).all() and first["corrupted"].sum() == 64
+    assert (np.diff(first["episode"].to_numpy().reshape(4, 64), axis=1) >= 0).all()  # episodes counted per env
+    assert cli.main(["audit", str(tmp_path / "flip"), "--scorer", "negative-advantage", "--by", "episode"]) == 0
+    out = capsys.readouterr().out
+    sources = pd.read_csv(tmp_path / "flip" / "audit" / "sources.csv")
+    assert sources["flagged"].tolist() == [False, True, False, False], out
+    assert (tmp_path / "flip" / "audit" / "detection.csv").is_file() and "the 10 most harmful episodes" in out
+    for seed in (4, 5):
+        _audited_cartpole(tmp_path / f"clean{seed}", seed=seed)
+        for scorer in ("influence", "negative-advantage"):
+            assert cli.main(["audit", str(tmp_path / f"clean{seed}"), "--scorer", scorer]) == 0
+            assert not pd.read_csv(tmp_path / f"clean{seed}" / "audit" / "sources.csv")["flagged"].any()
+
+
+def test_the_audit_callback_leaves_sb3_training_unchanged(tmp_path):
+    plain = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=16, n_epochs=2, seed=3, device="cpu").learn(128)
+    audited = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=16, n_epochs=2, seed=3, device="cpu")
+    audited.learn(128, callback=AuditCallback(tmp_path))
+    for name, value in plain.policy.state_dict().items():
+        assert torch.equal(value, audited.policy.state_dict()[name]), name
+    with pytest.raises(ValueError, match="unknown scorer 'tracin'"):
+        AuditCallback(tmp_path, scorers=("tracin",))

@@ -146,6 +146,12 @@ class RolloutBuffer:
         """r_t + gamma * V(final obs) on truncated steps: SB3's time-limit bootstrap."""
         return self.rewards + gamma * self.final_values * self.truncated
 
+    def td_errors(self, gamma: float) -> torch.Tensor:
+        """delta_t = r_t + gamma V(s_t+1) (1 - done_t) - V(s_t), ``[T, E]`` (r_t with the time-limit
+        bootstrap of ``gae_rewards``; V(s_T) = ``last_values``)."""
+        next_values = torch.cat([self.values[1:], self.last_values[None]], dim=0)
+        return self.gae_rewards(gamma) + gamma * next_values * (~self.dones) - self.values
+
     def compute_advantages(self, gamma: float, gae_lambda: float) -> None:
         """Fill ``advantages`` (GAE) and ``returns`` = advantages + values."""
         adv = compute_gae(

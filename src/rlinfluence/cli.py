@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import os
 import re
 import shutil
 import sys
@@ -515,20 +516,23 @@ def validate(a: ValidateArgs) -> int:
 @dataclass
 class AuditArgs:
     """Which sources (training envs) of a run push its updates the wrong way? Every saved round is
-    scored; each env's mean harm (minus its influence on the return target) is tested against the
-    other envs with a permutation test within rounds, Holm-corrected: a flagged env is more harmful
-    than chance at family-wise error rate --alpha. A run trained with --corrupt also gets the
-    detection AUROC of every scorer at record, episode and env level."""
+    scored; each source's mean harm (e.g. minus its influence on the return target) is tested
+    against the other sources with a permutation test within rounds, Holm-corrected: a flagged
+    source is more harmful than chance at family-wise error rate --alpha. A run trained with
+    --corrupt also gets the detection AUROC and precision of every scorer at record, episode and
+    source level. Runs of the Stable-Baselines3 adapter: train with its AuditCallback."""
 
     run_dir: tyro.conf.Positional[str]
-    """run directory trained with --save-buffers and --n-envs > 1"""
+    """run directory trained with --save-buffers and --n-envs > 1 (or with the SB3 AuditCallback)"""
     rounds: Rounds = ()
     """saved rounds to score (default: every saved round)"""
     scorer: str | None = None
-    """harm score of the sources test: influence (default), influence-trusted (default with
-    --trusted-envs), dtv, negative-advantage, abs-advantage, random"""
+    """harm score of the sources test: influence (the default), influence-trusted (the default with
+    --trusted-envs), tracin, dtv, negative-advantage, abs-advantage, td-error, reward-extremes, random"""
+    by: Literal["source", "episode", "record"] = "source"
+    """episode or record: also rank those items by harm (audit/ranked_<by>.csv, the 10 worst printed)"""
     alpha: float = 0.01
-    """family-wise error rate of the flags across the envs"""
+    """family-wise error rate of the flags across the sources"""
     permutations: int = 2000
     """permutation draws of the test"""
     seed: int = 0
@@ -536,12 +540,14 @@ class AuditArgs:
 
 
 def audit(a: AuditArgs) -> int:
-    """Audit a run; write RUN_DIR/audit/sources.csv (+ detection.csv with ground truth), sources.png,
-    and its section of the run's report."""
-    from rlinfluence.analysis.audit import audit_run, audit_section
+    """Audit a run; write RUN_DIR/audit/sources.csv (+ detection.csv with ground truth, ranked_<by>.csv),
+    sources.png, and its section of the run's report."""
+    from rlinfluence.analysis.audit import audit_run, audit_section, detection_summary, ranked
     from rlinfluence.analysis.report import ANALYSES_DIR, save_section
 
-    sources, found = audit_run(a.run_dir, a.rounds, a.scorer, a.alpha, a.permutations, a.seed)
+    if Path(a.run_dir).is_dir() and not os.access(a.run_dir, os.W_OK):
+        raise UserError(f"run directory {a.run_dir!r} is not writable: the audit writes into it")
+    sources, found, table = audit_run(a.run_dir, a.rounds, a.scorer, a.alpha, a.permutations, a.seed)
     folder = Path(a.run_dir) / "audit"
     folder.mkdir(exist_ok=True)
     section = audit_section(sources, found, a.alpha)
@@ -550,13 +556,20 @@ def audit(a: AuditArgs) -> int:
     save_section(Path(a.run_dir) / ANALYSES_DIR, section)  # `rlinfluence report` shows it
     print(sources.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     flagged = sources[sources["flagged"]]["source"].tolist()
-    print(f"flagged (Holm-adjusted p < {a.alpha}): {', '.join(f'env {s}' for s in flagged) or 'none'}")
+    print(f"flagged (Holm-adjusted p < {a.alpha}): {', '.join(f'source {s}' for s in flagged) or 'none'}")
+    written = ["sources.csv", "sources.png"]
     if len(found):
         atomic_write(folder / "detection.csv", lambda p: found.to_csv(p, index=False))
-        means = found.groupby(["scorer", "level"], sort=False)["auroc"].mean().unstack()
-        print("detection AUROC, mean over rounds (0.5 = chance):")
-        print(means.to_string(float_format=lambda x: f"{x:.2f}"))
-    print(f"wrote {folder / 'sources.csv'}" + (", detection.csv" if len(found) else "") + ", sources.png")
+        written.append("detection.csv")
+        print("detection against the ground truth, mean over rounds [95% interval] (AUROC 0.5 = chance):")
+        print(detection_summary(found, a.seed).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
+    if a.by != "source":
+        items = ranked(table, a.by, sources["scorer"].iloc[0])
+        atomic_write(folder / f"ranked_{a.by}.csv", lambda p: items.to_csv(p, index=False))
+        written.append(f"ranked_{a.by}.csv")
+        print(f"the 10 most harmful {a.by}s:")
+        print(items.head(10).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    print(f"wrote {', '.join(str(folder / name) for name in written)}")
     return 0
 
 

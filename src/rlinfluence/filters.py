@@ -415,10 +415,7 @@ class TDErrorFilter(_Seeded):
         self.alpha = alpha
 
     def __call__(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
-        gamma = context.gamma
-        next_values = torch.cat([buffer.values[1:], buffer.last_values[None]], dim=0)
-        delta = buffer.gae_rewards(gamma) + gamma * next_values * (~buffer.dones) - buffer.values
-        delta = buffer.flatten(delta)
+        delta = buffer.flatten(buffer.td_errors(context.gamma))
         rank = torch.empty(len(delta))
         rank[torch.sort(delta.abs(), descending=True, stable=True).indices] = torch.arange(1, len(delta) + 1, dtype=torch.float32)
         weights = rank.reciprocal().pow(self.alpha)
@@ -444,28 +441,54 @@ class RewardExtremesFilter(_Seeded):
         return guard_minibatch(keep, torch.zeros(len(rewards)), context)
 
 
-class DTVFilter(_Seeded):
-    """Drops the records whose policy gradient points against the buffer's mean one
-    (``gradient_alignment``: g_i . mean_j g_j, the DTV rule; no target): floor(p * N_neg) lowest
-    in ``neg-bottom`` mode, as IIF drops by influence. A round without gradient keeps every record."""
-
-    name = "dtv"
+class _DropsLowestScores(_Seeded):
+    """Drops the records of lowest ``scores`` as IIF drops by influence: floor(p N_neg) of the N_neg
+    negative ones in ``neg-bottom`` mode (``iif_drop_count``). ``scores`` None keeps every record."""
 
     def __init__(self, drop_pct: float, drop_mode: DropMode = "neg-bottom", seed: int = 0):
         super().__init__(seed)
         iif_drop_count(torch.zeros(1), 50.0, drop_mode)  # validates drop_mode
         self.drop_pct, self.drop_mode = drop_pct, drop_mode
 
+    def scores(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor | None:
+        raise NotImplementedError
+
     def __call__(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
+        scores = self.scores(buffer, context)
+        if scores is None:
+            return torch.ones(len(buffer), dtype=torch.bool)
+        context.stats["n_negative"] = float((scores < 0).sum())
+        keep = drop_lowest(scores, iif_drop_count(scores, self.drop_pct, self.drop_mode))
+        return guard_minibatch(keep, scores, context)
+
+
+class DTVFilter(_DropsLowestScores):
+    """Drops the records whose policy gradient points against the buffer's mean one
+    (``gradient_alignment``: g_i . mean_j g_j, the DTV rule; no target): floor(p * N_neg) lowest
+    in ``neg-bottom`` mode, as IIF drops by influence. A round without gradient keeps every record."""
+
+    name = "dtv"
+
+    def scores(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor | None:
         try:
             scores = gradient_alignment(context.policy, *(buffer.flat(k) for k in ("obs", "actions", "advantages")))
         except ZeroTargetGradient:
             context.stats["skipped"] = 1.0
-            return torch.ones(len(buffer), dtype=torch.bool)
-        context.stats.update(skipped=0.0, n_negative=float((scores < 0).sum()))
+            return None
+        context.stats["skipped"] = 0.0
         context.scores = scores
-        keep = drop_lowest(scores, iif_drop_count(scores, self.drop_pct, self.drop_mode))
-        return guard_minibatch(keep, scores, context)
+        return scores
+
+
+class AdvantageSignFilter(_DropsLowestScores):
+    """Drops negative-advantage records, the sign filter practitioners try first: the
+    floor(p N_neg) records of lowest raw advantage A_i among the N_neg with A_i < 0 in ``neg-bottom``
+    mode (p = 100: every one), as IIF drops by influence, so the two drop the same share."""
+
+    name = "advantage-sign"
+
+    def scores(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
+        return buffer.flat("advantages").double()
 
 
 class OracleFilter(_Seeded):
@@ -482,7 +505,7 @@ class OracleFilter(_Seeded):
         return guard_minibatch(~corrupted, (~corrupted).float(), context)
 
 
-FILTER_NAMES = ("none", "iif", "random", "advantage", "td-error", "reward-extremes", "dtv", "oracle")
+FILTER_NAMES = ("none", "iif", "random", "advantage", "td-error", "reward-extremes", "dtv", "advantage-sign", "oracle")
 
 
 def make_filter(
@@ -516,6 +539,8 @@ def make_filter(
         return RewardExtremesFilter(drop_pct, seed)
     if name == "dtv":
         return DTVFilter(drop_pct, drop_mode, seed)
+    if name == "advantage-sign":
+        return AdvantageSignFilter(drop_pct, drop_mode, seed)
     if name == "oracle":
         return OracleFilter(seed)
     raise UserError(f"unknown filter {name!r} (choose from {', '.join(FILTER_NAMES)})")

@@ -97,10 +97,11 @@ class PPOConfig:
     target_kl: float | None = None
     """stop the round's update once approx_kl > 1.5 * target_kl (SB3); None = never"""
     filter: Literal["none", "iif", "iif-robust", "random", "advantage", "td-error", "reward-extremes",
-                    "dtv", "oracle"] = "none"
+                    "dtv", "advantage-sign", "oracle"] = "none"
     """records to drop before each update: none = standard PPO; iif = influence-based filtering
     (the paper's); iif-robust = iif with ROBUST_IIF's options (drop_pct auto; docs/results/variants.md);
     dtv = records whose policy gradient opposes the buffer's mean one (no target);
+    advantage-sign = the most negative-advantage records (as many of the negatives as iif drops);
     oracle = exactly the records a --corrupt corruption changed (the ceiling of any detector)"""
     drop_pct: float | Literal["auto"] = 50.0
     """p in (0, 100]: iif drops p% of the negative records (neg-bottom); baselines p% of records;

@@ -1,21 +1,34 @@
-"""Detection of corrupted records: how well each scorer ranks the records a corruption changed.
+"""Audits of a run's training data: which sources push its updates the wrong way, and (where the
+truth is known) how well each scorer finds the corrupted records.
 
-For a saved round with ground truth (``RolloutBuffer.corrupted``, a run trained with
-``--corrupt``), every scorer gives each record a *harm* score (higher = more harmful):
+Every scorer gives each record of a round a *harm* score (higher = more harmful):
 
     influence           -<grad l_i, grad f>, f the return target on the whole buffer (IIF's scores)
     influence-trusted   the same with f on the trusted envs' records only (``trusted_envs``)
+    tracin              -I_i, full local TracIn over the round's recorded optimiser steps
+                        (``rlinfluence.influence.tracin_influence``, the return target)
     dtv                 -g_i . mean_j g_j, g_i = A_i grad log pi(a_i|s_i) (A batch-normalised): the
                         gradient alignment of "Not All Rollouts Are Worth Learning", no target needed
     negative-advantage  -A_i
     abs-advantage       |A_i|
+    td-error            |delta_i|, delta_i = r_i + gamma V(s'_i) (1 - done_i) - V(s_i)
+    reward-extremes     |r_i - mean_j r_j|, the distance of the reward from the round's mean
     random              a uniform draw (the chance line), seeded by the round and the buffer
 
-and detection is measured as AUROC (the probability that a corrupted record is ranked more
-harmful than a clean one; 0.5 = chance) at three levels: per record, per episode and per source
-(a training env), an episode's or a source's harm being the mean harm of its records (and it
-counts as corrupted when any of its records, for a source most of them, is). Trusted envs are left out of both
-(their records are clean by construction and the trusted target is built from them).
+A round is scored into a *harm table*, one row per record: ``round``, ``source`` (the training env,
+or for a user's own records any id: worker, annotator), ``episode`` (unique within its source),
+``step``, ``trusted``, ``corrupted`` (where the truth is known) and one column per scorer.
+``harm_table`` builds it from a run's saved round; the Stable-Baselines3 adapter writes the same
+table per rollout (``rlinfluence.integrations.sb3.AuditCallback``), as may any user, to
+``RUN_DIR/audit/scores/round_K.parquet``. Everything below reads only that table.
+
+Detection (``detection``) is measured at three levels: per record, per episode and per source, an
+episode's or a source's harm being the mean harm of its records (an episode counts as corrupted
+when any of its records is, a source when most of them are), as the AUROC (the probability that a
+corrupted item is ranked more harmful than a clean one; 0.5 = chance) and the precision at the
+corrupted fraction (of the m most harmful items, m the number of corrupted ones, the fraction
+corrupted; the base rate m / n is chance). Trusted records are left out of both (they are clean
+by construction, and the trusted target is built from them).
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import pandas as pd
@@ -30,50 +44,97 @@ import torch
 from sklearn.metrics import roc_auc_score
 
 from rlinfluence.analysis.report import Section
-from rlinfluence.buffer import RolloutBuffer
 from rlinfluence.errors import UserError
 from rlinfluence.filters import FilterContext, InfluenceScorer
-from rlinfluence.influence import ZeroTargetGradient, gradient_alignment
+from rlinfluence.influence import ReturnTarget, ZeroTargetGradient, gradient_alignment
 
-Scorer = Callable[[RolloutBuffer, torch.nn.Module, torch.Tensor | None, int], np.ndarray]
+if TYPE_CHECKING:
+    from rlinfluence.ppo import SavedRound
+
+Scorer = Callable[["SavedRound"], np.ndarray]
+Level = Literal["record", "episode", "source"]
+LEVELS: tuple[Level, ...] = ("record", "episode", "source")
+SCORES_DIR = Path("audit") / "scores"
+
+
+def _trusted(saved: SavedRound) -> torch.Tensor:
+    """[N] bool, flat order: the records of the run's trusted envs (the last ``trusted_envs``)."""
+    env = saved.buffer.record_ids()[:, 1]
+    return env >= saved.buffer.n_envs - saved.trainer.config.trusted_envs
 
 
 def _influence(trusted_only: bool) -> Scorer:
-    def harm(buffer: RolloutBuffer, policy: torch.nn.Module, trusted: torch.Tensor | None, batch_size: int
-             ) -> np.ndarray:
-        if trusted_only and trusted is None:
-            raise ValueError("influence-trusted needs a run with trusted_envs > 0")
-        context = FilterContext(policy, buffer.round, batch_size, trusted=trusted if trusted_only else None)
+    def harm(saved: SavedRound) -> np.ndarray:
+        buffer = saved.buffer
+        trusted = _trusted(saved) if trusted_only else None
+        context = FilterContext(saved.trainer.policy, buffer.round, saved.trainer.config.batch_size, trusted=trusted)
         scores = InfluenceScorer(advantage_norm="batch").scores(buffer, context)
         return -scores.double().numpy() if scores is not None else np.zeros(len(buffer))
     return harm
 
 
-def _dtv(buffer: RolloutBuffer, policy: torch.nn.Module, *_: object) -> np.ndarray:
-    obs, actions, advantages = (buffer.flat(k) for k in ("obs", "actions", "advantages"))
+def _tracin(saved: SavedRound) -> np.ndarray:
+    from rlinfluence.analysis.validation import score_round
+
     try:
-        return -gradient_alignment(policy, obs, actions, advantages).double().numpy()
+        return -score_round(saved, ReturnTarget(), "full", 0).double().numpy()
     except ZeroTargetGradient:
-        return np.zeros(len(buffer))
+        return np.zeros(len(saved.buffer))
 
 
-def _random(buffer: RolloutBuffer, *_: object) -> np.ndarray:
+def _dtv(saved: SavedRound) -> np.ndarray:
+    obs, actions, advantages = (saved.buffer.flat(k) for k in ("obs", "actions", "advantages"))
+    try:
+        return -gradient_alignment(saved.trainer.policy, obs, actions, advantages).double().numpy()
+    except ZeroTargetGradient:
+        return np.zeros(len(saved.buffer))
+
+
+def _random(saved: SavedRound) -> np.ndarray:
     """Uniform draws, seeded by the round and a checksum of the buffer's actions: reproducible,
     and different for every run and round (a seed of the round alone would repeat across runs)."""
+    buffer = saved.buffer
     checksum = zlib.crc32(buffer.flat("actions").numpy().tobytes())
     return np.random.default_rng([buffer.round, checksum]).random(len(buffer))
+
+
+def _reward_extremes(saved: SavedRound) -> np.ndarray:
+    rewards = saved.buffer.flat("rewards").double().numpy()
+    return np.abs(rewards - rewards.mean())
 
 
 SCORERS: dict[str, Scorer] = {
     "influence": _influence(False),
     "influence-trusted": _influence(True),
+    "tracin": _tracin,
     "dtv": _dtv,
-    "negative-advantage": lambda buffer, *_: -buffer.flat("advantages").double().numpy(),
-    "abs-advantage": lambda buffer, *_: buffer.flat("advantages").abs().double().numpy(),
+    "negative-advantage": lambda saved: -saved.buffer.flat("advantages").double().numpy(),
+    "abs-advantage": lambda saved: saved.buffer.flat("advantages").abs().double().numpy(),
+    "td-error": lambda saved: saved.buffer.flatten(saved.buffer.td_errors(saved.trainer.config.gamma)).abs().double().numpy(),
+    "reward-extremes": _reward_extremes,
     "random": _random,
 }
 
 
+def scorers_of(trusted_envs: int) -> list[str]:
+    """The scorers a run can use (influence-trusted needs trusted envs)."""
+    return [s for s in SCORERS if trusted_envs or s != "influence-trusted"]
+
+
+def harm_table(saved: SavedRound, scorers: Sequence[str]) -> pd.DataFrame:
+    """One row per record of a saved round (module docstring), a harm column per scorer."""
+    buffer = saved.buffer
+    ids = buffer.record_ids().numpy()
+    table = pd.DataFrame({"round": ids[:, 0], "source": ids[:, 1], "episode": buffer.flat("episode_ids").numpy(),
+                          "step": ids[:, 2], "trusted": _trusted(saved).numpy()})
+    if saved.trainer.config.corrupt:
+        table["corrupted"] = buffer.flat("corrupted").numpy()
+    for name in scorers:
+        table[name] = SCORERS[name](saved)
+    return table
+
+
+# -- detection against the truth --------------------------------------------------------------------
 def auroc(harm: np.ndarray, corrupted: np.ndarray) -> float:
     """P(a corrupted item's harm > a clean item's), ties counting 1/2; NaN if one class is empty."""
     corrupted = np.asarray(corrupted, bool)
@@ -82,62 +143,72 @@ def auroc(harm: np.ndarray, corrupted: np.ndarray) -> float:
     return float(roc_auc_score(corrupted, harm))
 
 
-def detection(buffer: RolloutBuffer, policy: torch.nn.Module, trusted_envs: int, batch_size: int,
-              scorers: tuple[str, ...] = tuple(SCORERS)) -> list[dict[str, float | str | int]]:
-    """One row per scorer and level (record, episode, source) of one round: its AUROC."""
-    n_envs = buffer.n_envs
-    env = buffer.record_ids()[:, 1].numpy()
-    trusted = torch.from_numpy(env >= n_envs - trusted_envs) if trusted_envs else None
-    judged = env < n_envs - trusted_envs
-    corrupted = buffer.flat("corrupted").numpy()
-    rows: list[dict[str, float | str | int]] = []
-    for name in scorers:
-        if name == "influence-trusted" and trusted is None:
-            continue
-        harm = SCORERS[name](buffer, policy, trusted, batch_size)
-        sources = np.unique(env[judged])
-        source_harm = np.array([harm[env == s].mean() for s in sources])
-        source_corrupted = np.array([corrupted[env == s].mean() > 0.5 for s in sources])
-        rows.append({"round": buffer.round, "scorer": name, "level": "record",
-                     "auroc": auroc(harm[judged], corrupted[judged])})
-        episodes = buffer.flat("episode_ids").numpy()[judged]
-        _, episode_index = np.unique(episodes, return_inverse=True)
-        episode_harm = np.bincount(episode_index, weights=harm[judged]) / np.bincount(episode_index)
-        episode_corrupted = np.bincount(episode_index, weights=corrupted[judged].astype(float)) > 0
-        rows.append({"round": buffer.round, "scorer": name, "level": "episode",
-                     "auroc": auroc(episode_harm, episode_corrupted)})
-        rows.append({"round": buffer.round, "scorer": name, "level": "source",
-                     "auroc": auroc(source_harm, source_corrupted)})
-    return rows
+def precision_at_fraction(harm: np.ndarray, corrupted: np.ndarray) -> float:
+    """Of the m most harmful items (m = the number corrupted; stable order on ties), the fraction
+    that is corrupted; NaN if one class is empty."""
+    corrupted = np.asarray(corrupted, bool)
+    m = int(corrupted.sum())
+    if m in (0, len(corrupted)):
+        return float("nan")
+    return float(corrupted[np.argsort(-np.asarray(harm), kind="stable")[:m]].mean())
 
 
-# -- a run's audit: which sources are harmful, and (with ground truth) how well each scorer sees it --
-def source_means(harm_by_round: list[np.ndarray], env_by_round: list[np.ndarray], sources: np.ndarray) -> np.ndarray:
-    """[rounds, sources]: h_s,k, the mean harm of source s's records in round k."""
-    return np.array([[harm[env == s].mean() for s in sources]
-                     for harm, env in zip(harm_by_round, env_by_round, strict=True)])
+def items(table: pd.DataFrame, level: Level, scorers: Sequence[str]) -> pd.DataFrame:
+    """The table's untrusted records grouped to ``level``: per round, the mean harm of each scorer,
+    ``records`` and ``corrupted`` (episode: any record; source: most records; where known)."""
+    judged = table[~table["trusted"]]
+    if level == "record":
+        return judged.assign(records=1)
+    keys = ["round", "source"] + (["episode"] if level == "episode" else [])
+    aggregations = {name: (name, "mean") for name in scorers} | {"records": ("step", "size")}
+    if "corrupted" in judged:
+        aggregations["corrupted"] = ("corrupted", "any" if level == "episode" else lambda c: c.mean() > 0.5)
+    return judged.groupby(keys, sort=True).agg(**aggregations).reset_index()
 
 
-def source_test(harm_by_round: list[np.ndarray], env_by_round: list[np.ndarray], sources: np.ndarray,
-                permutations: int = 2000, seed: int = 0) -> list[dict[str, float | int]]:
-    """Per source s: its mean harm over rounds and a one-sided permutation p-value of "s is more
-    harmful than the other sources".
+def detection(table: pd.DataFrame, scorers: Sequence[str]) -> pd.DataFrame:
+    """One row per round, scorer and level: its AUROC and precision at the corrupted fraction."""
+    rows = []
+    for level in LEVELS:
+        grouped = items(table, level, scorers)
+        for k, in_round in grouped.groupby("round", sort=True):
+            truth = in_round["corrupted"].to_numpy(bool)
+            for name in scorers:
+                harm = in_round[name].to_numpy()
+                rows.append({"scorer": name, "level": level, "round": int(k), "auroc": auroc(harm, truth),
+                             "precision": precision_at_fraction(harm, truth)})
+    return pd.DataFrame(rows, columns=["scorer", "level", "round", "auroc", "precision"])
 
-    The statistic is T_s = mean over rounds k of (h_s,k - mean_j h_j,k), h_s,k the mean harm of
-    source s's records in round k. Under the null that the sources are exchangeable (no source is
-    broken), the labels of the sources are a random permutation within each round, whatever the
-    correlations inside a source (its episodes); so the null draws permute the h_.,k of every
-    round independently, and p = (1 + #{T*_s >= T_s}) / (1 + permutations).
+
+# -- the sources test -------------------------------------------------------------------------------
+def source_means(table: pd.DataFrame, scorer: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sources, rounds, h) with h [rounds, sources] = h_s,k, the mean harm of source s's untrusted
+    records in round k. Every source must have records in every round audited."""
+    h = table[~table["trusted"]].pivot_table(index="round", columns="source", values=scorer, aggfunc="mean")
+    missing = h.isna()
+    if missing.to_numpy().any():
+        k, s = next((k, s) for k in h.index for s in h.columns if missing.loc[k, s])
+        raise UserError(f"source {s!r} has no records in round {k}: the test compares every source in every "
+                        "round (audit the rounds where all sources are present with --rounds)")
+    return h.columns.to_numpy(), h.index.to_numpy(), h.to_numpy()
+
+
+def source_test(h: np.ndarray, permutations: int = 2000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(T, p): per source s of ``h [rounds, sources]``, its statistic and a one-sided permutation
+    p-value of "s is more harmful than the other sources".
+
+    T_s = mean over rounds k of (h_s,k - mean_j h_j,k). Under the null that the sources are
+    exchangeable (no source is broken), the labels of the sources are a random permutation within
+    each round, whatever the correlations inside a source (its episodes); so the null draws
+    permute the h_.,k of every round independently, and p = (1 + #{T*_s >= T_s}) / (1 + permutations).
     """
-    h = source_means(harm_by_round, env_by_round, sources)
     centred = h - h.mean(axis=1, keepdims=True)
     observed = centred.mean(axis=0)
     rng = np.random.default_rng(seed)
-    null = np.stack([np.take_along_axis(centred, rng.permuted(np.tile(np.arange(len(sources)), (len(h), 1)), axis=1),
-                                        axis=1).mean(axis=0) for _ in range(permutations)])
-    p_values = (1 + (null >= observed).sum(axis=0)) / (1 + permutations)
-    return [{"source": int(s), "rounds": len(h), "mean_harm": float(h[:, i].mean()), "p_value": float(p_values[i])}
-            for i, s in enumerate(sources)]
+    index = np.tile(np.arange(h.shape[1]), (len(h), 1))
+    null = np.stack([np.take_along_axis(centred, rng.permuted(index, axis=1), axis=1).mean(axis=0)
+                     for _ in range(permutations)])
+    return observed, (1 + (null >= observed).sum(axis=0)) / (1 + permutations)
 
 
 def holm(p_values: np.ndarray) -> np.ndarray:
@@ -150,57 +221,114 @@ def holm(p_values: np.ndarray) -> np.ndarray:
     return out
 
 
-def audit_run(run_dir: str | Path, rounds: Sequence[int] | None = None, scorer: str | None = None,
-              alpha: float = 0.01, permutations: int = 2000, seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(sources, detection) of a run trained with ``--save-buffers``.
-
-    sources: one row per training env but the trusted ones: records, mean harm with a 95%
-    bootstrap interval over rounds, the permutation p-value (``source_test``), its Holm-adjusted
-    value across sources and ``flagged`` = adjusted p < ``alpha``. ``scorer`` defaults to
-    influence-trusted for a run with trusted envs, else influence. detection: the AUROC of every
-    scorer at every level per round (``detection``), empty for a run without ground truth."""
+def sources_table(table: pd.DataFrame, scorer: str, alpha: float = 0.01, permutations: int = 2000, seed: int = 0
+                  ) -> pd.DataFrame:
+    """One row per untrusted source: records, rounds, mean harm with a 95% bootstrap interval
+    over rounds, the permutation p-value (``source_test``), its Holm-adjusted value across the
+    sources and ``flagged`` = adjusted p < ``alpha``."""
     from rlinfluence.experiments.statistics import bootstrap_mean
+
+    sources, rounds, h = source_means(table, scorer)
+    if len(sources) < 2:
+        raise UserError(f"an audit compares sources: this run has {len(sources)} untrusted source(s)")
+    _, p_values = source_test(h, permutations, seed)
+    intervals = [bootstrap_mean(h[:, i], seed=seed) for i in range(len(sources))]
+    counts = table[~table["trusted"]].groupby("source").size()
+    out = pd.DataFrame({"source": sources, "records": [int(counts[s]) for s in sources], "rounds": len(rounds),
+                        "mean_score": h.mean(axis=0), "ci_low": [lo for _, lo, _ in intervals],
+                        "ci_high": [hi for _, _, hi in intervals], "p_value": p_values})
+    out["p_holm"] = holm(p_values)
+    out["flagged"] = out["p_holm"] < alpha
+    out["scorer"] = scorer
+    return out
+
+
+def ranked(table: pd.DataFrame, level: Level, scorer: str) -> pd.DataFrame:
+    """The items of ``level`` (records, episodes, sources per round) by harm, most harmful first."""
+    grouped = items(table, level, [scorer])
+    columns = [c for c in ("round", "source", "episode", "step", "records", scorer, "corrupted") if c in grouped]
+    return grouped[columns].rename(columns={scorer: "harm"}).sort_values("harm", ascending=False, kind="stable")
+
+
+# -- a run's audit ----------------------------------------------------------------------------------
+HARM_TABLE_COLUMNS = ("round", "source", "episode", "step", "trusted")
+
+
+def _saved_rounds(run_dir: Path) -> list[int]:
+    return sorted(int(p.stem.split("_")[1]) for p in (run_dir / "buffers").glob("round_*.safetensors"))
+
+
+def _scored_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None) -> tuple[pd.DataFrame, list[str], str]:
+    """A run trained with ``--save-buffers``: its saved rounds scored now, by every scorer where
+    the run has ground truth (for the detection table), else by the test's alone."""
     from rlinfluence.ppo import load_round
     from rlinfluence.rundir import RunDirectory
 
-    run = RunDirectory.open_existing(run_dir, tensorboard=False)
-    config = run.read_config()
-    trusted_envs, n_envs = int(config.get("trusted_envs", 0)), int(config["n_envs"])
-    scorer = scorer or ("influence-trusted" if trusted_envs else "influence")
-    if scorer not in SCORERS or (scorer == "influence-trusted" and not trusted_envs):
-        raise UserError(f"unknown scorer {scorer!r} for this run (scorers: "
-                        f"{', '.join(s for s in SCORERS if trusted_envs or s != 'influence-trusted')})")
-    saved = sorted(int(p.stem.split("_")[1]) for p in (Path(run_dir) / "buffers").glob("round_*.safetensors"))
-    rounds = list(rounds) if rounds else saved
-    if not rounds:
-        raise UserError(f"{str(run_dir)!r} has no saved rounds: train with --save-buffers")
-    if n_envs - trusted_envs < 2:
-        raise UserError(f"an audit compares sources: {str(run_dir)!r} has {n_envs - trusted_envs} untrusted env(s)")
+    config = RunDirectory.open_existing(run_dir, tensorboard=False).read_config()
+    available = scorers_of(int(config.get("trusted_envs", 0)))
+    scorer = scorer or ("influence-trusted" if "influence-trusted" in available else "influence")
+    if scorer not in available:
+        raise UserError(f"unknown scorer {scorer!r} for this run (scorers: {', '.join(available)})")
+    saved = _saved_rounds(run_dir)
+    absent = sorted(set(rounds) - set(saved))
+    if absent:
+        raise UserError(f"round {absent[0]} of {str(run_dir)!r} is not saved (saved: {saved[0]}..{saved[-1]})")
+    scorers = available if config.get("corrupt") else [scorer]
+    table = pd.concat([harm_table(load_round(run_dir, k), scorers) for k in rounds or saved], ignore_index=True)
+    return table, scorers, scorer
+
+
+def _written_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None) -> tuple[pd.DataFrame, list[str], str]:
+    """Harm tables written during training (``SCORES_DIR``: the SB3 ``AuditCallback``, or a user's)."""
+    files = sorted((run_dir / SCORES_DIR).glob("round_*.parquet"))
+    if not files:
+        raise UserError(f"{str(run_dir)!r} has no saved rounds: train with --save-buffers (or, with "
+                        "Stable-Baselines3, rlinfluence.integrations.sb3.AuditCallback)")
+    tables = []
+    for path in files:
+        try:
+            tables.append(pd.read_parquet(path))
+        except (OSError, ValueError) as exc:
+            raise UserError(f"cannot read {str(path)!r} as Parquet: {exc}") from None
+        missing = sorted(set(HARM_TABLE_COLUMNS) - set(tables[-1].columns))
+        if missing:
+            raise UserError(f"{path} has no column {missing[0]!r} (a harm table has {', '.join(HARM_TABLE_COLUMNS)})")
+    table = pd.concat(tables, ignore_index=True)
+    for column in ("trusted", "corrupted"):
+        if column in table and table[column].dtype != bool:
+            raise UserError(f"the {column!r} column of {str(run_dir / SCORES_DIR)!r} must be bool, got {table[column].dtype}")
+    absent = sorted(set(rounds) - set(table["round"]))
+    if absent:
+        raise UserError(f"round {absent[0]} is not among the score tables of {str(run_dir)!r}")
+    if rounds:
+        table = table[table["round"].isin(list(rounds))]
+    held = [c for c in table.columns if c not in (*HARM_TABLE_COLUMNS, "corrupted")]
+    scorer = scorer or held[0]
+    if scorer not in held:
+        raise UserError(f"unknown scorer {scorer!r}: the score tables of {str(run_dir)!r} hold {', '.join(held)}")
+    return table, held, scorer
+
+
+def audit_run(run_dir: str | Path, rounds: Sequence[int] = (), scorer: str | None = None,
+              alpha: float = 0.01, permutations: int = 2000, seed: int = 0
+              ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(sources, detection, harm table) of a run's rounds (default: all).
+
+    The harm table comes from the run's saved rounds (``--save-buffers``) or from the tables
+    written during training (``SCORES_DIR``). sources: ``sources_table`` by ``scorer`` (default
+    influence-trusted for a run with trusted envs, else influence; for written tables, the first
+    they hold). detection: every scorer at every level per round (``detection``), where the run
+    has ground truth (``--corrupt``, or a ``corrupted`` column); else empty."""
     if not 0 < alpha < 1:
         raise UserError(f"--alpha must be in (0, 1), got {alpha}")
     if permutations < 1:
         raise UserError(f"--permutations must be >= 1, got {permutations}")
-    sources = np.arange(n_envs - trusted_envs)
-    harms, envs, rows = [], [], []
-    for k in rounds:
-        loaded = load_round(run_dir, k)
-        buffer, policy = loaded.buffer, loaded.trainer.policy
-        env = buffer.record_ids()[:, 1].numpy()
-        trusted = torch.from_numpy(env >= n_envs - trusted_envs) if trusted_envs else None
-        harms.append(SCORERS[scorer](buffer, policy, trusted, int(config["batch_size"])))
-        envs.append(env)
-        if config.get("corrupt"):
-            rows += detection(buffer, policy, trusted_envs, int(config["batch_size"]))
-    table = pd.DataFrame(source_test(harms, envs, sources, permutations, seed))
-    per_round = source_means(harms, envs, sources)
-    intervals = [bootstrap_mean(per_round[:, i], seed=seed) for i in range(len(sources))]
-    table.insert(1, "records", [int(sum((env == s).sum() for env in envs)) for s in sources])
-    table.insert(4, "ci_low", [lo for _, lo, _ in intervals])
-    table.insert(5, "ci_high", [hi for _, _, hi in intervals])
-    table["p_holm"] = holm(table["p_value"].to_numpy())
-    table["flagged"] = table["p_holm"] < alpha
-    table["scorer"] = scorer
-    return table, pd.DataFrame(rows, columns=["round", "scorer", "level", "auroc"])
+    run_dir = Path(run_dir)
+    read = _scored_rounds if _saved_rounds(run_dir) else _written_rounds
+    table, scorers, scorer = read(run_dir, list(rounds), scorer)
+    found = detection(table, scorers) if "corrupted" in table else \
+        pd.DataFrame(columns=["scorer", "level", "round", "auroc", "precision"])
+    return sources_table(table, scorer, alpha, permutations, seed), found, table
 
 
 def plot_sources(sources: pd.DataFrame, alpha: float) -> bytes:
@@ -211,36 +339,56 @@ def plot_sources(sources: pd.DataFrame, alpha: float) -> bytes:
     ax = axes[0, 0]
     colors = ["C3" if f else "C0" for f in sources["flagged"]]
     x = np.arange(len(sources))
-    mean = sources["mean_harm"].to_numpy()
+    mean = sources["mean_score"].to_numpy()
     ax.bar(x, mean, color=colors)
     ax.errorbar(x, mean, yerr=[mean - sources["ci_low"], sources["ci_high"] - mean], fmt="none", ecolor="k", capsize=3)
     ax.axhline(0, color="k", lw=0.6)
-    ax.set_xticks(x, [f"env {s}" for s in sources["source"]])
-    ax.set(ylabel=f"mean harm ({sources['scorer'].iloc[0]})",
+    ax.set_xticks(x, [str(s) for s in sources["source"]])
+    ax.set(xlabel="source (training env)", ylabel=f"mean harm ({sources['scorer'].iloc[0]})",
            title=f"red: flagged (Holm-adjusted p < {alpha}); bars: 95% interval over rounds")
     return figure_png(fig)
 
 
+def detection_summary(found: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
+    """Per scorer and level: the mean AUROC and precision over rounds, each with a seeded 95%
+    bootstrap interval over rounds."""
+    from rlinfluence.experiments.statistics import bootstrap_mean
+
+    rows = []
+    for (name, level), group in found.groupby(["scorer", "level"], sort=False):
+        row = {"scorer": name, "level": level, "rounds": int(group["auroc"].notna().sum())}
+        for stat in ("auroc", "precision"):
+            values = group[stat].dropna().to_numpy()
+            mean, lo, hi = bootstrap_mean(values, seed=seed) if len(values) else (np.nan,) * 3
+            row |= {stat: mean, f"{stat}_lo": lo, f"{stat}_hi": hi}
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def audit_section(sources: pd.DataFrame, found: pd.DataFrame, alpha: float) -> Section:
-    """The audit as a report section: the sources table and plot, and the detection AUROC per
-    scorer and level (mean over rounds) where the run has ground truth."""
+    """The audit as a report section: the sources table and plot, and the detection AUROC and
+    precision per scorer and level (means over rounds, 95% intervals) where the run has ground truth."""
     from rlinfluence.analysis.report import Table
 
-    flagged = [f"env {s}" for s in sources.loc[sources["flagged"], "source"]]
+    flagged = [str(s) for s in sources.loc[sources["flagged"], "source"]]
     section = Section("audit", "Audit: which training envs push the updates the wrong way", paragraphs=[
-        f"Harm = minus a record's score by {sources['scorer'].iloc[0]} (higher = more harmful). Each env's mean harm is "
-        "tested against the other envs with a permutation test within rounds (the envs' labels shuffled in every "
-        f"round), Holm-corrected across envs: a clean run is flagged with probability at most {alpha}.",
-        f"Flagged: {', '.join(flagged) or 'none'}."])
-    section.tables.append(Table("Sources", ["env", "records", "rounds", "mean harm", "95% interval", "p", "p (Holm)",
-                                            "flagged"],
-                                [[int(r.source), int(r.records), int(r.rounds), f"{r.mean_harm:.4g}",
+        f"Harm = a record's score by {sources['scorer'].iloc[0]}, signed so that higher = more harmful (for "
+        "influence: minus its influence on the return target). Each source's mean harm is tested against the "
+        "other sources with a permutation test within rounds (the sources' labels shuffled in every round), "
+        f"Holm-corrected across sources: a run with no broken source has a flag with probability at most {alpha}.",
+        f"Flagged sources: {', '.join(flagged) or 'none'}."])
+    section.tables.append(Table("Sources", ["source", "records", "rounds", "mean harm", "95% interval", "p",
+                                            "p (Holm)", "flagged"],
+                                [[str(r.source), int(r.records), int(r.rounds), f"{r.mean_score:.4g}",
                                   f"[{r.ci_low:.4g}, {r.ci_high:.4g}]", f"{r.p_value:.3g}", f"{r.p_holm:.3g}",
                                   "yes" if r.flagged else ""] for r in sources.itertuples()]))
-    section.figures["sources"] = (plot_sources(sources, alpha), "Mean harm per env with its 95% interval over rounds.")
+    section.figures["sources"] = (plot_sources(sources, alpha), "Mean harm per source with its 95% interval over rounds.")
     if len(found):
-        means = found.groupby(["scorer", "level"], sort=False)["auroc"].mean().unstack()
-        section.tables.append(Table("Detection AUROC against the ground truth, mean over rounds (0.5 = chance)",
-                                    ["scorer", *means.columns],
-                                    [[name, *(f"{v:.2f}" for v in row)] for name, row in means.iterrows()]))
+        summary = detection_summary(found)
+        section.tables.append(Table(
+            "Detection against the ground truth: AUROC (0.5 = chance) and precision at the corrupted fraction, "
+            "means over rounds with 95% intervals",
+            ["scorer", "level", "rounds", "AUROC", "precision"],
+            [[r.scorer, r.level, int(r.rounds), f"{r.auroc:.2f} [{r.auroc_lo:.2f}, {r.auroc_hi:.2f}]",
+              f"{r.precision:.2f} [{r.precision_lo:.2f}, {r.precision_hi:.2f}]"] for r in summary.itertuples()]))
     return section

@@ -90,7 +90,8 @@ class CompareConfig:
     """gymnasium env id (a preset gives the paper's hyperparameters, p and round count)"""
     methods: tuple[str, ...] = ("ppo", "iif", "random")
     """method specs FILTER[@key=value,...] or NAME=FILTER@key=value,..., space-separated (or
-    comma-separated); filters: ppo (standard), iif, random, advantage, td-error, reward-extremes"""
+    comma-separated); filters: ppo (standard), iif, iif-robust, random, advantage, td-error, reward-extremes,
+    dtv, advantage-sign, oracle (with --corrupt)"""
     reference: str = "ppo"
     """the method every metric is computed against (a label or spec among --methods)"""
     seeds: int = 5
@@ -111,6 +112,10 @@ class CompareConfig:
     tune: tuple[str, ...] = ()
     """tune every method over key=v1,v2,... (several keys, space-separated: their product) on
     the tuning seeds, then evaluate each with its best value"""
+    tune_only: tuple[str, ...] = ()
+    """with --tune: tune only these methods (labels, the reference among them); every other method
+    runs at the reference's chosen values (labelled so), as a protocol that tunes the few methods
+    that matter and saves the rest of the grid"""
     tune_seeds: int = 2
     """number of tuning seeds (tune_first_seed, ...), disjoint from the evaluation seeds"""
     tune_first_seed: int = 1001
@@ -178,6 +183,8 @@ class Plan:
     tune_seeds: list[int]
     grid: dict[str, list[Any]]
     points: list[dict[str, Any]] = field(default_factory=list)
+    tuned: list[MethodSpec] = field(default_factory=list)
+    """the methods tuned (every one unless ``tune_only``); the others take the reference's choice"""
 
     @property
     def labels(self) -> list[str]:
@@ -209,7 +216,17 @@ def plan_comparison(cfg: CompareConfig) -> Plan:
         fixed = sorted(set(spec.override_dict) & set(grid))
         if fixed:
             raise UserError(f"method {spec.label!r} fixes {', '.join(fixed)}, which --tune varies")
-    plan = Plan(specs, reference, seeds, tune_seeds, grid, grid_points(grid) if grid else [{}])
+    labels = [spec.label for spec in specs]
+    unknown = [label for label in cfg.tune_only if label not in labels]
+    if unknown:
+        raise UserError(f"--tune-only names {unknown[0]!r}, which is not among --methods ({', '.join(labels)})")
+    if cfg.tune_only and not grid:
+        raise UserError("--tune-only needs --tune")
+    if cfg.tune_only and reference.label not in cfg.tune_only:
+        raise UserError(f"--tune-only must include the reference {reference.label!r}: the other methods run at its "
+                        "chosen values")
+    tuned = [spec for spec in specs if not cfg.tune_only or spec.label in cfg.tune_only] if grid else []
+    plan = Plan(specs, reference, seeds, tune_seeds, grid, grid_points(grid) if grid else [{}], tuned)
     for spec in specs:  # every run that can happen is valid
         for point in plan.points:
             config = cfg.run_config(spec, seeds[0], point)
@@ -276,7 +293,7 @@ def confirmation_config(cfg: CompareConfig) -> tuple[CompareConfig, dict[str, di
 
 def _tuning_jobs(cfg: CompareConfig, plan: Plan, out: Path) -> dict[tuple[str, int], list[Job]]:
     jobs: dict[tuple[str, int], list[Job]] = {}
-    for spec in plan.specs:
+    for spec in plan.tuned:
         for i, point in enumerate(plan.points):
             candidate = spec.with_overrides(point)
             jobs[spec.label, i] = [(cfg.run_config(spec, s, point).to_dict(),
@@ -325,8 +342,9 @@ def compare(cfg: CompareConfig) -> Path:
 
 def write_tuning(out: Path, cfg: CompareConfig, plan: Plan, jobs: dict[tuple[str, int], list[Job]]
                  ) -> tuple[pd.DataFrame, dict[str, dict[str, Any]]]:
-    """tuning.csv (score per method per grid point) and each method's choice. A candidate with a
-    failed tuning run (it diverged) scores -inf and is never chosen."""
+    """tuning.csv (score per tuned method per grid point) and each method's choice (an untuned
+    method's is the reference's). A candidate with a failed tuning run (it diverged) scores -inf
+    and is never chosen."""
     failed = {key: [f"seed {Path(d).name.rsplit('seed', 1)[1]} failed: {f['error']}"
                     for _, d in runs if (f := failure(d)) is not None] for key, runs in jobs.items()}
     curves = {key: [Curve.from_run(Path(run_dir), cfg.smooth, cfg.clock) for _, run_dir in runs]
@@ -336,7 +354,7 @@ def write_tuning(out: Path, cfg: CompareConfig, plan: Plan, jobs: dict[tuple[str
     scores = {key: -math.inf for key in jobs} | tuning_scores(curves, cfg.tune_metric)
     rows = []
     chosen: dict[str, dict[str, Any]] = {}
-    for spec in plan.specs:
+    for spec in plan.tuned:
         best = choose(scores, spec.label)
         chosen[spec.label] = plan.points[best]
         if scores[spec.label, best] == -math.inf:
@@ -349,7 +367,7 @@ def write_tuning(out: Path, cfg: CompareConfig, plan: Plan, jobs: dict[tuple[str
                          "chosen": i == best, "at_edge": note, "failed": "; ".join(failed[spec.label, i])})
     table = pd.DataFrame(rows)
     atomic_write(out / "tuning.csv", lambda p: table.to_csv(p, index=False))
-    return table, chosen
+    return table, {spec.label: chosen.get(spec.label, chosen[plan.reference.label]) for spec in plan.specs}
 
 
 def _plain(value: Any) -> Any:
@@ -533,6 +551,7 @@ def write_summary(
         tuning = pd.read_csv(out / "tuning.csv")
         tuning[["at_edge", "failed"]] = tuning[["at_edge", "failed"]].fillna("")
     chosen = chosen or {}
+    tuned = set(tuning["method"]) if tuning is not None else set()
     for row in rows:
         row["chosen"] = json.dumps(chosen.get(row["method"], {}))
     atomic_write(out / "summary.csv", lambda p: pd.DataFrame(rows).to_csv(p, index=False))
@@ -551,6 +570,9 @@ def write_summary(
             table_rows.append([r["method"], *(r[k] for k in keys), f"**{value}**" if r["chosen"] else value,
                                f"{r['approx_kl']:.3g}", note])
         lines += markdown_table(["method", *keys, metric, "approx_kl", "note"], table_rows) + [""]
+        untuned = [m for m in methods if m not in tuned]
+        if untuned:
+            lines += [f"Not tuned (run at {reference}'s chosen values): {', '.join(untuned)}.", ""]
     lines += [
         "## Paper metrics (method-spec 7.2)", "",
         f"Reductions are percent, per seed pair against {reference}, mean +/- s.e. over seeds; smoothing window "
@@ -561,7 +583,8 @@ def write_summary(
     ]
     lines += markdown_table(
         ["method", "chosen", *(title for _, title in _COLUMNS), "final return (95% CI)", f"final gain vs {reference} (95% CI)"],
-        [[r["method"], _chosen_text(chosen.get(r["method"])), *(_cell(r, k) for k, _ in _COLUMNS),
+        [[r["method"], _chosen_text(chosen.get(r["method"]), tuning is None or r["method"] in tuned, reference),
+          *(_cell(r, k) for k, _ in _COLUMNS),
           f"{r['final_mean']:.4g} [{r['final_lo']:.4g}, {r['final_hi']:.4g}]",
           f"{r['gain_mean']:.4g} [{r['gain_lo']:.4g}, {r['gain_hi']:.4g}]"] for r in rows])
     lines += [
@@ -577,7 +600,7 @@ def write_summary(
                   "statistic, its curve after the last completed round set to the worst return any pair "
                   "of the comparison reached (failed.json in its folder says where and why)."]
     atomic_write(out / "summary.md", lambda p: p.write_text("\n".join(lines) + "\n"))
-    plot_curves(out, curves, methods, seeds, clock, chosen)
+    plot_curves(out, curves, methods, seeds, clock, chosen, tuned if tuning is not None else None, reference)
 
 
 def robust_columns(reference: str) -> list[str]:
@@ -634,17 +657,20 @@ def robust_cells(row: dict[str, Any], reference: str) -> list[str]:
             _interval(row, "iqm_final_norm"), f"{row['approx_kl_mean']:.3g}"]
 
 
-def _chosen_text(point: dict[str, Any] | None) -> str:
-    return ", ".join(f"{k}={v}" for k, v in point.items()) if point else "-"
+def _chosen_text(point: dict[str, Any] | None, tuned: bool = True, reference: str = "ppo") -> str:
+    text = ", ".join(f"{k}={v}" for k, v in point.items()) if point else "-"
+    return text if tuned or not point else f"{reference}'s: {text}"
 
 
 def plot_curves(
     out: Path, curves: dict[tuple[str, int], Curve], methods: Sequence[str], seeds: Sequence[int],
-    clock: Clock = "wall", chosen: dict[str, dict[str, Any]] | None = None,
+    clock: Clock = "wall", chosen: dict[str, dict[str, Any]] | None = None, tuned: set[str] | None = None,
+    reference: str = "ppo",
 ) -> Path:
     """curves.png, titled with the env: eval return vs rounds with approx_kl vs rounds stacked
     below it (shared round axis), and eval return vs training seconds; a mean +/- s.e. band over
-    seeds per method (labelled with its tuned values, if any)."""
+    seeds per method (labelled with its tuned values, if any; ``tuned``: the methods tuned, the
+    others labelled as run at the reference's values)."""
     from matplotlib.figure import Figure
 
     from rlinfluence.analysis.report import ROUND_LABEL, round_axis
@@ -656,7 +682,10 @@ def plot_curves(
     ax_time = fig.add_subplot(grid[:, 1])
     for method in methods:
         runs = [curves[method, s] for s in seeds]
-        label = f"{method} (tuned: {_chosen_text(chosen[method])})" if chosen and chosen.get(method) else method
+        label = method
+        if chosen and chosen.get(method):
+            own = tuned is None or method in tuned
+            label = f"{method} ({'tuned: ' if own else ''}{_chosen_text(chosen[method], own, reference)})"
         n = min(len(c.returns) for c in runs)
         y = np.stack([c.returns[:n] for c in runs])
         rounds = np.arange(n)

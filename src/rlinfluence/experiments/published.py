@@ -35,7 +35,9 @@ PUBLISHED_COLUMNS = (
 
 
 def collect(folders: Sequence[str | Path]) -> pd.DataFrame:
-    """Every method row of each finished compare folder's summary.csv, with its env and first seed."""
+    """Every method row of each finished compare folder's summary.csv, with its env and first seed,
+    ``tuning`` (how its values were chosen: tuned in the folder, the reference's choice, or given)
+    and ``cpu_per_round`` (training CPU seconds per round, mean over its seeds)."""
     frames = []
     for folder in map(Path, folders):
         summary, config = folder / "summary.csv", folder / "compare.json"
@@ -46,8 +48,21 @@ def collect(folders: Sequence[str | Path]) -> pd.DataFrame:
         missing = sorted(set(PUBLISHED_COLUMNS) - set(rows.columns))
         if missing:
             raise UserError(f"{summary} has no {', '.join(missing)}: re-run `rlinfluence compare --out {folder}`")
-        frames.append(rows[list(PUBLISHED_COLUMNS)])
+        rows = rows[list(PUBLISHED_COLUMNS)].copy()
+        tuned = set(pd.read_csv(folder / "tuning.csv")["method"]) if (folder / "tuning.csv").is_file() else set()
+        rows["tuning"] = ["tuned" if m in tuned else f"{settings['reference']}'s" if tuned else "given"
+                          for m in rows["method"]]
+        rows["cpu_per_round"] = [_cpu_per_round(folder, m) for m in rows["method"]]
+        frames.append(rows)
     return pd.concat(frames, ignore_index=True)
+
+
+def _cpu_per_round(folder: Path, method: str) -> float:
+    per_seed = []
+    for metrics in folder.glob(f"{method}__seed*/metrics.csv"):
+        cpu = pd.read_csv(metrics, usecols=["train_cpu_seconds"])["train_cpu_seconds"]
+        per_seed.append(float(cpu.iloc[-1]) / len(cpu))
+    return sum(per_seed) / len(per_seed) if per_seed else math.nan
 
 
 def _row(record: dict[str, Any]) -> dict[str, Any]:
@@ -76,36 +91,103 @@ def headline_table(data: pd.DataFrame, reference: str = "ppo") -> list[str]:
     return markdown_table(["env", columns[0], "tuned", *columns[1:]], body)
 
 
+def gap_closed(group: pd.DataFrame, reference: str = "ppo", ceiling: str = "oracle") -> pd.Series:
+    """Per method of one folder: (auc_m - auc_ref) / (auc_ceiling - auc_ref) on the mean normalised
+    auc, the fraction of the ceiling's gain recovered; NaN for the two themselves, and for every
+    method where the folder has no ceiling or the ceiling does not beat the reference."""
+    auc = group.set_index("method")["mean_auc_norm"]
+    if ceiling not in auc or not auc[ceiling] > auc[reference]:
+        return pd.Series(math.nan, index=auc.index)
+    gap = (auc - auc[reference]) / (auc[ceiling] - auc[reference])
+    return gap.where(~gap.index.isin([reference, ceiling]))
+
+
+def _cpu_cell(row: dict[str, Any], reference_cpu: float) -> str:
+    cpu = row.get("cpu_per_round", math.nan)
+    return "-" if math.isnan(cpu) else f"{cpu:.2f} ({cpu / reference_cpu:.2f}x)"
+
+
 def gap_table(data: pd.DataFrame, reference: str = "ppo", ceiling: str = "oracle") -> list[str]:
-    """Per folder and method: the paired comparison with ``reference`` and, where the folder has a
-    ``ceiling`` method, the fraction of its gain recovered, (auc_m - auc_ref) / (auc_ceiling - auc_ref)
-    on the mean normalised auc (NaN where the ceiling does not beat the reference)."""
+    """Per folder and method: how its learning rate was chosen, the paired comparison with
+    ``reference``, the fraction of the ``ceiling``'s gain recovered (``gap_closed``), and the
+    training CPU seconds per round (and its ratio to the reference's)."""
     body = []
     for folder, group in data.groupby("folder", sort=False):
-        auc = group.set_index("method")["mean_auc_norm"]
+        gaps = gap_closed(group, reference, ceiling)
+        reference_cpu = float(group.loc[group["method"] == reference, "cpu_per_round"].iloc[0]) \
+            if "cpu_per_round" in group else math.nan
         for record in group.to_dict("records"):
             row = _row(record)
-            gap = "-"
-            if ceiling in auc and row["method"] not in (reference, ceiling) and auc[ceiling] > auc[reference]:
-                gap = f"{(auc[row['method']] - auc[reference]) / (auc[ceiling] - auc[reference]):.2f}"
+            gap = gaps[row["method"]]
             cells = robust_cells(row, reference)
-            body.append([folder, cells[0], f"{row['mean_auc_norm']:.2f}", *cells[5:7], gap, cells[1], cells[4]])
-    return markdown_table(["folder", "method", "mean auc", f"paired P(> {reference}), auc",
+            lr = _chosen(row["chosen"]) + (f" ({row['tuning']})" if isinstance(row.get("tuning"), str) else "")
+            body.append([folder, cells[0], lr, f"{row['mean_auc_norm']:.2f}", *cells[5:7],
+                         "-" if math.isnan(gap) else f"{gap:.2f}", cells[1], cells[4], _cpu_cell(row, reference_cpu)])
+    return markdown_table(["folder", "method", "learning rate", "mean auc", f"paired P(> {reference}), auc",
                            f"auc - {reference}'s, paired", f"gap to {ceiling} closed", "reached 80% (seeds)",
-                           "reading (rounds to 80%)"], body)
+                           "reading (rounds to 80%)", "CPU s/round"], body)
 
 
-def detection_table(rows: pd.DataFrame, reps: int = 2000, seed: int = 0) -> list[str]:
-    """Per env and scorer: the mean detection AUROC at each level (record, episode, source), each
-    a mean over seeds of the seed's mean over rounds, with a seeded 95% bootstrap interval over seeds."""
+ATTRIBUTION_FILTERS = ("iif", "iif-trusted", "iif-robust", "dtv")
+
+
+def _target_cells(by_method: pd.DataFrame, gaps: pd.Series, method: str, reference: str) -> list[str]:
+    """method, gap closed, paired P with its interval, CPU ratio to the reference, target met."""
+    row = by_method.loc[method]
+    ratio = float(row.get("cpu_per_round", math.nan)) / float(by_method.loc[reference].get("cpu_per_round", math.nan))
+    met = gaps[method] >= 0.5 and row["poi_auc"] >= 0.75 and ratio <= 1.3  # an unmeasured CPU (NaN) is not met
+    return [method, f"{gaps[method]:.2f}", f"{row['poi_auc']:.2f} [{row['poi_auc_lo']:.2f}, {row['poi_auc_hi']:.2f}]",
+            "-" if math.isnan(ratio) else f"{ratio:.2f}x", "yes" if met else "no"]
+
+
+def target_table(data: pd.DataFrame, reference: str = "ppo", ceiling: str = "oracle",
+                 filters: Sequence[str] = ATTRIBUTION_FILTERS) -> list[str]:
+    """Per corrupted folder: the attribution filter (of ``filters``) closing most of the gap to the
+    ceiling, and the best other method, each with its gap closed, paired P(auc > reference) and
+    CPU ratio; "met" = gap >= 0.5, P >= 0.75 and CPU <= 1.3x the reference's (the harmful-records
+    issue's target)."""
+    body = []
+    for folder, group in data.groupby("folder", sort=False):
+        gaps = gap_closed(group, reference, ceiling).dropna()
+        if gaps.empty:
+            continue
+        by_method = group.set_index("method")
+        attribution, others = gaps[gaps.index.isin(filters)], gaps[~gaps.index.isin(filters)]
+        body.append([folder,
+                     *(_target_cells(by_method, gaps, attribution.idxmax(), reference) if len(attribution) else ["-"] * 5),
+                     *(_target_cells(by_method, gaps, others.idxmax(), reference)[:3] if len(others) else ["-"] * 3)])
+    return markdown_table(["folder", "best attribution filter", "gap closed", f"paired P(> {reference})",
+                           "CPU", "target met", "best other method", "gap closed", f"paired P(> {reference})"], body)
+
+
+# (level, statistic) columns of the detection table
+DETECTION_COLUMNS = (("record", "auroc", "record AUROC"), ("episode", "auroc", "episode AUROC"),
+                     ("source", "auroc", "env AUROC"), ("episode", "precision", "episode precision"),
+                     ("source", "precision", "env precision"))
+
+
+def _conditions(rows: pd.DataFrame) -> pd.DataFrame:
+    # rows measured before conditions existed are the flipped-env runs
+    return rows.assign(condition=rows["condition"].fillna("flip1of8")) if "condition" in rows else \
+        rows.assign(condition="flip1of8")
+
+
+def detection_table(rows: pd.DataFrame, reps: int = 2000, seed: int = 0, condition: str = "flip1of8") -> list[str]:
+    """Per env and scorer, for one corruption ``condition``: the mean detection AUROC at each level
+    (record, episode, source) and the precision at the corrupted fraction (episode, source), each
+    a mean over seeds of the seed's mean over rounds, with a seeded 95% bootstrap interval over
+    seeds ("undefined" where a level has no corrupted item, e.g. an env for episode corruptions)."""
     from rlinfluence.experiments.statistics import bootstrap_mean
 
-    levels = ("record", "episode", "source")
+    rows = _conditions(rows)
     body = []
-    for (env, scorer), group in rows.groupby(["env", "scorer"], sort=False):
+    for (env, scorer), group in rows[rows["condition"] == condition].groupby(["env", "scorer"], sort=False):
         cells = []
-        for level in levels:
-            per_seed = group[group["level"] == level].groupby("seed")["auroc"].mean().dropna().to_numpy()
+        for level, stat, _ in DETECTION_COLUMNS:
+            if stat not in group:  # rows measured before precision was
+                cells.append("-")
+                continue
+            per_seed = group[group["level"] == level].groupby("seed")[stat].mean().dropna().to_numpy()
             if not len(per_seed):
                 cells.append("undefined")
                 continue
@@ -113,12 +195,14 @@ def detection_table(rows: pd.DataFrame, reps: int = 2000, seed: int = 0) -> list
             cells.append(f"{mean:.2f}" + (f" [{lo:.2f}, {hi:.2f}]" if not math.isnan(lo) else ""))
         n_rounds, n_seeds = group["round"].nunique(), group["seed"].nunique()
         body.append([env, scorer, *cells, f"{n_rounds} x {n_seeds}"])
-    return markdown_table(["env", "scorer", "record AUROC", "episode AUROC", "env AUROC", "rounds x seeds"], body)
+    return markdown_table(["env", "scorer", *(title for *_, title in DETECTION_COLUMNS), "rounds x seeds"], body)
 
 
-def detection_by_round_table(rows: pd.DataFrame, level: str = "source") -> list[str]:
-    """Per env and scorer: the mean over seeds of the ``level`` AUROC in each round."""
-    table = rows[rows["level"] == level].groupby(["env", "scorer", "round"], sort=False)["auroc"].mean().unstack()
+def detection_by_round_table(rows: pd.DataFrame, level: str = "source", condition: str = "flip1of8") -> list[str]:
+    """Per env and scorer: the mean over seeds of the ``level`` AUROC in each round of ``condition``."""
+    rows = _conditions(rows)
+    rows = rows[(rows["level"] == level) & (rows["condition"] == condition)]
+    table = rows.groupby(["env", "scorer", "round"], sort=False)["auroc"].mean().unstack()
     return markdown_table(["env", "scorer", *(f"round {int(k)}" for k in table.columns)],
                           [[env, scorer, *(f"{v:.2f}" for v in values)] for (env, scorer), values in table.iterrows()])
 

@@ -14,6 +14,9 @@
   kept records only and records each minibatch's record indices.
 - ``InfluenceFilterCallback``: IIF (spec 5) -- after GAE and before ``train()``, scores the
   buffer and sets the buffer's keep mask; logs ``influence/*`` through SB3's logger.
+- ``AuditCallback(path)``: after GAE, writes each rollout's harm table (one row per record, its
+  source = the vec env index; ``rlinfluence.analysis.audit``) to ``path/audit/scores/``, so that
+  ``rlinfluence audit path`` tests which envs push the updates the wrong way.
 
 Record order. SB3 stores the buffer as ``[n_steps, n_envs, ...]``; ``get()`` flattens it with
 ``swap_and_flatten`` into env-major order, record ``i = env * n_steps + step``, and draws its
@@ -45,8 +48,10 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -70,10 +75,13 @@ from rlinfluence.influence import (
     ReturnTarget,
     Target,
     ZeroTargetGradient,
+    gradient_alignment,
     snapshot_influence,
 )
+from rlinfluence.rundir import atomic_write
 
-__all__ = ["FilteredRolloutBuffer", "InfluenceFilterCallback", "SB3PolicyAdapter", "attribute", "next_permutation"]
+__all__ = ["AuditCallback", "FilteredRolloutBuffer", "InfluenceFilterCallback", "SB3PolicyAdapter", "attribute",
+           "next_permutation"]
 
 ADVANTAGE_NORMS = ("auto", "chunk", "batch", "none")
 JOINT_ACTION_SPACES = (spaces.MultiDiscrete, spaces.MultiBinary)
@@ -415,3 +423,89 @@ class InfluenceFilterCallback(BaseCallback):
         if self.verbose >= 1:
             print(f"influence: kept {stats['kept_fraction']:.3f} of {n} records "
                   f"({int(stats['n_negative'])} negative) in {stats['seconds']:.3f} s")
+
+
+# -- audits ---------------------------------------------------------------------------------------
+AUDIT_SCORERS = ("influence", "dtv", "negative-advantage", "abs-advantage", "reward-extremes", "random")
+"""The scorers of ``rlinfluence.analysis.audit`` an SB3 rollout can be scored with (tracin needs the
+replayed optimiser steps, td-error the next values SB3 does not keep, influence-trusted trusted envs)."""
+
+
+class AuditCallback(BaseCallback):
+    """Writes the harm table ``rlinfluence audit`` reads, once per rollout (after GAE, before
+    ``train()``, the policy still the one that collected it): one row per record in SB3's flat
+    order with ``round`` (the rollout), ``source`` (the vec env index), ``episode`` (counted per
+    env from SB3's ``episode_starts``), ``step``, ``trusted`` (False), ``corrupted`` (only with
+    ``corrupted_envs``: the envs a benchmark knows are broken) and one harm column per scorer
+    (higher = more harmful, as in ``rlinfluence.analysis.audit``): influence = minus
+    ``attribute(model, buffer, advantage_norm="batch")``; dtv = minus the gradient alignment
+    g_i . mean_j g_j; negative-advantage, abs-advantage and reward-extremes from the buffer;
+    random seeded by the rollout. The files go to ``path/audit/scores/round_K.parquet``.
+    NumPy's and torch's global random states are left untouched, so training is unchanged.
+    """
+
+    def __init__(self, path: str | Path, scorers: Sequence[str] = AUDIT_SCORERS, corrupted_envs: Sequence[int] = (),
+                 verbose: int = 0):
+        super().__init__(verbose)
+        unknown = [s for s in scorers if s not in AUDIT_SCORERS]
+        if unknown or not scorers:
+            raise ValueError(f"unknown scorer {unknown[0] if unknown else None!r} for SB3 rollouts "
+                             f"(choose from {', '.join(AUDIT_SCORERS)})")
+        self.folder = Path(path) / "audit" / "scores"
+        self.scorers, self.corrupted_envs = tuple(scorers), tuple(int(e) for e in corrupted_envs)
+        self.rounds = 0
+        self._episodes: np.ndarray | None = None  # per env: episodes started so far
+
+    def _init_callback(self) -> None:
+        n_envs = self.model.n_envs
+        bad = [e for e in self.corrupted_envs if not 0 <= e < n_envs]
+        if bad:
+            raise ValueError(f"corrupted_envs holds {bad[0]}, not a vec env index of this model (0..{n_envs - 1})")
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _harm(self, name: str, buffer: RolloutBuffer, adapter: SB3PolicyAdapter, obs: torch.Tensor,
+              actions: torch.Tensor, advantages: torch.Tensor) -> np.ndarray:
+        try:
+            if name == "influence":
+                return -attribute(self.model, buffer, advantage_norm="batch").double().numpy()
+            if name == "dtv":
+                return -gradient_alignment(adapter, obs, actions, advantages).detach().cpu().double().numpy()
+        except ZeroTargetGradient:
+            return np.zeros(len(advantages))
+        a = advantages.cpu().double().numpy()
+        if name == "negative-advantage":
+            return -a
+        if name == "abs-advantage":
+            return np.abs(a)
+        if name == "reward-extremes":
+            rewards = _flat(buffer, "rewards").reshape(-1).astype(np.float64)
+            return np.abs(rewards - rewards.mean())
+        checksum = zlib.crc32(_flat(buffer, "actions").tobytes())
+        return np.random.default_rng([self.rounds, checksum]).random(len(a))
+
+    def _on_rollout_end(self) -> None:
+        import pandas as pd
+
+        buffer = self.model.rollout_buffer
+        adapter = SB3PolicyAdapter(self.model.policy)
+        n_steps, n_envs = buffer.buffer_size, buffer.n_envs
+        starts = np.asarray(buffer.episode_starts, dtype=np.int64)  # [n_steps, n_envs]
+        if self._episodes is None:
+            self._episodes = np.zeros(n_envs, dtype=np.int64)
+            starts[0] = 0  # the first step of training starts episode 0 of every env
+        episode = self._episodes[None] + np.cumsum(starts, axis=0)  # [n_steps, n_envs]
+        self._episodes = episode[-1]
+        table = pd.DataFrame({"round": self.rounds, "source": np.repeat(np.arange(n_envs), n_steps),
+                              "episode": episode.T.reshape(-1), "step": np.tile(np.arange(n_steps), n_envs),
+                              "trusted": False})
+        if self.corrupted_envs:
+            table["corrupted"] = table["source"].isin(self.corrupted_envs)
+        obs, actions, advantages = _records(buffer, adapter)
+        with _global_rng_untouched(adapter.policy.device):
+            for name in self.scorers:
+                table[name] = self._harm(name, buffer, adapter, obs, actions, advantages)
+        atomic_write(self.folder / f"round_{self.rounds:06d}.parquet", lambda p: table.to_parquet(p, index=False))
+        self.rounds += 1
