@@ -32,8 +32,9 @@ import pandas as pd  # noqa: E402
 from corruption import CONDITIONS  # noqa: E402  (benchmarks/corruption.py)
 
 from rlinfluence.analysis.audit import SCORERS, detection, harm_table  # noqa: E402
+from rlinfluence.checkpoint import load_round  # noqa: E402
 from rlinfluence.experiments.statistics import bootstrap_mean  # noqa: E402
-from rlinfluence.ppo import PPO, PPOConfig, load_round  # noqa: E402
+from rlinfluence.ppo import PPO, PPOConfig  # noqa: E402
 
 STUDIES = Path(__file__).parent / "studies"
 ENVS = "CartPole-v1,FrozenLake-v1,Acrobot-v1,MiniGrid-Empty-8x8-v0,LunarLander-v3"

@@ -35,8 +35,9 @@ from rlinfluence.analysis.timeline import (
     timeline_section,
 )
 from rlinfluence.buffer import RolloutBuffer
+from rlinfluence.checkpoint import load_round
 from rlinfluence.errors import UserError
-from rlinfluence.ppo import PPO, load_round
+from rlinfluence.ppo import PPO
 
 from .conftest import tiny_config
 
@@ -186,6 +187,7 @@ def test_round_not_saved_is_a_clear_error(frozenlake_run):
 def test_timeline_on_a_tiny_run(frozenlake_run):
     target = select_state_action(frozenlake_run, state_index=3)
     assert "record 3 of round 3" in target.description
+    assert ", ... (16 values)]" in target.description  # FrozenLake's 16-value one-hot, shortened visibly
     t = timeline(frozenlake_run, target, neighbours=10, top=5)
     assert t.rounds["round"].tolist() == [0, 1, 2, 3]
     assert ((t.rounds["pi"] > 0) & (t.rounds["pi"] <= 1)).all()

@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +49,34 @@ def test_resume_from_the_cli(tmp_path):
     out = rlinfluence("train", "--resume", run)
     assert out.returncode == 0, out.stderr
     assert len((run / "metrics.csv").read_text().splitlines()) == 3  # header + 2 rounds
+    out = rlinfluence("train", "--resume", run)  # a finished run says so, and how to extend it
+    assert out.returncode == 0 and "is complete: 2 rounds" in out.stdout and "--total-timesteps N" in out.stdout
+    assert len((run / "metrics.csv").read_text().splitlines()) == 3
+    out = rlinfluence("train", "--resume", run, "--total-timesteps", "384")  # rounds of 128 steps
+    assert out.returncode == 0, out.stderr
+    assert len((run / "metrics.csv").read_text().splitlines()) == 4  # a third round
+    assert json.loads((run / "config.json").read_text())["total_timesteps"] == 384
+    _assert_one_line_error(rlinfluence("train", "--resume", run, "--total-timesteps", "100"), "below the 384 env steps")
+    _assert_one_line_error(rlinfluence("train", "--resume", run, "--n-epochs", "3"), "unexpected flags ['--n-epochs']")
+
+
+def test_a_run_prints_its_directory_when_it_starts_and_ctrl_c_says_how_to_resume(tmp_path):
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "rlinfluence.cli", "train", "--env", "CartPole-v1", "--n-steps",
+                             "64", "--batch-size", "64", "--total-timesteps", "100000", "--eval-episodes", "1",
+                             "--run-root", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    assert first.startswith("run directory: "), first
+    run = Path(first.split(": ", 1)[1].strip())
+    deadline = time.monotonic() + 120
+    while not (run / "checkpoints" / "round_0002.pt").is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert "interrupted:" in err and f"rlinfluence train --resume {run}" in err
 
 
 def _assert_one_line_error(out, *fragments):

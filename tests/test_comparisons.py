@@ -99,7 +99,9 @@ def test_tuning_picks_the_best_candidate_of_each_method_on_hand_made_curves():
     assert choose({("m", 0): 1.0, ("m", 1): 1.0}, "m") == 0  # ties: the first in grid order
     grid = parse_grid(["learning_rate=0.01,0.02,0.04", "n_epochs=4,10"])
     assert grid_points(grid)[1] == {"learning_rate": 0.01, "n_epochs": 10} and len(grid_points(grid)) == 6
-    assert at_edge(0, grid) == ["learning_rate"] and at_edge(2, grid) == []
+    assert at_edge(0, grid) == ["learning_rate", "n_epochs"] and at_edge(2, grid) == ["n_epochs"]
+    assert at_edge(1, {"learning_rate": [0.01, 0.02, 0.04]}) == [] and at_edge(0, {"seed_offset": [3]}) == []
+    assert at_edge(1, {"learning_rate": [0.01, 0.02]}) == ["learning_rate"]  # two values: only edges
 
 
 def test_tuning_uses_only_tuning_seeds_and_evaluation_never_enters_the_choice(tmp_path, monkeypatch):

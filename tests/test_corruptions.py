@@ -66,7 +66,7 @@ def test_corrupted_flags_reach_the_saved_round_and_the_attribution_table(tmp_pat
                        eval_episodes=2, eval_envs=2, corrupt=("reward-flip:envs=1",), save_buffers=True,
                        run_root=str(tmp_path), progress=False)
     trainer = PPO(config).learn()
-    from rlinfluence.ppo import load_round
+    from rlinfluence.checkpoint import load_round
 
     saved = load_round(trainer.run.path, 0)
     table = attribution_table(saved.buffer, torch.zeros(len(saved.buffer)))
@@ -136,7 +136,7 @@ def test_auroc_is_the_chance_a_corrupted_item_looks_more_harmful():
 
 def test_detection_scores_every_scorer_at_every_level_with_auroc_and_precision(tmp_path):
     from rlinfluence.analysis.audit import SCORERS, detection, harm_table
-    from rlinfluence.ppo import load_round
+    from rlinfluence.checkpoint import load_round
 
     config = PPOConfig(env="FrozenLake-v1", n_envs=4, n_steps=64, batch_size=64, total_timesteps=512, eval_episodes=2,
                        eval_envs=2, corrupt=("reward-flip:envs=1",), trusted_envs=1, seed=3, save_buffers=True,
@@ -183,7 +183,7 @@ def test_the_oracle_drops_exactly_the_corrupted_records(tmp_path):
                        eval_episodes=0, corrupt=("reward-flip:envs=1",), filter="oracle", save_buffers=True,
                        run_root=str(tmp_path), progress=False)
     trainer = PPO(config).learn()
-    from rlinfluence.ppo import load_round
+    from rlinfluence.checkpoint import load_round
 
     saved = load_round(trainer.run.path, 0)
     assert torch.equal(saved.keep, ~saved.buffer.flat("corrupted")) and saved.buffer.corrupted.any()

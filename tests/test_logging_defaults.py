@@ -21,9 +21,10 @@ import rlinfluence.influence as influence
 from rlinfluence import cli
 from rlinfluence.analysis import diagnosis, intervention, timeline
 from rlinfluence.analysis.validation import score_round
+from rlinfluence.checkpoint import load_round
 from rlinfluence.filters import FilterContext, InfluenceScorer
 from rlinfluence.influence import DEFAULT_ADVANTAGE_NORM, ReturnTarget
-from rlinfluence.ppo import PPO, PPOConfig, load_round
+from rlinfluence.ppo import PPO, PPOConfig
 from tests.conftest import tiny_config
 
 TINY = ["--total-timesteps", "256", "--n-steps", "128", "--batch-size", "32", "--n-epochs", "2",

@@ -76,6 +76,21 @@ def test_same_seed_same_metrics(run_root):
     assert _metrics(PPO(tiny_config(run_root=str(run_root / "x"), seed=2, total_timesteps=384)).learn().run.path) != first
 
 
+def test_resuming_a_run_of_a_custom_filter_without_it_is_refused(run_root):
+    from rlinfluence.filters import KeepAll
+
+    class EveryOther(KeepAll):
+        def __call__(self, buffer, context):
+            keep = torch.zeros(len(buffer), dtype=torch.bool)
+            keep[::2] = True
+            return keep
+
+    trainer = PPO(tiny_config(run_root=str(run_root)), filter=EveryOther()).learn()
+    with pytest.raises(UserError, match="was trained with the filter .*EveryOther.*pass it"):
+        PPO.resume(trainer.run.path)  # would have continued silently as plain PPO
+    assert PPO.resume(trainer.run.path, filter=EveryOther()).round == 2
+
+
 def test_resume_continues_from_the_last_completed_round(run_root):
     trainer = PPO(tiny_config(run_root=str(run_root), total_timesteps=256)).learn()  # 2 rounds
     run_dir = trainer.run.path

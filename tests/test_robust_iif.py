@@ -18,6 +18,7 @@ from rlinfluence.influence import (
 )
 from rlinfluence.losses import normalize_advantages
 from rlinfluence.ppo import PPO, ROBUST_IIF, PPOConfig
+from rlinfluence.step_control import lookahead, probe, step_scale
 
 from .conftest import tiny_config
 
@@ -44,7 +45,7 @@ def test_step_control_norm_gives_the_kept_records_the_full_buffers_gradient_leng
     trainer = PPO(tiny_config(step_control="norm"), run_dir=False)
     buffer = _round_buffer(trainer)
     keep = buffer.flat("advantages") > buffer.flat("advantages").median()  # a very one-sided half
-    scale = trainer.step_scale(buffer, keep)
+    scale = step_scale(trainer, buffer, keep)
 
     def grad(idx):  # brute force: the policy-loss gradient of one set, flattened
         obs, act, adv = (buffer.flat(k)[idx] for k in ("obs", "actions", "advantages"))
@@ -55,7 +56,7 @@ def test_step_control_norm_gives_the_kept_records_the_full_buffers_gradient_leng
     full, kept = grad(torch.arange(len(buffer))), grad(keep.nonzero().squeeze(1))
     assert scale != pytest.approx(1.0, abs=0.05)
     assert float((scale * kept).norm()) == pytest.approx(float(full.norm()), rel=1e-5)
-    assert trainer.step_scale(buffer, torch.ones(len(buffer), dtype=torch.bool)) == 1.0
+    assert step_scale(trainer, buffer, torch.ones(len(buffer), dtype=torch.bool)) == 1.0
 
 
 def test_the_gate_closes_on_noise_advantages_and_opens_on_a_planted_signal():
@@ -105,11 +106,11 @@ def test_step_control_kl_brings_the_kept_records_probe_kl_to_the_full_buffers():
     keep = buffer.flat("advantages") > buffer.flat("advantages").quantile(0.3)
     before = (_params(trainer), trainer.generator.get_state(), copy.deepcopy(trainer.optimizer.state_dict()))
     everything = torch.arange(len(buffer))
-    kl_all = trainer.probe(buffer, everything, everything)[0]
-    kl_kept = trainer.probe(buffer, keep.nonzero().squeeze(1), everything)[0]
-    scale = trainer.step_scale(buffer, keep)
+    kl_all = probe(trainer, buffer, everything, everything)[0]
+    kl_kept = probe(trainer, buffer, keep.nonzero().squeeze(1), everything)[0]
+    scale = step_scale(trainer, buffer, keep)
     assert kl_all > 0 and abs(math.log(kl_kept / kl_all)) > 0.1  # dropping records changes the KL
-    kl_scaled = trainer.probe(buffer, keep.nonzero().squeeze(1), everything, scale)[0]
+    kl_scaled = probe(trainer, buffer, keep.nonzero().squeeze(1), everything, scale)[0]
     assert kl_scaled == pytest.approx(kl_all, rel=0.1)
     # probing trains copies: the trainer's parameters, optimiser and generator are untouched
     assert all(torch.equal(a, b) for a, b in zip(before[0], _params(trainer), strict=True))
@@ -151,16 +152,16 @@ def test_drop_pct_auto_is_seeded_and_resumes_from_the_filters_state():
     trainer = PPO(tiny_config(n_steps=512), run_dir=False)
     buffer = _round_buffer(trainer)
 
-    def lookahead(train, held_out):
-        return trainer.lookahead(buffer, train, held_out)
+    def gain(train, held_out):
+        return lookahead(trainer, buffer, train, held_out)
 
     first = IIFFilter("auto", seed=5)
-    first.choose_drop_pct(buffer, _auto_context(trainer, lookahead))  # advance its random state
+    first.choose_drop_pct(buffer, _auto_context(trainer, gain))  # advance its random state
     saved = copy.deepcopy(first.state_dict())
-    chosen = first.choose_drop_pct(buffer, _auto_context(trainer, lookahead))
+    chosen = first.choose_drop_pct(buffer, _auto_context(trainer, gain))
     resumed = IIFFilter("auto", seed=123)
     resumed.load_state_dict(saved)
-    assert resumed.choose_drop_pct(buffer, _auto_context(trainer, lookahead)) == chosen
+    assert resumed.choose_drop_pct(buffer, _auto_context(trainer, gain)) == chosen
     assert chosen in AUTO_DROP_GRID
 
 

@@ -22,10 +22,11 @@ from rlinfluence.analysis.validation import (
     validate_round,
     validation_section,
 )
+from rlinfluence.checkpoint import load_round
 from rlinfluence.errors import UserError
 from rlinfluence.influence import Records, ReturnTarget, validate
 from rlinfluence.influence.validation import linear_datamodeling_score, random_subsets
-from rlinfluence.ppo import PPO, load_round
+from rlinfluence.ppo import PPO
 
 from .conftest import tiny_config
 

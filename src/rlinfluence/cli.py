@@ -23,15 +23,17 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 import tyro
 
+from rlinfluence.config import DEFAULT_ADVANTAGE_NORM, PPOConfig
 from rlinfluence.errors import UserError
-from rlinfluence.experiments import CompareConfig
-from rlinfluence.influence import DEFAULT_ADVANTAGE_NORM
-from rlinfluence.ppo import PPO, PPOConfig
-from rlinfluence.rlhf.trainer import RLHFConfig
+from rlinfluence.experiments.specs import CompareConfig
+from rlinfluence.rlhf.config import RLHFConfig
 from rlinfluence.rundir import atomic_write, check_output_file
 
+# Every module imported above is free of torch, pandas and scipy, so that `rlinfluence --help`
+# and each command's --help start fast; the commands import what they run.
 if TYPE_CHECKING:
     from rlinfluence.analysis.report import Section
+    from rlinfluence.ppo import PPO
 
 
 def _round_list(flag: str) -> Any:
@@ -61,27 +63,39 @@ AdvantageNorm = Literal["chunk", "batch", "none"]
 @dataclass
 class TrainArgs:
     """Train PPO. Defaults shown are the preset of --env (paper hyperparameters for its six
-    environments). Add --resume RUN_DIR (alone) to continue a run."""
+    environments). Add --resume RUN_DIR to continue a run (with --total-timesteps N: extend it)."""
 
     config: Annotated[PPOConfig, tyro.conf.arg(name="")]
     resume: str | None = None
-    """continue RUN_DIR from its newest checkpoint with its saved config (no other flag)"""
+    """continue RUN_DIR from its newest checkpoint with its saved config (no other flag but
+    --total-timesteps, which extends the run to N env steps)"""
 
 
 def train(a: TrainArgs) -> int:
-    """Train PPO, or resume a run; print the last round's figures and the run directory."""
+    """Train PPO, or resume a run; print the run directory first, the last round's figures at the end."""
+    from rlinfluence.ppo import PPO
+
     if a.resume is not None:
         preset = PPOConfig.for_env(a.config.env)
         flags = ["--env"] if a.config.env != PPOConfig.env else []
         flags += [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(PPOConfig)
-                  if getattr(a.config, f.name) != getattr(preset, f.name)]
+                  if f.name != "total_timesteps" and getattr(a.config, f.name) != getattr(preset, f.name)]
         if flags:
-            raise UserError(f"--resume continues with the run's saved config; unexpected flags {flags}")
+            raise UserError(f"--resume continues with the run's saved config; unexpected flags {flags} "
+                            "(only --total-timesteps, to extend it)")
         trainer = PPO.resume(a.resume)
-        print(f"resuming {trainer.run.path} from theta({trainer.round}): environment episodes "
-              "restart (the envs are reset with a seed derived from (seed, round))")
+        if a.config.total_timesteps != preset.total_timesteps:
+            _extend(trainer, a.config.total_timesteps)
+        if trainer.round >= trainer.config.rounds:
+            trainer.run.close()
+            print(f"{trainer.run.path} is complete: {trainer.round} rounds, {trainer.env_steps} env steps; extend it "
+                  f"with rlinfluence train --resume {trainer.run.path} --total-timesteps N")
+            return 0
+        print(f"resuming {trainer.run.path} from theta({trainer.round}) of {trainer.config.rounds} rounds: "
+              "environment episodes restart (the envs are reset with a seed derived from (seed, round))")
     else:
         trainer = PPO(a.config)
+        print(f"run directory: {trainer.run.path}", flush=True)
     _learn(trainer, fresh=a.resume is None)
     last = trainer.run.rows[-1] if trainer.run and trainer.run.rows else None
     if last is not None:
@@ -91,15 +105,31 @@ def train(a: TrainArgs) -> int:
     return 0
 
 
+def _extend(trainer: PPO, total_timesteps: int) -> None:
+    """Extend a resumed run to ``total_timesteps`` env steps (written to its config.json)."""
+    if total_timesteps < trainer.env_steps:
+        raise UserError(f"--total-timesteps {total_timesteps} is below the {trainer.env_steps} env steps "
+                        f"{trainer.run.path} has already trained")
+    trainer.config.total_timesteps = total_timesteps
+    trainer.run.write_config(trainer.config.to_dict())
+
+
 def _learn(trainer: PPO, fresh: bool) -> None:
     """``trainer.learn()``. A fresh run that fails before completing its first round leaves no
-    directory; a later failure keeps the completed rounds and says how to resume."""
+    directory; a later failure keeps the completed rounds and says how to resume; Ctrl-C says
+    where the run is and how to continue it."""
     try:
         trainer.learn()
     except BaseException as exc:
         path = trainer.run.path
         if fresh and trainer.round == 0:
             shutil.rmtree(path, ignore_errors=True)
+        if isinstance(exc, KeyboardInterrupt):
+            where = (f"no round completed; {str(path)!r} removed" if fresh and trainer.round == 0 else
+                     f"{trainer.round} of {trainer.config.rounds} rounds are saved in {path}; continue with "
+                     f"rlinfluence train --resume {path}")
+            print(f"\ninterrupted: {where}", file=sys.stderr)
+            raise SystemExit(130) from None
         if not isinstance(exc, UserError | OSError):
             raise
         if fresh and trainer.round == 0:
@@ -198,8 +228,8 @@ def _write_attribution(path: Path, table: Any, settings: dict[str, Any]) -> None
 def attribute(a: AttributeArgs) -> int:
     """Attribute a saved round; write a Parquet table and print top/bottom records."""
     from rlinfluence.analysis.tables import attribution_table, print_records
+    from rlinfluence.checkpoint import load_round
     from rlinfluence.influence import ActionTarget, ReturnTarget, score_buffer
-    from rlinfluence.ppo import load_round
 
     if a.top < 0:
         raise UserError(f"--top must be >= 0, got {a.top}")

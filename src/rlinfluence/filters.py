@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from rlinfluence.buffer import RolloutBuffer
+from rlinfluence.config import AUTO, FILTER_NAMES, check_drop_pct  # noqa: F401  (importable from here)
 from rlinfluence.errors import UserError
 from rlinfluence.influence import (
     DEFAULT_ADVANTAGE_NORM,
@@ -92,19 +93,8 @@ class KeepAll:
         pass
 
 
-AUTO = "auto"
 AUTO_DROP_GRID = (0.0, 6.25, 12.5, 25.0, 50.0, 100.0)
 """The p (%) ``drop_pct="auto"`` chooses from each round (0 = keep every record)."""
-
-
-def check_drop_pct(drop_pct: float | str, auto: bool = False) -> None:
-    """``UserError`` unless p is in (0, 100] (or ``"auto"`` where the filter chooses p itself)."""
-    if drop_pct == AUTO:
-        if not auto:
-            raise UserError("drop_pct auto chooses p each round for --filter iif only; give this filter a number")
-        return
-    if isinstance(drop_pct, bool) or not (isinstance(drop_pct, (int, float)) and 0 < drop_pct <= 100):
-        raise UserError(f"drop_pct must be in (0, 100], got {drop_pct}" + (" (or auto)" if auto else ""))
 
 
 def drop_lowest(scores: torch.Tensor, n_drop: int) -> torch.Tensor:
@@ -505,7 +495,6 @@ class OracleFilter(_Seeded):
         return guard_minibatch(~corrupted, (~corrupted).float(), context)
 
 
-FILTER_NAMES = ("none", "iif", "random", "advantage", "td-error", "reward-extremes", "dtv", "advantage-sign", "oracle")
 
 
 def make_filter(

@@ -29,9 +29,10 @@ import os
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from rlinfluence.errors import UserError
 
@@ -268,6 +269,8 @@ class RunDirectory:
         """State after ``n_rounds`` completed rounds; loadable with ``weights_only=True``."""
         path = self.checkpoint_path(n_rounds)
 
+        import torch  # here, not at import: the command line reads run folders without torch
+
         def save(tmp: Path) -> None:
             try:
                 torch.save(state, tmp)
@@ -317,6 +320,8 @@ class RunDirectory:
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """``torch.load(path, weights_only=True)``; a one-line ``CheckpointError`` if it is unusable."""
+    import torch
+
     try:
         state = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # corrupt zip, truncated or empty file, unpickling refused...

@@ -49,7 +49,7 @@ from rlinfluence.filters import FilterContext, InfluenceScorer
 from rlinfluence.influence import ReturnTarget, ZeroTargetGradient, gradient_alignment
 
 if TYPE_CHECKING:
-    from rlinfluence.ppo import SavedRound
+    from rlinfluence.checkpoint import SavedRound
 
 Scorer = Callable[["SavedRound"], np.ndarray]
 Level = Literal["record", "episode", "source"]
@@ -261,7 +261,7 @@ def _saved_rounds(run_dir: Path) -> list[int]:
 def _scored_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None) -> tuple[pd.DataFrame, list[str], str]:
     """A run trained with ``--save-buffers``: its saved rounds scored now, by every scorer where
     the run has ground truth (for the detection table), else by the test's alone."""
-    from rlinfluence.ppo import load_round
+    from rlinfluence.checkpoint import load_round
     from rlinfluence.rundir import RunDirectory
 
     config = RunDirectory.open_existing(run_dir, tensorboard=False).read_config()

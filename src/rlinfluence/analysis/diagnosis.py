@@ -121,7 +121,7 @@ def diagnose_round(saved, bottom: int = 100, advantage_norm: str = DEFAULT_ADVAN
 
 def diagnose(run_dir: str | Path, round_index: int, bottom: int = 100, advantage_norm: str = DEFAULT_ADVANTAGE_NORM) -> Diagnosis:
     """Load round ``round_index`` of a run saved with ``--save-buffers`` and diagnose it."""
-    from rlinfluence.ppo import load_round
+    from rlinfluence.checkpoint import load_round
 
     if bottom < 1:
         raise UserError(f"--bottom must be >= 1, got {bottom}")

@@ -38,7 +38,7 @@ from rlinfluence.influence import DEFAULT_ADVANTAGE_NORM
 from rlinfluence.rundir import RunDirectory, load_checkpoint
 
 if TYPE_CHECKING:
-    from rlinfluence.ppo import SavedRound
+    from rlinfluence.checkpoint import SavedRound
 
 VARIANTS = ("a", "b", "c", "d")
 D_RETRAINS = 8
@@ -62,7 +62,7 @@ def _seed(*parts: int) -> int:
 def intervene_round(run_dir: str | Path, round_index: int, eval_episodes: int = 100,
                     advantage_norm: str = DEFAULT_ADVANTAGE_NORM) -> dict[str, object]:
     """Retrain round ``round_index`` of a run as (a), (b), (c); one result row."""
-    from rlinfluence.ppo import load_round
+    from rlinfluence.checkpoint import load_round
 
     if eval_episodes < 1:
         raise UserError(f"--eval-episodes must be >= 1, got {eval_episodes}")

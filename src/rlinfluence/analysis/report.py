@@ -18,87 +18,17 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from rlinfluence.analysis.sections import FrameCard, Gallery, Section, Table  # noqa: F401  (importable from here)
+from rlinfluence.config import DEFAULT_ADVANTAGE_NORM
 from rlinfluence.errors import UserError
-from rlinfluence.influence import DEFAULT_ADVANTAGE_NORM
 from rlinfluence.rundir import RunDirectory, atomic_write
 
 ANALYSES_DIR = "analyses"
-
-
-@dataclass
-class Table:
-    caption: str
-    columns: list[str]
-    rows: list[list[Any]]
-
-
-def _base64(png: bytes) -> str:
-    return base64.b64encode(png).decode("ascii")
-
-
-@dataclass
-class FrameCard:
-    """One record shown by its rendered frame (PNG) and the frames around it in its episode."""
-
-    title: str
-    """which record: rank, env, step"""
-    label: str
-    """what it is: action, advantage, score"""
-    frame: bytes
-    strip: list[bytes]
-    """the frames of its episode's records around it, in step order"""
-    strip_steps: list[int]
-    current: int
-    """the record's position in ``strip``"""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"title": self.title, "label": self.label, "frame": _base64(self.frame),
-                "strip": [_base64(png) for png in self.strip], "strip_steps": self.strip_steps,
-                "current": self.current}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> FrameCard:
-        return cls(data["title"], data["label"], base64.b64decode(data["frame"]),
-                   [base64.b64decode(png) for png in data["strip"]], list(data["strip_steps"]),
-                   int(data["current"]))
-
-
-@dataclass
-class Gallery:
-    caption: str
-    cards: list[FrameCard]
-
-
-@dataclass
-class Section:
-    """One analysis' results. ``figures`` maps a figure name to (PNG bytes, caption); the bytes
-    are not serialised (``save_section`` writes them as files next to the JSON). ``galleries``
-    (records with their frames) are, base64-encoded: their PNGs are a few KB each."""
-
-    key: str
-    title: str
-    paragraphs: list[str] = field(default_factory=list)
-    summary: dict[str, Any] = field(default_factory=dict)
-    tables: list[Table] = field(default_factory=list)
-    figures: dict[str, tuple[bytes, str]] = field(default_factory=dict)
-    galleries: list[Gallery] = field(default_factory=list)
-    side_by_side: list[Table] = field(default_factory=list)
-    """tables shown next to each other (e.g. kept and dropped completions)"""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "key": self.key, "title": self.title, "paragraphs": self.paragraphs,
-            "summary": _jsonable(self.summary), "tables": [_jsonable(asdict(t)) for t in self.tables],
-            "figures": {name: caption for name, (_, caption) in self.figures.items()},
-            "galleries": [{"caption": g.caption, "cards": [c.to_json() for c in g.cards]} for g in self.galleries],
-            "side_by_side": [_jsonable(asdict(t)) for t in self.side_by_side],
-        }
 
 
 def figure_png(fig: Any, dpi: int = 100) -> bytes:
@@ -136,22 +66,6 @@ def evenly_spaced(values: Sequence[int], n: int) -> list[int]:
     if not values:
         return []
     return sorted({values[int(round(i))] for i in np.linspace(0, len(values) - 1, min(n, len(values)))})
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, np.ndarray):
-        return _jsonable(value.tolist())
-    return str(value)
 
 
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -209,7 +123,7 @@ def _fmt(value: Any) -> str:
 
 
 def _data_uri(png: bytes) -> str:
-    return "data:image/png;base64," + _base64(png)
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
 @functools.cache
@@ -297,9 +211,9 @@ def influence_section(run_dir: str | Path, n_rounds: int = 6, advantage_norm: st
     and a table (fraction negative, spread), plus the kept fraction the run actually used, and
     the last of these rounds' top and bottom records with their frames (if saved)."""
     from rlinfluence.analysis.tables import add_record_frames, attribution_table
+    from rlinfluence.checkpoint import load_round
     from rlinfluence.frames import load_frames
     from rlinfluence.influence import ReturnTarget, score_buffer
-    from rlinfluence.ppo import load_round
 
     run = RunDirectory.open_existing(run_dir, tensorboard=False)
     saved = saved_rounds(run)

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from rlinfluence.analysis.report import FrameCard, Gallery, Section, Table
+from rlinfluence.analysis.sections import FrameCard, Gallery, Section, Table
 from rlinfluence.buffer import RolloutBuffer
 from rlinfluence.frames import HOW_TO_SAVE, png, record_strip
 

@@ -155,7 +155,7 @@ def select_state_action(run_dir: str | Path, *, state_round: int | None = None, 
     saved round) or the explicit observation ``state`` (its values, flattened); a* = ``action`` (one
     integer for a discrete action space, the action's values for a continuous one) or the
     final policy's preferred action at s*."""
-    from rlinfluence.ppo import load_round
+    from rlinfluence.checkpoint import load_round
 
     final, t_final = load_final(run_dir)
     run = RunDirectory.open_existing(run_dir, tensorboard=False)
@@ -197,7 +197,8 @@ def select_state_action(run_dir: str | Path, *, state_round: int | None = None, 
             a = torch.tensor(int(values[0]))
         how = "given"
     a_text = ", ".join(f"{v:.3g}" for v in a.reshape(-1).tolist()) if policy.continuous else str(int(a))
-    obs_text = ", ".join(f"{v:.3g}" for v in obs.reshape(-1).tolist()[:12])
+    values = obs.reshape(-1).tolist()
+    obs_text = ", ".join(f"{v:.3g}" for v in values[:12]) + (f", ... ({len(values)} values)" if len(values) > 12 else "")
     return StateAction(obs, a, f"s* = {where} [{obs_text}], a* = {a_text} ({how})")
 
 
@@ -256,7 +257,7 @@ def running_median(x: np.ndarray, width: int = 3) -> np.ndarray:
 def timeline(run_dir: str | Path, target: StateAction, rounds: list[int] | None = None, neighbours: int = 50,
              top: int = 10, advantage_norm: str = DEFAULT_ADVANTAGE_NORM) -> Timeline:
     """Score every saved round (or ``rounds``) with ``ActionTarget(s*, a*)``."""
-    from rlinfluence.ppo import load_round
+    from rlinfluence.checkpoint import load_round
 
     if neighbours < 1:
         raise UserError(f"--neighbours must be >= 1, got {neighbours}")

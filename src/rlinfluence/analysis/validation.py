@@ -47,10 +47,11 @@ from rlinfluence.influence import (
     snapshot_influence,
 )
 from rlinfluence.influence.validation import DROP_PCTS, Validation, check_settings, validate
+from rlinfluence.seeding import derived_seed
 
 if TYPE_CHECKING:
     from rlinfluence.buffer import RolloutBuffer
-    from rlinfluence.ppo import SavedRound
+    from rlinfluence.checkpoint import SavedRound
 
 SCORERS = ("snapshot/chunk", "snapshot/batch", "snapshot/none", "full")
 
@@ -134,9 +135,6 @@ class RoundValidation:
     seconds: dict[str, float]
 
 
-def _derived_seed(*parts: int) -> int:
-    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
-
 
 def validate_round(run_dir: str | Path, round_index: int, *, target: str | Target = "return",
                    state_index: int | None = None, scorers: Sequence[str] = (f"snapshot/{DEFAULT_ADVANTAGE_NORM}",),
@@ -144,7 +142,7 @@ def validate_round(run_dir: str | Path, round_index: int, *, target: str | Targe
                    random_draws: int = 5, seed: int = 0) -> RoundValidation:
     """Validate round ``round_index`` of a saved run (module docstring). ``target``: ``"return"``,
     ``"action"`` (with ``state_index``) or any ``Target``."""
-    from rlinfluence.ppo import load_round
+    from rlinfluence.checkpoint import load_round
 
     check_settings(subsets, fraction)
     saved = load_round(run_dir, round_index)
@@ -153,7 +151,7 @@ def validate_round(run_dir: str | Path, round_index: int, *, target: str | Targe
     seconds, scores = {}, {}
     for scorer in scorers:
         start = time.perf_counter()
-        scores[scorer] = score_round(saved, f, scorer, _derived_seed(seed, round_index, 1))
+        scores[scorer] = score_round(saved, f, scorer, derived_seed(seed, round_index, 1))
         seconds[scorer] = time.perf_counter() - start
     start = time.perf_counter()
     result = validate(scores, target_change(saved, f), subsets=subsets, fraction=fraction,

@@ -23,14 +23,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import pandas as pd
 
 from rlinfluence.errors import UserError
+from rlinfluence.experiments.specs import Clock
 
-Clock = Literal["wall", "cpu"]
 CLOCK_COLUMNS = {"wall": "train_seconds", "cpu": "train_cpu_seconds"}
 PLATEAU_ROUNDS = 5
 

@@ -9,24 +9,31 @@ A spec is a filter (``ppo`` = standard PPO, or any filter of ``rlinfluence.filte
     -> ppo | iif | ppo@learning_rate=0.02 | iif@learning_rate=0.02,drop_pct=25
 
 Every key and value is checked against ``PPOConfig``'s field types here, before anything runs.
+
+``CompareConfig``, what ``rlinfluence compare`` runs (its methods, seeds and settings), lives here
+too: like ``PPOConfig`` it imports no torch, pandas or scipy, so the command line is built
+without them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+from rlinfluence.config import FIELD_TYPES, FILTER_NAMES, PPOConfig, coerce
 from rlinfluence.errors import UserError
-from rlinfluence.filters import FILTER_NAMES
-from rlinfluence.ppo import (  # coerce lives in ppo (from_dict uses it)
-    FIELD_TYPES,
-    PPOConfig,
-    coerce,
-)
+
+Clock = Literal["wall", "cpu"]
+"""Which seconds the RT figures use: wall time, or process CPU time (robust to other load)."""
+TuneMetric = Literal["auc", "final", "rounds80"]
+"""A tuning score (``rlinfluence.experiments.tuning``)."""
+DEFAULT_REPS = 2000
+"""Bootstrap replications of every interval (``rlinfluence.experiments.statistics``)."""
 
 # keys that define the pair rather than the method: a spec must not change them
 PAIR_KEYS = ("env", "seed", "filter", "method", "run_root", "progress")
@@ -205,3 +212,109 @@ def config_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str
     keys = (set(saved) | set(wanted)) - set(PRESENTATION_KEYS)
     return sorted(k for k in keys if saved.get(k) != wanted.get(k))
 
+
+# Evaluation episode e of seed s is reset with EPISODE_SEED_BASE + s * EPISODE_SEED_STRIDE + e: the
+# methods of one seed share their episodes (paired), and no two seeds share any.
+EPISODE_SEED_BASE = 100_000
+EPISODE_SEED_STRIDE = 10_000
+
+
+def episode_seed_base(seed: int) -> int:
+    """The first evaluation-episode seed of a comparison's runs with training seed ``seed``."""
+    return EPISODE_SEED_BASE + seed * EPISODE_SEED_STRIDE
+
+
+def episode_seeds(config: PPOConfig) -> range:
+    """The reset seeds of a run's evaluation episodes."""
+    return range(config.eval_seed, config.eval_seed + config.eval_episodes)
+
+
+@dataclass
+class CompareConfig:
+    """Multi-seed comparison of methods against a reference (``rlinfluence compare``)."""
+
+    env: str = "FrozenLake-v1"
+    """gymnasium env id (a preset gives the paper's hyperparameters, p and round count)"""
+    methods: tuple[str, ...] = ("ppo", "iif", "random")
+    """method specs FILTER[@key=value,...] or NAME=FILTER@key=value,..., space-separated (or
+    comma-separated); filters: ppo (standard), iif, iif-robust, random, advantage, td-error, reward-extremes,
+    dtv, advantage-sign, oracle (with --corrupt)"""
+    reference: str = "ppo"
+    """the method every metric is computed against (a label or spec among --methods)"""
+    seeds: int = 5
+    """number of evaluation seeds (first_seed, first_seed + 1, ...)"""
+    first_seed: int = 1
+    """the first evaluation seed"""
+    rounds: int | None = None
+    """rounds per run (default: the preset's standard-PPO round count)"""
+    drop_pct: float | None = None
+    """p for iif and the baselines (default: the preset's)"""
+    eval_episodes: int | None = None
+    """evaluation episodes per round (default: the preset's)"""
+    set: tuple[str, ...] = ()
+    """further PPOConfig overrides for every run, as key=value (e.g. optimizer=adam)"""
+    corrupt: tuple[str, ...] = ()
+    """corruptions of every run's training data, KIND:key=value,... (rlinfluence.corruptions; the
+    same envs and episodes for every method of a seed); evaluation stays clean"""
+    tune: tuple[str, ...] = ()
+    """tune every method over key=v1,v2,... (several keys, space-separated: their product) on
+    the tuning seeds, then evaluate each with its best value"""
+    tune_only: tuple[str, ...] = ()
+    """with --tune: tune only these methods (labels, the reference among them); every other method
+    runs at the reference's chosen values (labelled so), as a protocol that tunes the few methods
+    that matter and saves the rest of the grid"""
+    tune_seeds: int = 2
+    """number of tuning seeds (tune_first_seed, ...), disjoint from the evaluation seeds"""
+    tune_first_seed: int = 1001
+    """the first tuning seed"""
+    tune_metric: TuneMetric = "auc"
+    """tuning score: auc (normalised area under the eval curve), final (plateau), rounds80"""
+    out: str | None = None
+    """output folder (default runs/compare__<env>__<time>); re-run with it to resume"""
+    workers: int = os.cpu_count() or 1
+    """local worker processes"""
+    ray_address: str | None = None
+    """run the pairs as Ray tasks on this cluster (auto or HOST:PORT) instead"""
+    smooth: int = 1
+    """moving-average window (rounds) applied to every curve before the metrics"""
+    clock: Clock = "wall"
+    """RT figures from wall seconds, or from process CPU seconds (robust to other load on the machine)"""
+    bootstrap_reps: int = DEFAULT_REPS
+    """bootstrap replications of every interval"""
+    bootstrap_seed: int = 0
+    """seed of every bootstrap: the same seed gives the same intervals"""
+    progress: bool = True
+    """show a progress bar of finished pairs"""
+    confirm: str | None = None
+    """confirm an earlier study: its compare.json (or folder); its env, methods, settings and
+    chosen values are rerun without tuning on --first-seed/--seeds, which must be seeds (and so
+    evaluation episodes) that study never used for tuning or evaluation"""
+
+    def run_config(self, method: MethodSpec | str, seed: int, extra: dict[str, Any] | None = None) -> PPOConfig:
+        """The validated ``PPOConfig`` of one run: the env's preset, then drop_pct,
+        eval_episodes and --set, then the method's own overrides and ``extra`` (a tuning
+        point); rounds are converted to env steps last, with the final n_steps and n_envs."""
+        spec = parse_methods(method)[0] if isinstance(method, str) else method
+        overrides: dict[str, Any] = {"seed": seed, "progress": False, "eval_seed": episode_seed_base(seed)}
+        if self.drop_pct is not None:
+            overrides["drop_pct"] = self.drop_pct
+        if self.eval_episodes is not None:
+            overrides["eval_episodes"] = self.eval_episodes
+        overrides.update(parse_overrides(self.set))
+        if self.corrupt:
+            overrides["corrupt"] = tuple(self.corrupt)
+        overrides.update(spec.config_overrides())
+        overrides.update(extra or {})
+        try:
+            config = PPOConfig.for_env(self.env, **overrides)
+        except TypeError as exc:
+            raise UserError(f"invalid settings for {spec.label!r}: {exc}") from None
+        if self.rounds is not None:
+            config.total_timesteps = self.rounds * config.rollout_size
+        try:
+            config.validate()
+        except UserError as exc:
+            raise UserError(f"method {spec.label!r}: {exc}") from None
+        if config.eval_episodes < 1:  # every metric is computed on the evaluation curve
+            raise UserError(f"a comparison needs eval_episodes >= 1, got {config.eval_episodes}")
+        return config

@@ -28,7 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 from scipy import stats
 
-DEFAULT_REPS = 2000
+from rlinfluence.experiments.specs import DEFAULT_REPS
+
 Interval = tuple[float, float, float]
 
 

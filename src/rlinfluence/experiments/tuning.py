@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from rlinfluence.experiments.metrics import Curve, first_reach
-
-TuneMetric = Literal["auc", "final", "rounds80"]
+from rlinfluence.experiments.specs import TuneMetric
 
 
 def grid_points(grid: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
@@ -57,8 +56,9 @@ def choose(scores: Mapping[tuple[str, int], float], method: str) -> int:
 
 
 def at_edge(index: int, grid: Mapping[str, Sequence[Any]]) -> list[str]:
-    """Keys of a chosen grid point that sit at the first or last value of their axis (with more
-    than two values): a sign that the grid should be widened."""
+    """Keys of a chosen grid point that sit at the first or last value of their axis: a sign
+    that the grid should be widened. An axis of two values has only edges, so its choice is
+    always flagged (the optimum may lie outside); an axis of one value is not tuned."""
     keys = list(grid)
     position = np.unravel_index(index, [len(v) for v in grid.values()])
-    return [k for k, p in zip(keys, position, strict=True) if len(grid[k]) > 2 and p in (0, len(grid[k]) - 1)]
+    return [k for k, p in zip(keys, position, strict=True) if len(grid[k]) >= 2 and p in (0, len(grid[k]) - 1)]

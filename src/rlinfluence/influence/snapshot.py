@@ -23,11 +23,11 @@ record's factors with the elementwise-scaled target gradient P^-1 G.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Final
 
 import torch
 from torch import nn
 
+from rlinfluence.config import DEFAULT_ADVANTAGE_NORM
 from rlinfluence.influence.ghost import (
     attributed_parameters,
     check_policy,
@@ -48,10 +48,9 @@ from rlinfluence.influence.targets import (
 from rlinfluence.losses import normalize_advantages
 
 ADVANTAGE_NORMS = ("chunk", "batch", "none")
-DEFAULT_ADVANTAGE_NORM: Final = "chunk"  # Final: typed Literal["chunk"], a default for Literal fields
-"""The advantage normalisation every entry point scores with by default: IIF's
-(``PPOConfig.advantage_norm``), advantages normalised within chunks of ``batch_size`` records of a
-random permutation of the buffer (``chunk_permutation``), like the first epoch's minibatches."""
+# DEFAULT_ADVANTAGE_NORM, the one every entry point scores with by default (IIF's
+# PPOConfig.advantage_norm: within chunks of batch_size records of a random permutation of the
+# buffer, ``chunk_permutation``, like the first epoch's minibatches), lives with the config
 
 
 def chunk_permutation(n: int, seed: int = 0) -> torch.Tensor:

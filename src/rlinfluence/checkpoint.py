@@ -1,0 +1,135 @@
+"""Checkpoints and saved rounds of PPO runs: load, resume, and a saved round k at theta(k).
+
+- ``load(path)``: a trainer restored from ``PPO.save`` (config + state in one file);
+- ``resume(run_dir)``: a run continued from its newest loadable checkpoint;
+- ``load_round(run_dir, k)`` -> ``SavedRound``: the trainer restored to theta(k) with round k's
+  saved buffer and minibatch schedule (what attribution and every analysis reads).
+
+Every file is read with ``torch.load(weights_only=True)`` (``rlinfluence.rundir.load_checkpoint``):
+no pickle of arbitrary objects. The trainer's own state is ``PPO.state_dict`` /
+``PPO.load_state_dict``; this module builds on ``rlinfluence.ppo`` (never the other way round).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlinfluence.buffer import MinibatchStep, RolloutBuffer
+from rlinfluence.config import PPOConfig
+from rlinfluence.errors import UserError
+from rlinfluence.filters import Filter
+from rlinfluence.ppo import PPO
+from rlinfluence.rundir import CheckpointError, RunDirectory, load_checkpoint
+
+
+def load(path: str | Path, filter: Filter | None = None, **config_overrides: Any) -> PPO:
+    """A trainer restored from ``PPO.save``, writing no run directory."""
+    state = load_checkpoint(path)
+    if "config" not in state:
+        raise UserError(f"{str(path)!r} has no config (it is a run checkpoint: use PPO.resume)")
+    config = dataclasses.replace(PPOConfig.from_dict(state["config"]), **config_overrides)
+    trainer = PPO(config, filter=filter, run_dir=False)
+    trainer.load_state_dict(state, source=repr(str(path)))
+    return trainer
+
+
+def resume(run_dir: str | Path, filter: Filter | None = None) -> PPO:
+    """Continue a run from its newest loadable checkpoint (same config, same directory).
+
+    An unreadable checkpoint (corrupt, truncated, empty, malformed) is skipped, with a warning
+    on stderr, for the next older one; one of another env or network is a ``UserError``, and so
+    is a run trained with a filter object of another class than its config builds, resumed
+    without ``filter=`` (it would continue silently with the wrong filter).
+    """
+    run = RunDirectory.open_existing(run_dir)
+    run.check_writable()
+    config = PPOConfig.from_dict(run.read_config(), source=repr(str(run.path / "config.json")))
+    checkpoints = run.checkpoints()
+    trainer = PPO(config, filter=filter, run_dir=run)
+    skipped: list[str] = []
+    for checkpoint in checkpoints:
+        try:
+            state = load_checkpoint(checkpoint)
+            trainer.load_state_dict(state, source=repr(str(checkpoint)))
+            break
+        except CheckpointError as exc:
+            skipped.append(f"{checkpoint.name} ({exc})")
+    else:
+        raise UserError(f"no checkpoint of {str(run.path)!r} loads; newest: {skipped[0]}")
+    trained_with = state.get("filter_class")
+    if filter is None and trained_with is not None and trained_with != PPO.filter_class(trainer.filter):
+        raise UserError(f"{str(run.path)!r} was trained with the filter {trained_with}, not the "
+                        f"{PPO.filter_class(trainer.filter)} its config builds: pass it, PPO.resume(run_dir, filter=...)")
+    if skipped:
+        print(f"warning: skipped unusable checkpoint {'; '.join(skipped)}; resuming from "
+              f"{checkpoint.name}", file=sys.stderr)
+    run.truncate(trainer.round)
+    return trainer
+
+
+@dataclass
+class SavedRound:
+    """A saved round k of a run: the trainer at theta(k) and the round's records."""
+
+    trainer: PPO
+    buffer: RolloutBuffer
+    keep: torch.Tensor
+    schedule: list[MinibatchStep]
+    start: dict[str, Any]
+    """the trainer's state at theta(k) (policy, optimiser, generator), for ``retrain``"""
+
+    def retrain(self, keep: torch.Tensor | None = None, lr_scale: float = 1.0) -> dict[str, float]:
+        """Redo round k's update from theta(k) on the records ``keep`` (default: all) with the
+        learning rate scaled by ``lr_scale``; the trainer is left at the retrained theta.
+
+        The trainer is first restored to theta(k) with its optimiser state and minibatch
+        generator, and the generator is advanced past the round's collection draw, as in
+        training: so a standard run's round retrained on every record at scale 1 reproduces
+        its own theta(k+1) exactly. Returns the update's statistics (approx_kl, ...).
+        """
+        trainer, cfg = self.trainer, self.trainer.config
+        trainer.load_state_dict(copy.deepcopy(self.start))
+        trainer.policy.noise((cfg.n_steps, cfg.n_envs), trainer.generator)
+        if keep is None:
+            keep = torch.ones(len(self.buffer), dtype=torch.bool)
+        return trainer.update(self.buffer, keep, lr_scale=lr_scale)
+
+
+def load_round(run_dir: str | Path, round_index: int) -> SavedRound:
+    """Round ``round_index`` of a run trained with ``save_buffers``: the trainer restored to
+    theta(k) (policy and optimiser state before the round's update) and the saved buffer."""
+    run = RunDirectory.open_existing(run_dir, tensorboard=False)
+    config = dataclasses.replace(PPOConfig.from_dict(run.read_config()), progress=False)
+    tensors = run.load_buffer(round_index)
+    checkpoint = run.checkpoint_path(round_index)
+    if not checkpoint.is_file():
+        raise UserError(f"no checkpoint for theta({round_index}) ({str(checkpoint)!r})")
+    trainer = PPO(config, run_dir=False)
+    _check_buffer_fits(tensors, trainer, run.buffer_path(round_index))
+    state = load_checkpoint(checkpoint)
+    trainer.load_state_dict(state, source=repr(str(checkpoint)))
+    schedule = []
+    if "schedule_indices" in tensors:
+        schedule = [MinibatchStep(int(e), idx, float(lr)) for e, idx, lr in zip(
+            tensors["schedule_epochs"], tensors["schedule_indices"], tensors["schedule_lr"], strict=True)]
+    return SavedRound(trainer, RolloutBuffer.from_tensors(tensors), tensors["keep"], schedule, state)
+
+
+def _check_buffer_fits(tensors: dict[str, torch.Tensor], trainer: PPO, path: Path) -> None:
+    """``UserError`` if a saved buffer's observations or actions do not fit the run's env."""
+    space, continuous = trainer.env.single_observation_space, trainer.policy.continuous
+    action_shape = tuple(trainer.env.single_action_space.shape) if continuous else ()
+    for name, expected in (("obs", tuple(space.shape)), ("actions", action_shape)):
+        found = tuple(tensors[name].shape[1:])
+        if found != expected:
+            raise UserError(f"buffer {str(path)!r} does not fit env {trainer.config.env}: {name} of "
+                            f"shape {found} per record, expected {expected} (a buffer of another run?)")
+
+

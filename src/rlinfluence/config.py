@@ -1,0 +1,369 @@
+"""PPO's hyperparameters: ``PPOConfig``, their coercion from text and JSON, their validation.
+
+This module imports no torch (nor gymnasium, scipy or pandas at import time), so that the
+command line builds its parsers, ``--help`` included, without them: ``rlinfluence.cli`` imports
+every config class from modules like this one and the heavy modules only inside its commands.
+The trainer is ``rlinfluence.ppo.PPO``; ``PPOConfig`` is also importable from there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+import warnings
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from rlinfluence.corruptions import check_corruptions
+from rlinfluence.errors import UserError
+from rlinfluence.presets import PRESETS
+
+DEFAULT_ADVANTAGE_NORM: Final = "chunk"  # Final: typed Literal["chunk"], a default for Literal fields
+"""How IIF normalises advantages when it scores (``rlinfluence.influence.snapshot_influence``):
+in random chunks of batch_size records, as the update's minibatches do (spec 2.2)."""
+AUTO = "auto"
+"""drop_pct ``auto``: IIF chooses p each round (``rlinfluence.filters``)."""
+FILTER_NAMES = ("none", "iif", "random", "advantage", "td-error", "reward-extremes", "dtv", "advantage-sign", "oracle")
+"""The filters ``rlinfluence.filters.make_filter`` builds (``none`` = standard PPO)."""
+
+
+def check_drop_pct(drop_pct: float | str, auto: bool = False) -> None:
+    """``UserError`` unless p is in (0, 100] (or ``"auto"`` where the filter chooses p itself)."""
+    if drop_pct == AUTO:
+        if not auto:
+            raise UserError("drop_pct auto chooses p each round for --filter iif only; give this filter a number")
+        return
+    if isinstance(drop_pct, bool) or not (isinstance(drop_pct, (int, float)) and 0 < drop_pct <= 100):
+        raise UserError(f"drop_pct must be in (0, 100], got {drop_pct}" + (" (or auto)" if auto else ""))
+
+
+@dataclass
+class PPOConfig:
+    """PPO hyperparameters. Defaults are Stable-Baselines3's; ``PPOConfig.for_env`` applies the
+    paper's preset for its six environments (SGD 5e-3, no gradient clipping, ...)."""
+
+    env: str = "CartPole-v1"
+    """gymnasium env id (presets: FrozenLake-v1, Acrobot-v1, MiniGrid-Empty-8x8-v0, highway-v0,
+    LunarLander-v3, BipedalWalker-v3)"""
+    seed: int = 1
+    """seed of python, numpy, torch (initial policy, sampling, minibatches) and the envs"""
+    total_timesteps: int = 100_000
+    """environment steps to train for; rounds = ceil(total_timesteps / (n_steps * n_envs))"""
+    n_envs: int = 1
+    """parallel environments (gymnasium SyncVectorEnv)"""
+    n_steps: int = 2048
+    """steps per environment per round"""
+    batch_size: int = 64
+    """minibatch size; must divide n_steps * n_envs"""
+    n_epochs: int = 10
+    """passes over the kept records per round"""
+    learning_rate: float = 3e-4
+    """constant learning rate"""
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """adam (eps adam_eps) or plain sgd (no momentum); state is carried across rounds"""
+    adam_eps: float = 1e-5
+    """Adam's epsilon (SB3's default)"""
+    gamma: float = 0.99
+    """discount factor"""
+    gae_lambda: float = 0.95
+    """GAE lambda"""
+    clip_range: float = 0.2
+    """PPO ratio clip epsilon"""
+    clip_range_vf: float | None = None
+    """value clip around the old value; None = no value clipping"""
+    normalize_advantage: bool = True
+    """normalise advantages within each minibatch"""
+    ent_coef: float = 0.0
+    """entropy bonus coefficient"""
+    vf_coef: float = 0.5
+    """value loss coefficient"""
+    max_grad_norm: float | None = 0.5
+    """global gradient-norm clip; None = no clipping (as the paper's code ran)"""
+    target_kl: float | None = None
+    """stop the round's update once approx_kl > 1.5 * target_kl (SB3); None = never"""
+    filter: Literal["none", "iif", "iif-robust", "random", "advantage", "td-error", "reward-extremes",
+                    "dtv", "advantage-sign", "oracle"] = "none"
+    """records to drop before each update: none = standard PPO; iif = influence-based filtering
+    (the paper's); iif-robust = iif with ROBUST_IIF's options (drop_pct auto; docs/results/variants.md);
+    dtv = records whose policy gradient opposes the buffer's mean one (no target);
+    advantage-sign = the most negative-advantage records (as many of the negatives as iif drops);
+    oracle = exactly the records a --corrupt corruption changed (the ceiling of any detector)"""
+    drop_pct: float | Literal["auto"] = 50.0
+    """p in (0, 100]: iif drops p% of the negative records (neg-bottom); baselines p% of records;
+    auto (iif): choose p each round from 0, 6.25, 12.5, 25, 50, 100 by a cross-fitted lookahead"""
+    drop_mode: Literal["neg-bottom", "bottom", "neg"] = "neg-bottom"
+    """iif: neg-bottom = the floor(p N_neg) lowest negatives; bottom = lowest p%; neg = all negatives"""
+    advantage_norm: Literal["chunk", "batch", "none"] = DEFAULT_ADVANTAGE_NORM
+    """iif scoring: advantages normalised in random chunks of batch_size, the whole buffer, or not"""
+    random_match: Literal["iif", "pct"] = "iif"
+    """random: drop as many records as iif would (iif) or p% of all records (pct)"""
+    heuristic: Literal["H1", "H2"] = "H1"
+    """advantage: H1 = largest |A_bar - A_hat|, H2 = smallest A_bar * A_hat among sign mismatches"""
+    step_control: Literal["none", "norm", "kl"] = "none"
+    """filtered rounds: norm = scale the round's learning rate by |g_all| / |g_kept|, the lengths
+    of the policy-gradient of all and of the kept records at theta(k), so that dropping records
+    (whose gradients disagreed with the rest) does not lengthen the update step; kl = scale it by
+    sqrt(KL_all / KL_kept), the approx_kl (on the whole buffer) after one probe epoch on all and on
+    the kept records, so the round's KL stays at the level the unfiltered update would reach"""
+    precondition: Literal["none", "adam"] = "none"
+    """iif/random scores: adam = <grad l_i, P^-1 grad f> with P Adam's diagonal preconditioner
+    (bias-corrected second moments + eps) before the round's update; needs --optimizer adam"""
+    gate: Literal["none", "split-half"] = "none"
+    """iif/random: split-half = filter only if the return target's gradients on two random halves
+    of the buffer's episodes agree (cosine >= gate_threshold); otherwise keep every record"""
+    gate_threshold: float = 0.3
+    """the split-half reliability (cosine) below which a round is not filtered"""
+    validation_steps: int = 0
+    """iif/random scoring target: 0 = the buffer itself (the authors); k > 0 = a separate rollout
+    of k steps per env with pi_theta(k) on its own envs each round (extra env steps, counted in
+    validation_env_steps, its time in train_seconds)"""
+    corrupt: tuple[str, ...] = ()
+    """corruptions of the training rollout with ground truth, KIND:key=value,... (repeatable):
+    reward-flip:envs=K, reward-noise:frac=F,scale=S, trigger:frac=F,bonus=B, stale:frac=F,lag=L
+    (rlinfluence.corruptions); evaluation always sees the clean reward"""
+    trusted_envs: int = 0
+    """the last K training envs are a trusted source: never corrupted (their records still train)"""
+    scoring_target: Literal["buffer", "trusted"] = "buffer"
+    """iif/random's return target: buffer = computed on the scored buffer itself (the paper's),
+    trusted = on the trusted envs' records only, so corrupted records do not judge themselves"""
+    hidden_sizes: tuple[int, ...] = (64, 64)
+    """hidden layers of the actor and of the critic MLP"""
+    encoder: Literal["auto", "flatten", "cnn"] = "auto"
+    """observation encoder; auto = CNN for HWC uint8 images, else flatten"""
+    eval_episodes: int = 50
+    """stochastic-policy evaluation episodes per round (0 = no evaluation)"""
+    eval_envs: int = 16
+    """evaluation environments stepped in one batch"""
+    eval_seed: int = 100_000
+    """episode e of every evaluation is reset with seed eval_seed + e (shared by all methods)"""
+    torch_threads: int = 1
+    """torch CPU threads (small networks run fastest on one)"""
+    run_root: str = "runs"
+    """parent folder of run directories"""
+    method: str | None = None
+    """method label in the run directory name (default: ppo, or the filter's name)"""
+    save_checkpoints: bool = True
+    """write checkpoints/round_XXXX.pt after every round (needed for --resume)"""
+    save_buffers: bool = False
+    """also save every round's buffer and minibatch schedule (for attribution and analyses)"""
+    save_frames: bool = False
+    """with save_buffers: also save a small rendered frame of every record (frames/round_XXXX.npz),
+    shown with the top and bottom records by diagnose, attribute --html, timeline and report"""
+    record_minibatches: bool = False
+    """keep, for every optimiser step, its minibatch record indices and lr (full TracIn)"""
+    tensorboard: bool = True
+    """write TensorBoard event files"""
+    wandb: bool = False
+    """also log every round to Weights & Biases (pip install 'rlinfluence[wandb]'; WANDB_MODE=offline
+    logs locally, to WANDB_DIR)"""
+    wandb_project: str = "rlinfluence"
+    """the W&B project of --wandb"""
+    progress: bool = True
+    """show a progress bar"""
+
+    def __post_init__(self) -> None:
+        # iif-robust is stored expanded, so that config.json says what ran; a conflicting option
+        # leaves it unexpanded for validate() to refuse (tyro would box an error raised here)
+        if self.filter == "iif-robust" and not self._robust_conflicts():
+            for key, robust in ROBUST_IIF.items():
+                setattr(self, key, robust)
+            self.filter, self.method = "iif", self.method or "iif-robust"
+
+    def _robust_conflicts(self) -> list[str]:
+        """The ROBUST_IIF options set to another value than their default and iif-robust's."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [f"iif-robust sets {key}={robust}, got {key}={getattr(self, key)}" for key, robust in ROBUST_IIF.items()
+                if getattr(self, key) not in (defaults[key], robust)]
+
+    @classmethod
+    def for_env(cls, env: str, **overrides: Any) -> PPOConfig:
+        """The paper's preset for ``env`` (if it has one), then ``overrides``; with
+        ``filter="iif-robust"`` the preset's values of ROBUST_IIF's options give way to it."""
+        preset = dict(PRESETS[env].config_overrides()) if env in PRESETS else {}
+        if overrides.get("filter") == "iif-robust":  # its options replace the preset's (MiniGrid's p = 12.5)
+            preset = {k: v for k, v in preset.items() if k not in ROBUST_IIF}
+        return cls(env=env, **{**preset, **overrides})
+
+    @property
+    def method_label(self) -> str:
+        return self.method or ("ppo" if self.filter == "none" else self.filter)
+
+    @property
+    def rollout_size(self) -> int:
+        return self.n_steps * self.n_envs
+
+    @property
+    def rounds(self) -> int:
+        return math.ceil(self.total_timesteps / self.rollout_size)
+
+    def validate(self) -> None:
+        """Raise ``UserError`` naming the first invalid value."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"{f.name} must be a finite number, got {value}")
+        positive_ints = ("total_timesteps", "n_envs", "n_steps", "batch_size", "n_epochs",
+                         "eval_envs", "torch_threads")
+        for name in positive_ints:
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.learning_rate > 0:
+            raise UserError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.batch_size > self.rollout_size or self.rollout_size % self.batch_size:
+            raise UserError(
+                f"batch_size {self.batch_size} must divide n_steps * n_envs = "
+                f"{self.n_steps} * {self.n_envs} = {self.rollout_size}"
+            )
+        for name in ("gamma", "gae_lambda"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise UserError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("clip_range", "clip_range_vf", "max_grad_norm", "target_kl"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise UserError(f"{name} must be > 0 (or None), got {value}")
+        if self.filter == "iif-robust":
+            raise UserError(f"{self._robust_conflicts()[0]}: use --filter iif to choose the options yourself")
+        check_drop_pct(self.drop_pct, auto=self.filter == "iif")
+        if self.precondition == "adam" and self.optimizer != "adam":
+            raise UserError("precondition adam scores for Adam's step; it needs --optimizer adam, "
+                            f"got {self.optimizer}")
+        if not -1 <= self.gate_threshold <= 1:
+            raise UserError(f"gate_threshold must be in [-1, 1] (a cosine), got {self.gate_threshold}")
+        check_corruptions(self.corrupt, self.n_envs, self.trusted_envs)
+        if self.filter == "oracle" and not self.corrupt:
+            raise UserError("the oracle filter drops the records a corruption changed: it needs --corrupt")
+        if self.scoring_target == "trusted" and not self.trusted_envs:
+            raise UserError("scoring_target trusted needs trusted_envs >= 1 (the envs its target is computed on)")
+        if self.scoring_target == "trusted" and self.validation_steps:
+            raise UserError("scoring_target trusted and validation_steps are two scoring targets: choose one")
+        for name in ("seed", "eval_seed", "eval_episodes", "validation_steps"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.seed >= 2**32:
+            raise UserError(f"seed must be < 2**32, got {self.seed}")
+        if not self.adam_eps > 0:
+            raise UserError(f"adam_eps must be > 0, got {self.adam_eps}")
+        if self.vf_coef < 0:
+            raise UserError(f"vf_coef must be >= 0, got {self.vf_coef}")
+        if self.save_frames and not self.save_buffers:
+            raise UserError("--save-frames needs --save-buffers (frames are kept for the saved rounds' records)")
+        if any(size < 1 for size in self.hidden_sizes):
+            raise UserError(f"hidden_sizes must all be >= 1, got {list(self.hidden_sizes)}")
+        if self.method is not None and (
+            not self.method or any(sep in self.method for sep in "/\\") or self.method in (".", "..")
+        ):
+            raise UserError(f"method must be a plain name (no path separator, not '..'), got {self.method!r}")
+        # the checks that need an env, a renderer or wandb import them here, not at start-up
+        from rlinfluence.envs import check_env_id, mc_unavailable_reason
+        from rlinfluence.frames import check_renders
+        from rlinfluence.rundir import check_wandb_installed
+
+        check_env_id(self.env)
+        if self.save_frames:
+            check_renders(self.env)
+        if self.wandb:
+            check_wandb_installed()
+        if self.filter == "advantage" and (reason := mc_unavailable_reason(self.env)) is not None:
+            raise UserError(f"--filter advantage needs Monte-Carlo advantages: {reason}")
+        if self.filter in ("iif", "random") and self.batch_size == self.rollout_size:
+            warnings.warn(f"{self.filter} with batch_size = n_steps * n_envs = {self.rollout_size} keeps every "
+                          "record (its guard keeps at least one full minibatch): this run is plain PPO",
+                          UserWarning, stacklevel=2)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> PPOConfig:
+        """The config ``to_dict`` wrote, every value type-checked against its field
+        (``UserError`` naming ``source`` and the first bad key)."""
+        if not isinstance(data, dict):
+            raise UserError(f"{source} is not a JSON object of PPOConfig keys")
+        unknown = sorted(set(data) - set(FIELD_TYPES))
+        if unknown:
+            raise UserError(f"{source}: unknown config keys {unknown}")
+        try:
+            return cls(**{key: coerce(key, value) for key, value in data.items()})
+        except UserError as exc:
+            raise UserError(f"{source}: {exc}") from None
+
+
+FIELD_TYPES: dict[str, Any] = typing.get_type_hints(PPOConfig)
+
+ROBUST_IIF: dict[str, Any] = {"drop_pct": "auto"}
+"""What ``--filter iif-robust`` sets on top of iif: the option that did best against tuned PPO
+among the variants tried on seeds 1-5 (docs/results/variants.md): p chosen each round by the
+cross-fitted lookahead, among candidates that include p = 0 (no filtering). Step control and the
+gate lost there. Its confirmation on fresh seeds: docs/results/tuned-ppo.md. ``--filter iif``
+keeps the paper's behaviour."""
+
+
+def coerce(key: str, text: str | Any) -> Any:
+    """The value of ``PPOConfig.key`` written as ``text`` (JSON where it parses), type-checked.
+
+    ``UserError`` names the key, the value and the expected type.
+    """
+    key = key.strip().replace("-", "_")
+    if key not in FIELD_TYPES:
+        raise UserError(f"unknown PPOConfig key {key!r}")
+    value = text
+    if isinstance(text, str):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+    try:
+        return _check(FIELD_TYPES[key], value)
+    except (TypeError, ValueError):
+        raise UserError(f"{key}={text!s}: expected {_type_name(FIELD_TYPES[key])}") from None
+
+
+def _check(tp: Any, value: Any) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+        if is_none and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check(arg, value)
+            except (TypeError, ValueError):
+                continue
+        raise TypeError
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ValueError
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            value = [value]
+        return tuple(_check(args[0], v) for v in value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise TypeError
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise TypeError
+    if tp is str:
+        return value if isinstance(value, str) else json.dumps(value)
+    raise TypeError
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, args))
+    if origin is tuple:
+        return f"a list of {_type_name(args[0])}"
+    return "None" if tp is type(None) else tp.__name__
