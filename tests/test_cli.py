@@ -168,3 +168,23 @@ def test_attribute_a_saved_round(tmp_path):
     assert pd.read_parquet(tmp_path / "full.parquet")["score"].abs().sum() > 0
     _assert_one_line_error(rlinfluence("attribute", run, "--round", "9"), "no saved buffer for round 9", "0..1")
     _assert_one_line_error(rlinfluence("attribute", run, "--round", "1", "--target", "action"), "--state-index")
+
+
+def test_help_states_each_default_once(monkeypatch, capsys):
+    from rlinfluence import cli
+
+    monkeypatch.setenv("COLUMNS", "400")  # one line per flag
+    for command in cli.COMMANDS:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([command, "--help"])
+        assert exit_info.value.code in (0, None)
+        text = capsys.readouterr().out
+        assert "(default: )" not in text, command
+        flags: list[str] = []  # each flag's help, its wrapped lines joined
+        for line in (raw.strip(" \u2502|") for raw in text.splitlines()):
+            if line.startswith("-") or not flags:
+                flags.append(line)
+            else:
+                flags[-1] += " " + line
+        doubled = [flag for flag in flags if flag.count("(default") > 1]
+        assert not doubled, (command, doubled)

@@ -26,6 +26,7 @@ import tyro
 from rlinfluence.config import DEFAULT_ADVANTAGE_NORM, PPOConfig
 from rlinfluence.errors import UserError
 from rlinfluence.experiments.specs import CompareConfig
+from rlinfluence.helptext import EmptyMeansNone, StatedDefault
 from rlinfluence.rlhf.config import RLHFConfig
 from rlinfluence.rundir import atomic_write, check_output_file
 
@@ -51,7 +52,7 @@ def _round_list(flag: str) -> Any:
     return Annotated[tuple[int, ...], tyro.constructors.PrimitiveConstructorSpec(
         nargs="*", metavar="K [K ...]", instance_from_str=parse,
         is_instance=lambda value: isinstance(value, tuple), str_from_instance=lambda value: [str(k) for k in value],
-    )]
+    ), EmptyMeansNone]
 
 
 Rounds = _round_list("--rounds")
@@ -153,7 +154,7 @@ class AggregateArgs:
     """Combine compare folders of several envs into one table with rliable's statistics and plots
     (IQM and mean with stratified-bootstrap intervals, performance profiles, P(improvement))."""
 
-    folders: tyro.conf.Positional[tuple[str, ...]]
+    folders: tyro.conf.Positional[Annotated[tuple[str, ...], StatedDefault]]
     """compare output folders, one per env (same reference method)"""
     out: str = "runs/aggregate"
     """output folder: aggregate.md/.csv/.html and the PNG plots"""
@@ -194,7 +195,7 @@ class AttributeArgs:
     seeded random permutation), the whole buffer (batch), raw (none)"""
     top: int = 10
     """records shown from each end"""
-    out: str | None = None
+    out: Annotated[str | None, StatedDefault] = None
     """Parquet file (default RUN_DIR/attribution_round_K_<target>_<mode>[_<norm>].parquet, see
     attribution_file_name)"""
     html: bool = False
@@ -341,14 +342,14 @@ class TimelineArgs:
     """run directory trained with --save-buffers"""
     state_index: int | None = None
     """s* = this record of --state-round's buffer (flat index)"""
-    state_round: int | None = None
+    state_round: Annotated[int | None, StatedDefault] = None
     """round whose buffer holds --state-index (default: the last saved round)"""
     state: tuple[float, ...] | None = None
     """s* given explicitly: its observation values, flattened (instead of --state-index)"""
     action: tuple[float, ...] | None = None
     """a* (one integer, or the values of a continuous action); default: the final policy's
     preferred action at s*"""
-    rounds: Rounds = ()
+    rounds: Annotated[Rounds, StatedDefault] = ()
     """rounds to track (default: every saved round)"""
     neighbours: int = 50
     """u: nearest neighbours per record in the roughness graph"""
@@ -394,7 +395,7 @@ class InterveneArgs:
     theta(k) on (a) the full buffer, (b) without all negatively influential records, (c) without a
     random subset of the same size; compare evaluation returns on the same episode seeds."""
 
-    run_dirs: tyro.conf.Positional[tuple[str, ...]]
+    run_dirs: tyro.conf.Positional[Annotated[tuple[str, ...], StatedDefault]]
     """standard PPO run directories trained with --save-buffers (e.g. one per seed)"""
     rounds: Rounds = (5, 10, 20)
     """rounds k to retrain"""
@@ -402,7 +403,7 @@ class InterveneArgs:
     """evaluation episodes per variant (the same seeds for a, b, c)"""
     advantage_norm: AdvantageNorm = DEFAULT_ADVANTAGE_NORM
     """IIF scorer's training-side advantages (chunk = IIF's default)"""
-    out: str | None = None
+    out: Annotated[str | None, StatedDefault] = None
     """folder for the results across runs (default: RUN_DIR/analyses for one run, else
     <parent of the first run>/intervention)"""
     html: bool = False
@@ -444,7 +445,7 @@ class ReportArgs:
 
     run_dir: tyro.conf.Positional[str]
     """run directory"""
-    out: str | None = None
+    out: Annotated[str | None, StatedDefault] = None
     """HTML file (default RUN_DIR/report.html)"""
     score_rounds: int = 6
     """saved rounds scored for the influence histograms (0 = none)"""
@@ -554,7 +555,7 @@ class AuditArgs:
 
     run_dir: tyro.conf.Positional[str]
     """run directory trained with --save-buffers and --n-envs > 1 (or with the SB3 AuditCallback)"""
-    rounds: Rounds = ()
+    rounds: Annotated[Rounds, StatedDefault] = ()
     """saved rounds to score (default: every saved round)"""
     scorer: str | None = None
     """harm score of the sources test: influence (the default), influence-trusted (the default with

@@ -15,10 +15,11 @@ import types
 import typing
 import warnings
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 from rlinfluence.corruptions import check_corruptions
 from rlinfluence.errors import UserError
+from rlinfluence.helptext import EmptyMeansNone, StatedDefault
 from rlinfluence.presets import PRESETS
 
 DEFAULT_ADVANTAGE_NORM: Final = "chunk"  # Final: typed Literal["chunk"], a default for Literal fields
@@ -120,7 +121,7 @@ class PPOConfig:
     """iif/random scoring target: 0 = the buffer itself (the authors); k > 0 = a separate rollout
     of k steps per env with pi_theta(k) on its own envs each round (extra env steps, counted in
     validation_env_steps, its time in train_seconds)"""
-    corrupt: tuple[str, ...] = ()
+    corrupt: Annotated[tuple[str, ...], EmptyMeansNone] = ()
     """corruptions of the training rollout with ground truth, KIND:key=value,... (repeatable):
     reward-flip:envs=K, reward-noise:frac=F,scale=S, trigger:frac=F,bonus=B, stale:frac=F,lag=L
     (rlinfluence.corruptions); evaluation always sees the clean reward"""
@@ -143,7 +144,7 @@ class PPOConfig:
     """torch CPU threads (small networks run fastest on one)"""
     run_root: str = "runs"
     """parent folder of run directories"""
-    method: str | None = None
+    method: Annotated[str | None, StatedDefault] = None
     """method label in the run directory name (default: ppo, or the filter's name)"""
     save_checkpoints: bool = True
     """write checkpoints/round_XXXX.pt after every round (needed for --resume)"""

@@ -23,10 +23,11 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from rlinfluence.config import FIELD_TYPES, FILTER_NAMES, PPOConfig, coerce
 from rlinfluence.errors import UserError
+from rlinfluence.helptext import EmptyMeansNone, StatedDefault
 
 Clock = Literal["wall", "cpu"]
 """Which seconds the RT figures use: wall time, or process CPU time (robust to other load)."""
@@ -245,21 +246,21 @@ class CompareConfig:
     """number of evaluation seeds (first_seed, first_seed + 1, ...)"""
     first_seed: int = 1
     """the first evaluation seed"""
-    rounds: int | None = None
+    rounds: Annotated[int | None, StatedDefault] = None
     """rounds per run (default: the preset's standard-PPO round count)"""
-    drop_pct: float | None = None
+    drop_pct: Annotated[float | None, StatedDefault] = None
     """p for iif and the baselines (default: the preset's)"""
-    eval_episodes: int | None = None
+    eval_episodes: Annotated[int | None, StatedDefault] = None
     """evaluation episodes per round (default: the preset's)"""
-    set: tuple[str, ...] = ()
+    set: Annotated[tuple[str, ...], EmptyMeansNone] = ()
     """further PPOConfig overrides for every run, as key=value (e.g. optimizer=adam)"""
-    corrupt: tuple[str, ...] = ()
+    corrupt: Annotated[tuple[str, ...], EmptyMeansNone] = ()
     """corruptions of every run's training data, KIND:key=value,... (rlinfluence.corruptions; the
     same envs and episodes for every method of a seed); evaluation stays clean"""
-    tune: tuple[str, ...] = ()
+    tune: Annotated[tuple[str, ...], EmptyMeansNone] = ()
     """tune every method over key=v1,v2,... (several keys, space-separated: their product) on
     the tuning seeds, then evaluate each with its best value"""
-    tune_only: tuple[str, ...] = ()
+    tune_only: Annotated[tuple[str, ...], EmptyMeansNone] = ()
     """with --tune: tune only these methods (labels, the reference among them); every other method
     runs at the reference's chosen values (labelled so), as a protocol that tunes the few methods
     that matter and saves the rest of the grid"""
@@ -269,7 +270,7 @@ class CompareConfig:
     """the first tuning seed"""
     tune_metric: TuneMetric = "auc"
     """tuning score: auc (normalised area under the eval curve), final (plateau), rounds80"""
-    out: str | None = None
+    out: Annotated[str | None, StatedDefault] = None
     """output folder (default runs/compare__<env>__<time>); re-run with it to resume"""
     workers: int = os.cpu_count() or 1
     """local worker processes"""

