@@ -99,3 +99,15 @@ def test_custom_filter_example(tmp_path: Path) -> None:
         episodes, keep = tensors["episode_ids"], tensors["keep"]
         for episode in episodes.unique():  # an episode's records are all kept or all dropped
             assert keep[episodes == episode].unique().numel() == 1
+
+
+def test_the_quickstart_example_runs(tmp_path: Path, monkeypatch) -> None:
+    """docs/index.md's Quickstart Python block, run as a user would (in a fresh folder)."""
+    text = (Path(__file__).parent.parent / "docs" / "index.md").read_text()
+    quickstart = text.split("## Quickstart", 1)[1]
+    code = quickstart.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code, "docs/index.md (Quickstart)", "exec"), namespace)  # noqa: S102 - the docs' own example
+    scores = namespace["scores"]
+    assert scores.shape == (2048,) and bool((scores < 0).any()) and bool((scores > 0).any())
