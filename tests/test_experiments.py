@@ -56,6 +56,15 @@ def test_never_reached_and_round_zero_cases():
     assert reduction([1.0, 1.0], [1.0, 1.0], 1.0) == 0.0
 
 
+def test_a_reference_that_never_improves_leaves_every_level_figure_undefined():
+    flat, seconds = np.array([-5.0, -6.0, -5.5, -7.0, -6.5, -6.0, -5.8, -6.2]), np.arange(1.0, 9.0)
+    better = np.array([-5.0, -3.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    metrics = pair_metrics(Curve(flat, seconds), Curve(better, seconds))
+    level_keys = [k for k in metrics if k.startswith(("se_", "rt_", "rounds_to", "seconds_to")) and "ave" not in k]
+    assert level_keys and all(metrics[k] is None for k in level_keys), metrics
+    assert metrics["final_return"] == 0.0 and metrics["auc"] == pytest.approx(better.mean())  # still measured
+
+
 def _fake_run(folder, returns, wall, cpu=None):
     folder.mkdir(parents=True)
     with (folder / "metrics.csv").open("w", newline="") as f:

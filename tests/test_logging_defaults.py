@@ -204,3 +204,21 @@ def test_round_lists_are_typed_and_checked_before_anything_runs(tmp_path, capsys
         assert cli.main(args) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(message), err
+
+
+def test_the_progress_bar_keeps_its_bar_count_and_times_at_80_columns():
+    import io
+
+    from rich.console import Console
+
+    from rlinfluence.progress import rich_progress
+
+    bar = rich_progress(Console(file=io.StringIO(), width=80))
+    task = bar.add_task("LunarLander-v3", total=150, completed=0, info="")
+    bar.update(task, advance=75, info="round 74 | env_steps 153600 | eval_return -123.4 | kept_fraction 0.875")
+    console = Console(file=io.StringIO(), width=80, color_system=None)
+    console.print(bar.make_tasks_table(bar.tasks))
+    line = console.file.getvalue().rstrip("\n")
+    assert "\n" not in line and len(line) <= 80
+    assert "LunarLander-v3 \u2501" in line and "75/150" in line and "0:00:00" in line and "-:--:--" in line
+    assert line.endswith("\u2026")  # the info is what gives way

@@ -197,3 +197,12 @@ def test_core_does_not_import_the_trainer_or_filters():
             "print([m for m in ('rlinfluence.ppo', 'rlinfluence.filters') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_scatter_title_keeps_the_lds_interval():
+    from rlinfluence.analysis.validation import scatter_title
+    from rlinfluence.influence.validation import LDS
+
+    title = scatter_title(3, "snapshot/chunk", LDS(0.953, 0.91, 0.98, 0.95))
+    assert title == "round 3, snapshot/chunk\nLDS +0.95 [+0.91, +0.98]"
+    assert scatter_title(3, "full", LDS(float("nan"), float("nan"), float("nan"), 0.95)).endswith("LDS undefined")

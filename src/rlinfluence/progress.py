@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 
 @contextmanager
@@ -24,6 +25,17 @@ def progress_bar(enabled: bool, label: str, total: int, completed: int = 0) -> I
         yield _line_printer(label, total, completed)
         return
     from rich.console import Console
+
+    bar = rich_progress(Console(stderr=True))
+    task = bar.add_task(label, total=total, completed=completed, info="")
+    with bar:
+        yield lambda info="": bar.update(task, advance=1, info=info)
+
+
+def rich_progress(console: Any) -> Any:
+    """The terminal display: label, bar, done/total, elapsed, remaining, then the step's info.
+    The info column takes the width that is left and is cut with an ellipsis, so that on a narrow
+    terminal (80 columns) the bar, the count and the times stay whole."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -32,13 +44,12 @@ def progress_bar(enabled: bool, label: str, total: int, completed: int = 0) -> I
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
+    from rich.table import Column
 
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                   console=Console(stderr=True))
-    task = bar.add_task(label, total=total, completed=completed, info="")
-    with bar:
-        yield lambda info="": bar.update(task, advance=1, info=info)
+    return Progress(TextColumn("{task.description}", table_column=Column(no_wrap=True)),
+                    BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+                    TextColumn("{task.fields[info]}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
+                    console=console, expand=True)
 
 
 def _line_printer(label: str, total: int, completed: int) -> Callable[[str], None]:

@@ -208,9 +208,12 @@ def bar_png(rows: pd.DataFrame) -> bytes:
         ax.axhline(0, color="k", lw=0.8)
         ax.set_xticks(x, [str(k) for k in s["round"]])
         runs = int(s["runs"].max())
-        ax.set(xlabel=ROUND_LABEL, ylabel="return change vs (a)", title=f"{env} ({runs} runs)")
-        ax.legend(fontsize=8, title=f"bars: mean +/- s.e. over {runs} runs (seeds); dots: runs", title_fontsize=8)
+        plural = "run" if runs == 1 else "runs"
+        ax.set(xlabel=ROUND_LABEL, ylabel="return change vs (a)", title=f"{env} ({runs} {plural})")
         ax.grid(alpha=0.3, axis="y")
+    # one legend under the panels, so that it covers no bar
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside lower center", ncols=3, fontsize=8,
+               title=f"bars: mean +/- s.e. over {plural} (seeds); dots: single runs", title_fontsize=8)
     return figure_png(fig)
 
 

@@ -47,7 +47,7 @@ def new_figure(width: float, height: float, ncols: int = 1, nrows: int = 1, shar
     return fig, fig.subplots(nrows, ncols, squeeze=False, sharex=sharex)
 
 
-ROUND_LABEL = "round k (the update theta(k) -> theta(k+1))"
+ROUND_LABEL = "round k: the update theta(k) -> theta(k+1)"
 """the x label of every plot over rounds: round k is the update from theta(k) to theta(k+1)"""
 
 
@@ -250,7 +250,7 @@ def influence_section(run_dir: str | Path, n_rounds: int = 6, advantage_norm: st
         ax.hist(scores, bins=60, color="tab:blue")
         ax.axvline(0, color="k", lw=0.8)
         ax.set_yscale("log")
-        ax.set(title=f"round {k}: {np.mean(scores < 0):.0%} negative", xlabel="score")
+        ax.set(title=f"round {k}: {np.mean(scores < 0):.0%} negative", xlabel="score", ylabel="records (log scale)")
     fig.suptitle(str(run.read_config().get("env")))
     section.figures["histograms"] = (figure_png(fig), "Histograms of return-target scores (log count).")
     k, order = picks[-1], last.sort_values("rank").index.to_numpy()

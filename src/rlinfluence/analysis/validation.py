@@ -46,7 +46,7 @@ from rlinfluence.influence import (
     score_buffer,
     snapshot_influence,
 )
-from rlinfluence.influence.validation import DROP_PCTS, Validation, check_settings, validate
+from rlinfluence.influence.validation import DROP_PCTS, LDS, Validation, check_settings, validate
 from rlinfluence.seeding import derived_seed
 
 if TYPE_CHECKING:
@@ -212,6 +212,14 @@ def drop_rows(results: Sequence[RoundValidation]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def scatter_title(round_index: int, scorer: str, lds: LDS) -> str:
+    """A scatter panel's title: the round and scorer, then the LDS with its 95% interval on a line
+    of its own (one line would be cut at a panel's width)."""
+    if math.isnan(lds.value):
+        return f"round {round_index}, {scorer}\nLDS undefined"
+    return f"round {round_index}, {scorer}\nLDS {lds.value:+.2f} [{lds.low:+.2f}, {lds.high:+.2f}]"
+
+
 def scatter_png(results: Sequence[RoundValidation]) -> bytes:
     """Predicted vs real change, one panel per (scorer, round)."""
     names = list(results[0].result.scorers)
@@ -221,8 +229,7 @@ def scatter_png(results: Sequence[RoundValidation]) -> bytes:
         for row, name in enumerate(names):
             ax, s = axes[row, col], r.result.scorers[name]
             ax.scatter(s.predicted, r.result.real, s=12)
-            lds = "undefined" if math.isnan(s.lds.value) else f"{s.lds.value:+.2f}"
-            ax.set(title=f"round {r.round}, {name}: LDS {lds}", xlabel="predicted (sum of scores)",
+            ax.set(title=scatter_title(r.round, name, s.lds), xlabel="predicted (sum of scores)",
                    ylabel="real change of f")
             ax.title.set_fontsize(8)
             ax.grid(alpha=0.3)

@@ -136,23 +136,30 @@ def level_of(standard: Curve, fraction: float) -> float:
 
 def pair_metrics(standard: Curve, other: Curve, fractions: Sequence[float] = (0.5, 0.8, 0.9)
                  ) -> dict[str, float | None]:
-    """All comparison figures of one seed pair (percent reductions; None = undefined)."""
-    peak = float(standard.returns.max())
+    """All comparison figures of one seed pair (percent reductions; None = undefined).
+
+    A reference that never rises above its first round has no level to reach: its peak is its
+    start (every peak figure is undefined) and a plateau at or below its start leaves the
+    fraction levels undefined, as the normalised scores are."""
+    start, peak = float(standard.returns[0]), float(standard.returns.max())
+    rises, improves = peak > start, standard.plateau > start
     ave, unreached = se_ave(standard.returns, other.returns)
     out: dict[str, float | None] = {
         "se_ave": ave, "se_ave_unreached_levels": float(unreached),
-        "se_peak": reduction(standard.returns, other.returns, peak),
-        "rt_peak": time_reduction(standard.returns, standard.seconds, other.returns, other.seconds, peak),
-        "rounds_to_ppo_peak": _opt_float(first_reach(other.returns, peak)),
-        "seconds_to_ppo_peak": _seconds_at(other, first_reach(other.returns, peak)),
+        "se_peak": reduction(standard.returns, other.returns, peak) if rises else None,
+        "rt_peak": time_reduction(standard.returns, standard.seconds, other.returns, other.seconds, peak)
+        if rises else None,
+        "rounds_to_ppo_peak": _opt_float(first_reach(other.returns, peak)) if rises else None,
+        "seconds_to_ppo_peak": _seconds_at(other, first_reach(other.returns, peak)) if rises else None,
         "final_return": float(other.returns[-1]),
         "auc": float(other.returns.mean()),
     }
     for f in fractions:
         level = level_of(standard, f)
         tag = f"{round(100 * f)}pct"
-        out[f"se_{tag}"] = reduction(standard.returns, other.returns, level)
-        out[f"rt_{tag}"] = time_reduction(standard.returns, standard.seconds, other.returns, other.seconds, level)
+        out[f"se_{tag}"] = reduction(standard.returns, other.returns, level) if improves else None
+        out[f"rt_{tag}"] = time_reduction(standard.returns, standard.seconds, other.returns, other.seconds, level) \
+            if improves else None
     return out
 
 
