@@ -360,3 +360,13 @@ def test_report_renders_its_images_in_headless_chromium(frozenlake_run, tmp_path
     sizes = rendered_in_chromium(path.read_text(encoding="utf-8"), tmp_path, "document.images",
                                  "i.complete + ':' + i.naturalWidth")
     assert len(sizes) == 2 and all(s.startswith("true:") and int(s.split(":")[1]) > 50 for s in sizes), sizes
+
+
+def test_records_show_a_grid_cell_or_an_image_not_a_mean():
+    from rlinfluence.analysis.tables import _obs_summary
+
+    one_hot = np.zeros(16, np.float32)
+    one_hot[6] = 1
+    assert _obs_summary(one_hot) == "state 6 (row 1, col 2 of 4x4)"  # FrozenLake 4x4
+    assert _obs_summary(np.zeros((7, 7, 3), np.uint8)) == "image 7x7x3"  # MiniGrid's view
+    assert _obs_summary(np.array([0.1, -0.2, 0.3, 0.0])) == "[0.1, -0.2, 0.3, 0]"

@@ -141,6 +141,16 @@ def test_tune_only_tunes_the_named_methods_and_runs_the_rest_at_the_references_c
         chosen["ppo"]["learning_rate"]
     summary = (out / "summary.md").read_text()
     assert "Not tuned (run at ppo's chosen values): iif, random." in summary and "ppo's: learning_rate=" in summary
+    import io
+
+    from rich.console import Console
+
+    from rlinfluence.experiments.comparison import summary_table
+
+    console = Console(file=io.StringIO(), width=200)  # what compare draws on a terminal
+    console.print(summary_table(out))
+    drawn = console.file.getvalue()
+    assert "against ppo, every seed counted" in drawn and all(m in drawn for m in ("ppo", "iif", "random"))
     for kwargs, message in (({"tune_only": ("iif",)}, "must include the reference 'ppo'"),
                             ({"tune_only": ("ppo", "dqn")}, "--tune-only names 'dqn'")):
         with pytest.raises(UserError, match=message):

@@ -144,7 +144,15 @@ def compare(config: CompareConfig) -> int:
     from rlinfluence.experiments import compare as run_compare
 
     out = run_compare(config)
-    print((out / "summary.md").read_text())
+    if sys.stdout.isatty():  # a terminal gets the robust table drawn; Markdown stays in summary.md
+        from rich.console import Console
+
+        from rlinfluence.experiments.comparison import summary_table
+
+        Console().print(summary_table(out))
+        print(f"every table: {out / 'summary.md'}")
+    else:
+        print((out / "summary.md").read_text())
     print(f"curves: {out / 'curves.png'}")
     return 0
 

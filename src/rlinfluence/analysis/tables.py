@@ -22,8 +22,17 @@ _MAX_OBS_VALUES = 64  # larger observations (images) are summarised, not stored 
 
 
 def _obs_summary(obs: np.ndarray) -> str:
+    """An observation in words: a one-hot state as its index (and its cell, for a square grid such
+    as FrozenLake's), an image by its shape, a short vector by its values."""
+    flat = obs.ravel()
+    if flat.size > 1 and obs.ndim == 1 and np.count_nonzero(flat) == 1 and flat.max() == 1:
+        state, width = int(np.flatnonzero(flat)[0]), int(round(flat.size ** 0.5))
+        cell = f" (row {state // width}, col {state % width} of {width}x{width})" if width * width == flat.size else ""
+        return f"state {state}{cell}"
+    if obs.ndim == 3:
+        return f"image {'x'.join(map(str, obs.shape))}"
     if obs.size <= 8:
-        return "[" + ", ".join(f"{v:.3g}" for v in obs.ravel()) + "]"
+        return "[" + ", ".join(f"{v:.3g}" for v in flat) + "]"
     return f"{'x'.join(map(str, obs.shape))} mean {obs.mean():.3g}"
 
 

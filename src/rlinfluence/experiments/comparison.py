@@ -542,6 +542,22 @@ def reading_lines(rows: Sequence[dict[str, Any]], reference: str) -> list[str]:
     return out
 
 
+def summary_table(out: Path) -> Any:
+    """The robust table of a finished comparison folder as a ``rich.table.Table`` (for a terminal),
+    titled with the folder and followed by nothing else: summary.md has every table."""
+    from rich.table import Table
+
+    config = json.loads((out / "compare.json").read_text())
+    reference = config["reference"]
+    rows = pd.read_csv(out / "summary.csv").fillna({"failed_seeds": ""}).to_dict("records")
+    table = Table(title=f"{out.name}: {config['env']}, against {reference}, every seed counted")
+    for column in robust_columns(reference):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*robust_cells(row, reference))
+    return table
+
+
 def robust_cells(row: dict[str, Any], reference: str) -> list[str]:
     """One method's row of the robust table."""
     n = row["seeds"]
