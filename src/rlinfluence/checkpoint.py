@@ -115,6 +115,9 @@ def load_round(run_dir: str | Path, round_index: int) -> SavedRound:
     _check_buffer_fits(tensors, trainer, run.buffer_path(round_index))
     state = load_checkpoint(checkpoint)
     trainer.load_state_dict(state, source=repr(str(checkpoint)))
+    if state["round"] != round_index:
+        raise UserError(f"checkpoint {str(checkpoint)!r} holds theta({state['round']}), not theta({round_index}) "
+                        "(a file of another round?)")
     schedule = []
     if "schedule_indices" in tensors:
         schedule = [MinibatchStep(int(e), idx, float(lr)) for e, idx, lr in zip(
@@ -123,7 +126,19 @@ def load_round(run_dir: str | Path, round_index: int) -> SavedRound:
 
 
 def _check_buffer_fits(tensors: dict[str, torch.Tensor], trainer: PPO, path: Path) -> None:
-    """``UserError`` if a saved buffer's observations or actions do not fit the run's env."""
+    """``UserError`` if a saved buffer does not fit this run: its shape (n_steps x n_envs of the
+    config, which an edit of config.json would change), its minibatch size and its observations
+    and actions (the run's env) must all agree."""
+    cfg = trainer.config
+    ids = tensors["record_ids"]  # its round index is checked when the file is read (RunDirectory.load_buffer)
+    n_envs, n_steps = int(ids[:, 1].max()) + 1, int(ids[:, 2].max()) + 1
+    if (n_steps, n_envs) != (cfg.n_steps, cfg.n_envs):
+        raise UserError(f"buffer {str(path)!r} has {n_steps} steps x {n_envs} envs, but the run's config.json says "
+                        f"n_steps={cfg.n_steps}, n_envs={cfg.n_envs} (was config.json edited?)")
+    if "schedule_indices" in tensors and len(tensors["schedule_indices"]) and \
+            tensors["schedule_indices"].shape[-1] != cfg.batch_size:
+        raise UserError(f"buffer {str(path)!r} was trained in minibatches of {tensors['schedule_indices'].shape[-1]}, "
+                        f"but the run's config.json says batch_size={cfg.batch_size} (was config.json edited?)")
     space, continuous = trainer.env.single_observation_space, trainer.policy.continuous
     action_shape = tuple(trainer.env.single_action_space.shape) if continuous else ()
     for name, expected in (("obs", tuple(space.shape)), ("actions", action_shape)):

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 import tyro
 
-from rlinfluence.config import DEFAULT_ADVANTAGE_NORM, PPOConfig
+from rlinfluence.config import DEFAULT_ADVANTAGE_NORM, ROBUST_IIF, PPOConfig
 from rlinfluence.errors import UserError
-from rlinfluence.experiments.specs import CompareConfig
+from rlinfluence.experiments.specs import CompareConfig, check_bootstrap_reps
 from rlinfluence.helptext import EmptyMeansNone, StatedDefault
 from rlinfluence.rlhf.config import RLHFConfig
-from rlinfluence.rundir import atomic_write, check_output_file
+from rlinfluence.rundir import atomic_write, check_output_dir, check_output_file
 
 # Every module imported above is free of torch, pandas and scipy, so that `rlinfluence --help`
 # and each command's --help start fast; the commands import what they run.
@@ -176,8 +176,8 @@ def aggregate(a: AggregateArgs) -> int:
     """Aggregate compare folders; prints the table."""
     from rlinfluence.experiments.aggregate import aggregate as run_aggregate
 
-    if a.bootstrap_reps < 1:
-        raise UserError(f"--bootstrap-reps must be >= 1, got {a.bootstrap_reps}")
+    check_bootstrap_reps(a.bootstrap_reps)
+    check_output_dir(a.out)
     out = run_aggregate(a.folders, a.out, a.bootstrap_reps, a.bootstrap_seed)
     print((out / "aggregate.md").read_text())
     print(f"wrote {out / 'aggregate.html'}")
@@ -316,6 +316,16 @@ class DiagnoseArgs:
     """also write RUN_DIR/analyses/diagnosis_round_K.html"""
 
 
+def _check_writes_into(run_dir: str) -> None:
+    """``UserError`` before any work if an analysis could not write its results into ``run_dir``
+    (and its analyses folder): a read-only run would otherwise fail after all the computing."""
+    from rlinfluence.analysis.report import ANALYSES_DIR
+
+    for folder in (Path(run_dir), Path(run_dir) / ANALYSES_DIR):
+        if folder.is_dir() and not os.access(folder, os.W_OK):
+            raise UserError(f"{str(folder)!r} is not writable: the analysis writes its results there")
+
+
 def diagnose(a: DiagnoseArgs) -> int:
     """Diagnose a round; save RUN_DIR/analyses/diagnosis_round_K.{json,parquet,png}."""
     from rlinfluence.analysis.diagnosis import diagnose as run_diagnosis
@@ -323,6 +333,9 @@ def diagnose(a: DiagnoseArgs) -> int:
     from rlinfluence.analysis.report import ANALYSES_DIR, save_section, write_html
     from rlinfluence.analysis.tables import print_records
 
+    if a.top < 1:
+        raise UserError(f"--top must be >= 1, got {a.top}")
+    _check_writes_into(a.run_dir)
     d = run_diagnosis(a.run_dir, a.round, a.bottom, a.advantage_norm)
     print_records(d.table, a.top, title=f"round {a.round}, target return")
     if d.mc_reason is not None:
@@ -378,6 +391,7 @@ def timeline(a: TimelineArgs) -> int:
 
     if a.top < 1:
         raise UserError(f"--top must be >= 1, got {a.top}")
+    _check_writes_into(a.run_dir)
     target = select_state_action(a.run_dir, state_round=a.state_round, state_index=a.state_index,
                                  state=a.state, action=a.action)
     print(target.description)
@@ -428,8 +442,13 @@ def intervene(a: InterveneArgs) -> int:
         raise UserError("intervene needs at least one RUN_DIR (a standard PPO run with --save-buffers)")
     if a.eval_episodes < 1:
         raise UserError(f"--eval-episodes must be >= 1, got {a.eval_episodes}")
-    if a.out and Path(a.out).exists() and not Path(a.out).is_dir():
-        raise UserError(f"--out {a.out!r} is a file; give a folder")
+    repeated = next((r for r in a.run_dirs if [Path(x).resolve() for x in a.run_dirs].count(Path(r).resolve()) > 1), None)
+    if repeated is not None:
+        raise UserError(f"intervene lists {repeated!r} twice: every run would be counted twice")
+    if a.out:
+        check_output_dir(a.out)
+    for run_dir in a.run_dirs:
+        _check_writes_into(run_dir)
     rows = run_intervention(list(a.run_dirs), list(a.rounds), a.eval_episodes, a.advantage_norm, progress=True)
     print(summarise(rows).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     for run_dir in a.run_dirs:  # each run's report shows its own rows
@@ -529,6 +548,7 @@ def validate(a: ValidateArgs) -> int:
     check_settings(a.subsets, a.fraction)
     if a.seed < 0:
         raise UserError(f"--seed must be >= 0, got {a.seed}")
+    _check_writes_into(a.run_dir)
     results = validate_rounds(
         a.run_dir, list(a.round), progress=True, target=a.target, state_index=a.state_index,
         scorers=scorer_names(a.mode, a.advantage_norm), subsets=a.subsets, fraction=a.fraction,
@@ -584,8 +604,7 @@ def audit(a: AuditArgs) -> int:
     from rlinfluence.analysis.audit import audit_run, audit_section, detection_summary, ranked
     from rlinfluence.analysis.report import ANALYSES_DIR, save_section
 
-    if Path(a.run_dir).is_dir() and not os.access(a.run_dir, os.W_OK):
-        raise UserError(f"run directory {a.run_dir!r} is not writable: the audit writes into it")
+    _check_writes_into(a.run_dir)
     sources, found, table = audit_run(a.run_dir, a.rounds, a.scorer, a.alpha, a.permutations, a.seed)
     folder = Path(a.run_dir) / "audit"
     folder.mkdir(exist_ok=True)
@@ -645,17 +664,28 @@ DESCRIPTION = ("Local data attribution and influence-based filtering (IIF) for P
 RUNNERS: dict[type, Callable[[Any], int]] = {kind: run for kind, run, _ in COMMANDS.values()}
 
 
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The value given to ``flag`` (``--flag v`` or ``--flag=v``; the last one wins), else None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
 def _parse(args: list[str]) -> Any:
     """The arguments of the command ``args`` name, parsed by tyro (one subcommand per command);
     train's defaults are the preset of its --env. ``UserError`` if tyro rejects ``args``."""
     if args and not args[0].startswith("-") and args[0] not in COMMANDS:
         raise UserError(f"unknown command {args[0]!r} (commands: {', '.join(COMMANDS)})")
-    env = PPOConfig.env
-    for i, arg in enumerate(args[1:], start=1):  # the one value the other flags' defaults depend on
-        if arg == "--env" and i + 1 < len(args):
-            env = args[i + 1]
-        elif arg.startswith("--env="):
-            env = arg.split("=", 1)[1]
+    env = _flag_value(args[1:], "--env") or PPOConfig.env  # the one value the other flags' defaults depend on
+    if args[:1] == ["train"] and _flag_value(args, "--filter") == "iif-robust":
+        given = [f"--{key.replace('_', '-')}" for key in ROBUST_IIF
+                 if any(a == f"--{key.replace('_', '-')}" or a.startswith(f"--{key.replace('_', '-')}=") for a in args)]
+        if given:  # its preset value would replace the one given, while the run is labelled with it
+            raise UserError(f"--filter iif-robust sets {given[0]} itself; use --filter iif to choose {given[0]}")
     defaults = {"train": TrainArgs(PPOConfig.for_env(env))} if args[:1] == ["train"] else {}
     commands = Union[tuple(  # noqa: UP007 -- a Union built at run time
         Annotated[kind, tyro.conf.subcommand(name, default=defaults.get(name), description=summary)]

@@ -31,6 +31,21 @@ FILTER_NAMES = ("none", "iif", "random", "advantage", "td-error", "reward-extrem
 """The filters ``rlinfluence.filters.make_filter`` builds (``none`` = standard PPO)."""
 
 
+LIMITS: dict[str, int] = {"n_envs": 1024, "eval_envs": 1024, "torch_threads": 512, "hidden_sizes": 8192,
+                          "n_epochs": 10_000, "eval_episodes": 1_000_000}
+"""Upper bounds of the sizes ``PPOConfig.validate`` accepts (each far above any useful value)."""
+MAX_RECORDS = 2**24
+"""At most this many records (n_steps * n_envs) per round."""
+
+
+def check_plain_name(key: str, name: str) -> None:
+    """``UserError`` unless ``name`` can be one path component inside its parent folder: not
+    empty, no path separator, not ``.`` or ``..``, no NUL (a run directory's name comes from it,
+    so it must not reach outside ``--run-root``)."""
+    if not name or any(sep in name for sep in "/\\\0") or name in (".", ".."):
+        raise UserError(f"{key} must be a plain name (no path separator, not '..'), got {name!r}")
+
+
 def check_drop_pct(drop_pct: float | str, auto: bool = False) -> None:
     """``UserError`` unless p is in (0, 100] (or ``"auto"`` where the filter chooses p itself)."""
     if drop_pct == AUTO:
@@ -211,6 +226,18 @@ class PPOConfig:
         for name in positive_ints:
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
+        # sizes that would take the machine down (minutes of env building, an allocator error,
+        # a thread pool out of memory) are refused up front with the limit
+        for name, limit in LIMITS.items():
+            if name == "hidden_sizes":
+                too_big = [size for size in self.hidden_sizes if size > limit]
+                if too_big:
+                    raise UserError(f"hidden_sizes must each be <= {limit}, got {too_big[0]}")
+            elif getattr(self, name) > limit:
+                raise UserError(f"{name} must be <= {limit}, got {getattr(self, name)}")
+        if self.rollout_size > MAX_RECORDS:
+            raise UserError(f"n_steps * n_envs = {self.n_steps} * {self.n_envs} = {self.rollout_size} records per "
+                            f"round; at most {MAX_RECORDS} fit a round's buffer")
         if not self.learning_rate > 0:
             raise UserError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.batch_size > self.rollout_size or self.rollout_size % self.batch_size:
@@ -253,10 +280,8 @@ class PPOConfig:
             raise UserError("--save-frames needs --save-buffers (frames are kept for the saved rounds' records)")
         if any(size < 1 for size in self.hidden_sizes):
             raise UserError(f"hidden_sizes must all be >= 1, got {list(self.hidden_sizes)}")
-        if self.method is not None and (
-            not self.method or any(sep in self.method for sep in "/\\") or self.method in (".", "..")
-        ):
-            raise UserError(f"method must be a plain name (no path separator, not '..'), got {self.method!r}")
+        if self.method is not None:
+            check_plain_name("method", self.method)
         # the checks that need an env, a renderer or wandb import them here, not at start-up
         from rlinfluence.envs import check_env_id, mc_unavailable_reason
         from rlinfluence.frames import check_renders

@@ -31,10 +31,18 @@ def check_env_id(env_id: str) -> None:
         if env_id.startswith(prefix):
             importlib.import_module(module)
     try:
-        gym.spec(env_id)
+        spec = gym.spec(env_id)
     except gym.error.Error as exc:
         presets = ", ".join(PRESETS)
         raise UserError(f"unknown env id {env_id!r} ({exc}); presets: {presets}") from None
+    if isinstance(spec.entry_point, str):  # a registered env whose package is missing: say which
+        try:
+            gym.envs.registration.load_env_creator(spec.entry_point)
+        except gym.error.DependencyNotInstalled as exc:
+            raise UserError(f"{env_id} needs a package that is not installed: {exc}") from None
+        except ImportError as exc:
+            raise UserError(f"{env_id} needs the package {exc.name!r}, which is not installed "
+                            f"(pip install {exc.name})") from None
 
 
 class OneHotObservation(gym.ObservationWrapper):

@@ -216,6 +216,9 @@ def make_policy(
     if encoder == "auto":
         is_image = observation_space.dtype == np.uint8 and len(observation_space.shape) == 3
         encoder = "cnn" if is_image else "flatten"
+    if encoder == "cnn" and len(observation_space.shape) != 3:
+        raise UserError(f"--encoder cnn needs an image observation (height x width x channels), got shape "
+                        f"{observation_space.shape}: use --encoder flatten (or auto)")
     return ActorCritic(observation_space, action_space, hidden_sizes, encoder)
 
 

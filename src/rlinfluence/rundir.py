@@ -59,6 +59,21 @@ def check_wandb_installed() -> None:
 
     if importlib.util.find_spec("wandb") is None:
         raise UserError("--wandb needs Weights & Biases: pip install 'rlinfluence[wandb]'")
+    # online logging without credentials would fail only after round 0: say so before training
+    if os.environ.get("WANDB_MODE", "online") not in ("offline", "disabled", "dryrun") \
+            and not os.environ.get("WANDB_API_KEY") and not _netrc_has("api.wandb.ai"):
+        raise UserError("--wandb logs online and no W&B key is set: run `wandb login`, set WANDB_API_KEY, "
+                        "or log locally with WANDB_MODE=offline")
+
+
+def _netrc_has(host: str) -> bool:
+    """Whether ~/.netrc (or $NETRC) holds credentials for ``host`` (where `wandb login` writes them)."""
+    import netrc
+
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 class CheckpointError(UserError):
@@ -102,6 +117,22 @@ def check_output_file(path: str | Path, flag: str = "--out") -> Path:
                 raise UserError(f"{flag} {str(path)!r}: {str(parent)!r} is a file, not a directory")
             if not os.access(parent, os.W_OK):
                 raise UserError(f"{flag} {str(path)!r}: {str(parent)!r} is not writable")
+            break
+    return path
+
+
+def check_output_dir(path: str | Path, flag: str = "--out") -> Path:
+    """``path`` as an output folder, checked before any work: ``UserError`` if it is a file, a
+    parent is a file, or the folder (or its nearest existing parent) is not writable."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {str(path)!r} is a file; give a folder")
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise UserError(f"{flag} {str(path)!r}: {str(folder)!r} is a file, not a directory")
+            if not os.access(folder, os.W_OK):
+                raise UserError(f"{flag} {str(path)!r}: {str(folder)!r} is not writable")
             break
     return path
 
@@ -181,9 +212,14 @@ class RunDirectory:
 
     def read_config(self) -> dict[str, Any]:
         try:
-            return json.loads((self.path / "config.json").read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            config = json.loads((self.path / "config.json").read_text())
+        except (OSError, ValueError) as exc:  # JSONDecodeError, invalid UTF-8
             raise UserError(f"cannot read {str(self.path / 'config.json')!r}: {exc}") from None
+        except RecursionError:
+            raise UserError(f"cannot read {str(self.path / 'config.json')!r}: nested too deeply") from None
+        if not isinstance(config, dict):
+            raise UserError(f"{str(self.path / 'config.json')!r} is not a JSON object of config keys")
+        return config
 
     # -- metrics ----------------------------------------------------------------------
     def log_round(self, metrics: dict[str, Any], filter_stats: Collection[str] = (),

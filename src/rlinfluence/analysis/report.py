@@ -98,6 +98,10 @@ def load_sections(folder: str | Path) -> list[Section]:
             data = json.loads(path.read_text())
             figures = {}
             for name, caption in data.get("figures", {}).items():
+                # an edited JSON must not make the report embed a file outside the run's folder
+                if not (_SAFE_KEY.match(str(data["key"])) and _SAFE_KEY.match(str(name))):
+                    raise UserError(f"analysis {str(path)!r} names a figure file outside {str(folder)!r}: "
+                                    f"{data['key']!r}, {name!r}")
                 png = folder / f"{data['key']}__{name}.png"
                 if png.is_file():
                     figures[name] = (png.read_bytes(), caption)

@@ -43,9 +43,32 @@ def _load(folder: Path) -> tuple[str, str, pd.DataFrame]:
     if not scores_path.is_file() or not config_path.is_file():
         raise UserError(f"{str(folder)!r} is not a finished compare folder (no scores.csv / compare.json): "
                         "run or re-run `rlinfluence compare --out` on it first")
-    config = json.loads(config_path.read_text())
-    scores = pd.read_csv(scores_path)
-    return config["env"], str(scores["reference"].iloc[0]), scores
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise UserError(f"cannot read {str(config_path)!r} ({exc}): re-run `rlinfluence compare --out {folder}`") from None
+    if not isinstance(config, dict) or not isinstance(config.get("env"), str):
+        raise UserError(f"{str(config_path)!r} is not a compare.json (no env): re-run `rlinfluence compare --out {folder}`")
+    try:
+        scores = pd.read_csv(scores_path)
+    except (OSError, ValueError, pd.errors.EmptyDataError) as exc:  # binary, empty, ragged
+        raise UserError(f"cannot read {str(scores_path)!r} ({str(exc).splitlines()[0] if str(exc) else 'empty'}): "
+                        f"re-run `rlinfluence compare --out {folder}`") from None
+    missing = sorted({"method", "seed", "reference", *KINDS} - set(scores.columns))
+    if missing:
+        raise UserError(f"{str(scores_path)!r} has no column {missing[0]!r}: re-run `rlinfluence compare --out {folder}`")
+    for column in ("seed", *KINDS):
+        values = pd.to_numeric(scores[column], errors="coerce")
+        bad = scores[column][values.isna() & scores[column].notna()]
+        if len(bad) or (column == "seed" and values.isna().any()):
+            raise UserError(f"{str(scores_path)!r}: {column} must be numeric, got {bad.iloc[0] if len(bad) else 'an empty cell'!r}")
+        scores[column] = values
+    if scores.empty:
+        raise UserError(f"{str(scores_path)!r} has no rows: re-run `rlinfluence compare --out {folder}`")
+    reference = str(scores["reference"].iloc[0])
+    if not (scores["method"] == reference).any():
+        raise UserError(f"{str(scores_path)!r} has no row of its reference {reference!r}")
+    return config["env"], reference, scores
 
 
 def score_matrices(folders: Sequence[str | Path]

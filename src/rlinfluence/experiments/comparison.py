@@ -37,6 +37,7 @@ from rlinfluence.errors import UserError
 from rlinfluence.experiments.execution import (
     Job,
     check_existing,
+    check_reachable,
     failure,
     finished,
     folder_lock,
@@ -50,6 +51,7 @@ from rlinfluence.experiments.specs import (  # noqa: F401  (CompareConfig, episo
     CompareConfig,
     MethodSpec,
     TuneMetric,
+    check_bootstrap_reps,
     dirname_of,
     episode_seed_base,
     episode_seeds,
@@ -91,10 +93,15 @@ class Plan:
 
 def plan_comparison(cfg: CompareConfig) -> Plan:
     """Parse and validate everything (``UserError`` naming the first bad value)."""
-    for name in ("seeds", "rounds", "bootstrap_reps", "smooth", "workers"):
+    for name in ("seeds", "rounds", "smooth", "workers"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    check_bootstrap_reps(cfg.bootstrap_reps)
+    if cfg.workers > MAX_WORKERS:
+        raise UserError(f"--workers must be <= {MAX_WORKERS}, got {cfg.workers}")
+    if cfg.ray_address:
+        check_reachable(cfg.ray_address)  # before any folder exists
     fixed_by_seed = sorted(set(parse_overrides(cfg.set)) & {"seed", "eval_seed"})
     if fixed_by_seed:
         raise UserError(f"--set {fixed_by_seed[0]}=... is not allowed: a comparison derives each run's seed and "
@@ -189,6 +196,34 @@ def confirmation_config(cfg: CompareConfig) -> tuple[CompareConfig, dict[str, di
     return confirm_cfg, chosen, record
 
 
+MAX_WORKERS = 256
+"""More local worker processes than this would only exhaust the machine."""
+
+# what defines a study's results: a folder re-run with another value of one of these would mix
+# two studies (its tuning.csv, chosen values and pairs); --seeds may grow, the rest is display
+STUDY_KEYS = ("env", "methods", "reference", "first_seed", "rounds", "drop_pct", "eval_episodes", "set", "corrupt",
+              "tune", "tune_only", "tune_seeds", "tune_first_seed", "tune_metric", "smooth")
+
+
+def check_same_study(out: Path, cfg: CompareConfig) -> None:
+    """``UserError`` naming the first key of ``STUDY_KEYS`` whose value differs from the one the
+    folder's compare.json was run with, before anything is trained or written."""
+    path = out / "compare.json"
+    if not path.is_file():
+        return
+    try:
+        saved = json.loads(path.read_text())
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError, RecursionError) as exc:
+        raise UserError(f"cannot read {str(path)!r} ({exc}); use another --out") from None
+    asked = json.loads(json.dumps(asdict(cfg)))  # tuples as lists, as the file has them
+    for key in STUDY_KEYS:
+        if key in saved and saved[key] != asked[key]:
+            raise UserError(f"{out} holds a comparison run with {key}={saved[key]!r}, not {asked[key]!r}: "
+                            "use another --out (nothing was run)")
+
+
 def _tuning_jobs(cfg: CompareConfig, plan: Plan, out: Path) -> dict[tuple[str, int], list[Job]]:
     jobs: dict[tuple[str, int], list[Job]] = {}
     for spec in plan.tuned:
@@ -217,6 +252,7 @@ def compare(cfg: CompareConfig) -> Path:
     except OSError as exc:
         raise UserError(f"cannot create {str(out)!r}: {exc.strerror}") from None
     with folder_lock(out):
+        check_same_study(out, cfg)
         chosen: dict[str, dict[str, Any]] = study_chosen if confirmed else {spec.label: {} for spec in plan.specs}
         tuning_table = None
         if plan.grid:
@@ -446,7 +482,15 @@ def write_summary(
     if chosen is None and (out / "compare.json").is_file():
         chosen = json.loads((out / "compare.json").read_text()).get("chosen")
     if tuning is None and (out / "tuning.csv").is_file():
-        tuning = pd.read_csv(out / "tuning.csv")
+        try:
+            tuning = pd.read_csv(out / "tuning.csv")
+        except (OSError, ValueError, pd.errors.EmptyDataError) as exc:
+            raise UserError(f"cannot read {str(out / 'tuning.csv')!r} ({exc}); re-run the tuning into another --out") \
+                from None
+        missing = sorted({"method", "chosen", "approx_kl", "at_edge", "failed"} - set(tuning.columns))
+        if missing:
+            raise UserError(f"{str(out / 'tuning.csv')!r} has no column {missing[0]!r}: it is not compare's tuning "
+                            "table; re-run the tuning into another --out")
         tuning[["at_edge", "failed"]] = tuning[["at_edge", "failed"]].fillna("")
     chosen = chosen or {}
     tuned = set(tuning["method"]) if tuning is not None else set()

@@ -56,7 +56,16 @@ def finished(run_dir: str | Path) -> bool:
 def failure(run_dir: str | Path) -> dict[str, Any] | None:
     """A failed pair's ``{"round": k, "error": reason}``; None if it did not fail."""
     path = Path(run_dir) / "failed.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        record = None
+    if not isinstance(record, dict) or "error" not in record:
+        raise UserError(f"{str(path)!r} is unreadable or not a failure record; remove {str(run_dir)!r} to rerun "
+                        "that pair")
+    return record
 
 
 def run_pair(config: dict[str, Any], run_dir: str, may_fail: bool = False) -> str:
@@ -138,12 +147,27 @@ def die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="die-with-parent").start()
 
 
+def check_reachable(address: str, timeout: float = 5.0) -> None:
+    """``UserError`` if ``HOST:PORT`` accepts no connection within ``timeout`` seconds (Ray would
+    retry for minutes); ``auto`` and other forms are left to Ray."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or address.startswith(("ray://", "auto")):
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise UserError(f"--ray-address {address}: no Ray cluster answers there ({exc.strerror or exc})") from None
+
+
 def _run_ray(jobs: list[Job], address: str, on_done: Callable[[str], None], may_fail: bool) -> None:
     try:
         import ray
     except ImportError:
         raise UserError("--ray-address needs ray: pip install 'rlinfluence[ray]'") from None
     if not ray.is_initialized():
+        check_reachable(address)
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
     remote = ray.remote(num_cpus=1)(run_pair)
     pending = [remote.remote(config, run_dir, may_fail) for config, run_dir in jobs]

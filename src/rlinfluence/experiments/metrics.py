@@ -111,15 +111,20 @@ class Curve:
         path = run_dir / "metrics.csv"
         try:
             rows = pd.read_csv(path)
-        except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
-            raise UserError(f"cannot read {str(path)!r}: {exc}") from None
+        except (OSError, ValueError, pd.errors.EmptyDataError) as exc:  # ParserError, binary (UnicodeDecodeError)
+            raise UserError(f"cannot read {str(path)!r}: {str(exc).splitlines()[0] if str(exc) else 'empty'}") from None
         column = CLOCK_COLUMNS[clock]
         if column not in rows or rows[column].isna().any():
             raise UserError(f"{path} has no {column} (a run from before it was logged): use clock wall")
         if "eval_return_mean" not in rows or len(rows) == 0:
             raise UserError(f"{path} has no evaluation returns")
-        kl = rows["approx_kl"].to_numpy(float) if "approx_kl" in rows else None
-        return cls(smooth(rows["eval_return_mean"].to_numpy(float), window), rows[column].to_numpy(float), kl)
+        try:
+            returns, seconds = (rows[c].to_numpy(float) for c in ("eval_return_mean", column))
+            kl = rows["approx_kl"].to_numpy(float) if "approx_kl" in rows else None
+        except ValueError as exc:  # text where numbers belong
+            raise UserError(f"{path} holds a value that is not a number ({exc}); remove {str(run_dir)!r} to rerun "
+                            "that pair") from None
+        return cls(smooth(returns, window), seconds, kl)
 
     @property
     def plateau(self) -> float:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from rlinfluence.config import FIELD_TYPES, FILTER_NAMES, PPOConfig, coerce
+from rlinfluence.config import FIELD_TYPES, FILTER_NAMES, ROBUST_IIF, PPOConfig, coerce
 from rlinfluence.errors import UserError
 from rlinfluence.helptext import EmptyMeansNone, StatedDefault
 
@@ -35,6 +35,14 @@ TuneMetric = Literal["auc", "final", "rounds80"]
 """A tuning score (``rlinfluence.experiments.tuning``)."""
 DEFAULT_REPS = 2000
 """Bootstrap replications of every interval (``rlinfluence.experiments.statistics``)."""
+MAX_REPS = 1_000_000
+"""More replications than this take minutes per interval and change nothing a table shows."""
+
+
+def check_bootstrap_reps(reps: int) -> None:
+    """``UserError`` unless 1 <= ``reps`` <= ``MAX_REPS``."""
+    if not 1 <= reps <= MAX_REPS:
+        raise UserError(f"--bootstrap-reps must be in [1, {MAX_REPS}], got {reps}")
 
 # keys that define the pair rather than the method: a spec must not change them
 PAIR_KEYS = ("env", "seed", "filter", "method", "run_root", "progress")
@@ -142,6 +150,10 @@ def parse_spec(text: str) -> MethodSpec:
             if key in PAIR_KEYS:
                 raise UserError(f"{key!r} cannot be set per method in {text!r} (it defines the run, not the method)")
             overrides[key] = coerce(key, value.strip())
+    fixed = sorted(set(overrides) & set(ROBUST_IIF)) if filter_name == "iif-robust" else []
+    if fixed:  # the preset would win over it silently while the label said otherwise
+        raise UserError(f"iif-robust sets {fixed[0]}={ROBUST_IIF[fixed[0]]}; {text!r} sets it too: "
+                        f"use iif@{fixed[0]}=... to choose it yourself")
     return MethodSpec(name or text, filter_name, tuple(overrides.items()))
 
 

@@ -102,11 +102,16 @@ def _rng(seed: int | Sequence[int], stream: int) -> np.random.Generator:
     return np.random.default_rng([*parts, stream])
 
 
+MAX_SUBSETS = 100_000
+
+
 def check_settings(subsets: int, fraction: float) -> None:
-    """UserError unless ``subsets >= 5`` and ``0 < fraction < 1``."""
+    """UserError unless ``5 <= subsets <= MAX_SUBSETS`` and ``0 < fraction < 1``."""
     if isinstance(subsets, bool) or not isinstance(subsets, int) or subsets < MIN_SUBSETS:
         raise UserError(f"--subsets must be an integer >= {MIN_SUBSETS} (a rank correlation over "
                         f"fewer subsets says nothing), got {subsets!r}")
+    if subsets > MAX_SUBSETS:  # each subset is a retrained round
+        raise UserError(f"--subsets must be <= {MAX_SUBSETS} (each is a retrained round), got {subsets}")
     if not 0.0 < fraction < 1.0:
         raise UserError(f"--fraction must lie strictly between 0 and 1, got {fraction!r}")
 

