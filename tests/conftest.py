@@ -56,3 +56,32 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+TINY = ["--total-timesteps", "256", "--n-steps", "128", "--batch-size", "32", "--n-epochs", "2",
+        "--eval-episodes", "2", "--eval-envs", "2", "--no-progress", "--no-tensorboard"]
+"""`rlinfluence train` flags of a 2-round CartPole run of 128-step rounds."""
+
+
+def only_run(root):
+    (path,) = list(root.iterdir())
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished 2-round CartPole run with saved buffers (copied before each use)."""
+    from rlinfluence.cli import main
+
+    root = tmp_path_factory.mktemp("trained")
+    assert main(["train", *TINY, "--save-buffers", "--run-root", str(root)]) == 0
+    return only_run(root)
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path):
+    import shutil
+
+    path = tmp_path / "run"
+    shutil.copytree(trained, path)
+    return path

@@ -30,10 +30,7 @@ from rlinfluence.errors import UserError
 from rlinfluence.ppo import PPO
 from rlinfluence.rundir import load_checkpoint
 
-from .conftest import tiny_config
-
-TINY = ["--total-timesteps", "256", "--n-steps", "128", "--batch-size", "32", "--n-epochs", "2",
-        "--eval-episodes", "2", "--eval-envs", "2", "--no-progress", "--no-tensorboard"]
+from .conftest import TINY, only_run, tiny_config
 
 
 class DictObservation(gym.Env):
@@ -97,24 +94,6 @@ def assert_refused(capsys, args, *fragments) -> str:
     return lines[0]
 
 
-def only_run(root: Path) -> Path:
-    (path,) = list(root.iterdir())
-    return path
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """A finished 2-round CartPole run with saved buffers (copied before each use)."""
-    root = tmp_path_factory.mktemp("trained")
-    assert main(["train", *TINY, "--save-buffers", "--run-root", str(root)]) == 0
-    return only_run(root)
-
-
-@pytest.fixture
-def run_copy(trained, tmp_path) -> Path:
-    path = tmp_path / "run"
-    shutil.copytree(trained, path)
-    return path
 
 
 # -- bad values: refused before anything is written -------------------------------------------

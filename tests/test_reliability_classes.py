@@ -14,21 +14,8 @@ import pytest
 
 from rlinfluence.cli import main
 
-from .test_reliability import TINY, assert_refused, only_run
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """A finished 2-round CartPole run with saved buffers (copied before each use)."""
-    root = tmp_path_factory.mktemp("trained")
-    assert main(["train", *TINY, "--save-buffers", "--run-root", str(root)]) == 0
-    return only_run(root)
-
-
-@pytest.fixture
-def run_copy(trained, tmp_path) -> Path:
-    shutil.copytree(trained, tmp_path / "run")
-    return tmp_path / "run"
+from .conftest import TINY
+from .test_reliability import assert_refused
 
 
 def _files(root: Path) -> list[str]:
