@@ -260,3 +260,14 @@ def test_an_interrupted_pair_is_trained_again_from_its_start(tmp_path):
         return [row["eval_return_mean"] for row in csv.DictReader((run / "metrics.csv").open())]
 
     assert returns(cut) == returns(tmp_path / "whole") and len(returns(cut)) == 3
+
+
+def test_compare_wandb_groups_the_pairs_and_tags_each_with_its_method(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    out = compare(_tiny(tmp_path / "cmp", wandb=True, seeds=1))
+    for method in ("ppo", "iif"):
+        config = json.loads((out / f"{method}__seed1" / "config.json").read_text())
+        assert config["wandb"] and config["wandb_group"] == "cmp" and config["wandb_tags"] == [method, "CartPole-v1"]
+    assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 2  # one W&B run per pair

@@ -86,6 +86,12 @@ def test_wandb_offline_writes_a_run(tmp_path, monkeypatch, capsys):
     assert cli.main(["train", *TINY, "--no-progress", "--wandb", "--run-root", str(tmp_path / "runs")]) == 0
     (run,) = (tmp_path / "wandb_dir" / "wandb").glob("offline-run-*")
     assert list(run.glob("run-*.wandb"))
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run_id = (run_dir / "wandb_id").read_text()
+    assert run.name.endswith(run_id)
+    # a resumed (here: extended) run continues the same W&B run id
+    assert cli.main(["train", "--resume", str(run_dir), "--total-timesteps", "384"]) == 0
+    assert {p.name.rsplit("-", 1)[1] for p in (tmp_path / "wandb_dir" / "wandb").glob("offline-run-*")} == {run_id}
     capsys.readouterr()
 
     real_find_spec = importlib.util.find_spec

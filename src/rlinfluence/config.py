@@ -177,6 +177,10 @@ class PPOConfig:
     logs locally, to WANDB_DIR)"""
     wandb_project: str = "rlinfluence"
     """the W&B project of --wandb"""
+    wandb_group: Annotated[str | None, StatedDefault] = None
+    """the W&B group of --wandb (compare --wandb: the comparison's folder name; default: none)"""
+    wandb_tags: Annotated[tuple[str, ...], EmptyMeansNone] = ()
+    """W&B tags of --wandb (compare --wandb: the method and the env)"""
     progress: bool = True
     """show a progress bar"""
 

@@ -26,6 +26,7 @@ import csv
 import io
 import json
 import os
+import secrets
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -154,10 +155,13 @@ class RunDirectory:
 
     def log_to_wandb(self, project: str, config: dict[str, Any]) -> None:
         """Also log every round to Weights & Biases: a W&B run named after this folder, in
-        ``project``, with ``config`` as its config, started by the first round logged (offline
-        with ``WANDB_MODE=offline``; W&B's files go to ``WANDB_DIR``, default ``./wandb``)."""
+        ``project``, with ``config`` as its config (and its ``wandb_group`` and ``wandb_tags``),
+        started by the first round logged (offline with ``WANDB_MODE=offline``; W&B's files go to
+        ``WANDB_DIR``, default ``./wandb``). Its id is kept in the folder (``wandb_id``), so a
+        resumed run continues the same W&B run."""
         check_wandb_installed()
-        self._wandb_settings = {"project": project, "name": self.path.name, "config": config}
+        self._wandb_settings = {"project": project, "name": self.path.name, "config": config,
+                                "group": config.get("wandb_group"), "tags": list(config.get("wandb_tags") or ())}
 
     # -- creation ---------------------------------------------------------------------
     @classmethod
@@ -281,7 +285,11 @@ class RunDirectory:
         import wandb
 
         if self._wandb_run is None:
-            self._wandb_run = wandb.init(**self._wandb_settings)
+            id_file = self.path / "wandb_id"
+            run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
+            if not id_file.is_file():
+                atomic_write(id_file, lambda p: p.write_text(run_id))
+            self._wandb_run = wandb.init(id=run_id, resume="allow", **self._wandb_settings)
         data: dict[str, Any] = dict(tags)
         if scores is not None and len(scores):
             data["filter/scores"] = wandb.Histogram(scores.double().numpy())

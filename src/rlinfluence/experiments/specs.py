@@ -23,6 +23,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from rlinfluence.config import FIELD_TYPES, FILTER_NAMES, ROBUST_IIF, PPOConfig, coerce
@@ -47,8 +48,8 @@ def check_bootstrap_reps(reps: int) -> None:
 # keys that define the pair rather than the method: a spec must not change them
 PAIR_KEYS = ("env", "seed", "filter", "method", "run_root", "progress")
 # keys that change only how a run is shown or stored, never its numbers
-PRESENTATION_KEYS = ("method", "progress", "run_root", "tensorboard", "wandb", "wandb_project",
-                     "save_checkpoints")
+PRESENTATION_KEYS = ("method", "progress", "run_root", "tensorboard", "wandb", "wandb_project", "wandb_group",
+                     "wandb_tags", "save_checkpoints")
 METHOD_FILTERS = ("ppo", *(name for name in FILTER_NAMES if name != "none"), "iif-robust")
 
 
@@ -298,6 +299,9 @@ class CompareConfig:
     """seed of every bootstrap: the same seed gives the same intervals"""
     progress: bool = True
     """show a progress bar of finished pairs"""
+    wandb: bool = False
+    """log every pair to Weights & Biases, as CleanRL's --track: one W&B run per pair, grouped by
+    this comparison's folder name, tagged with its method and env"""
     confirm: str | None = None
     """confirm an earlier study: its compare.json (or folder); its env, methods, settings and
     chosen values are rerun without tuning on --first-seed/--seeds, which must be seeds (and so
@@ -316,6 +320,9 @@ class CompareConfig:
         overrides.update(parse_overrides(self.set))
         if self.corrupt:
             overrides["corrupt"] = tuple(self.corrupt)
+        if self.wandb:
+            overrides.update(wandb=True, wandb_group=Path(self.out).name if self.out else f"compare__{self.env}",
+                             wandb_tags=(spec.label, self.env))
         overrides.update(spec.config_overrides())
         overrides.update(extra or {})
         try:
