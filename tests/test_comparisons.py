@@ -77,6 +77,9 @@ def test_rounds_are_counted_after_the_overrides():
 def test_rerunning_with_changed_settings_is_refused_before_training(tmp_path):
     compare(_tiny(tmp_path, seeds=1))
     before = (tmp_path / "ppo__seed1" / "metrics.csv").read_text()
+    with pytest.raises(UserError, match=r"holds a comparison run with set=.*nothing was run"):
+        compare(_tiny(tmp_path, seeds=1, set=(*TINY_SET, "learning_rate=0.01")))
+    (tmp_path / "compare.json").unlink()  # without the study's record, each pair still knows its settings
     with pytest.raises(UserError, match=r"ppo__seed1 was run with other settings \(learning_rate"):
         compare(_tiny(tmp_path, seeds=1, set=(*TINY_SET, "learning_rate=0.01")))
     assert (tmp_path / "ppo__seed1" / "metrics.csv").read_text() == before

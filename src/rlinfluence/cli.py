@@ -178,7 +178,7 @@ def aggregate(a: AggregateArgs) -> int:
 
     check_bootstrap_reps(a.bootstrap_reps)
     check_output_dir(a.out)
-    out = run_aggregate(a.folders, a.out, a.bootstrap_reps, a.bootstrap_seed)
+    out = run_aggregate(a.folders, a.out, a.bootstrap_reps, a.bootstrap_seed, progress=True)
     print((out / "aggregate.md").read_text())
     print(f"wrote {out / 'aggregate.html'}")
     return 0

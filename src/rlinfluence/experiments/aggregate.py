@@ -32,6 +32,7 @@ from rlinfluence.experiments.statistics import (
     interval_estimates,
     probability_of_improvement,
 )
+from rlinfluence.progress import progress_bar
 from rlinfluence.rundir import atomic_write
 
 KINDS = ("auc", "final")
@@ -105,8 +106,10 @@ def score_matrices(folders: Sequence[str | Path]
     return envs, reference, methods, matrices, paired
 
 
-def aggregate(folders: Sequence[str | Path], out: str | Path, reps: int = DEFAULT_REPS, seed: int = 0) -> Path:
-    """Write the aggregate table, plots and HTML page into ``out``; returns ``out``."""
+def aggregate(folders: Sequence[str | Path], out: str | Path, reps: int = DEFAULT_REPS, seed: int = 0,
+              progress: bool = False) -> Path:
+    """Write the aggregate table, plots and HTML page into ``out``; returns ``out`` (``progress``:
+    a line per bootstrap step, which take a while at many replications)."""
     from rlinfluence.analysis.report import Section, Table, write_html
 
     envs, reference, methods, matrices, paired = score_matrices(folders)
@@ -117,16 +120,21 @@ def aggregate(folders: Sequence[str | Path], out: str | Path, reps: int = DEFAUL
             raise UserError(f"{kind} scores of {bad} are undefined in some env (its reference did not move)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    estimates = {kind: interval_estimates(matrices[kind], reps, seed) for kind in KINDS}
     rows: list[dict[str, Any]] = []
-    for m in methods:
-        row: dict[str, Any] = {"method": m, "envs": len(envs), "runs_per_env": matrices["auc"][m].shape[0]}
+    with progress_bar(progress, f"aggregate ({reps} bootstrap draws)", len(KINDS) + len(methods)) as advance:
+        estimates = {}
         for kind in KINDS:
-            for stat in ("iqm", "mean"):
-                row[f"{stat}_{kind}"], row[f"{stat}_{kind}_lo"], row[f"{stat}_{kind}_hi"] = estimates[kind][m][stat]
-            row[f"poi_{kind}"], row[f"poi_{kind}_lo"], row[f"poi_{kind}_hi"] = probability_of_improvement(
-                matrices[kind][m], matrices[kind][reference], reps, seed, paired)
-        rows.append(row)
+            estimates[kind] = interval_estimates(matrices[kind], reps, seed)
+            advance(f"IQM and mean intervals of {kind}")
+        for m in methods:
+            row: dict[str, Any] = {"method": m, "envs": len(envs), "runs_per_env": matrices["auc"][m].shape[0]}
+            for kind in KINDS:
+                for stat in ("iqm", "mean"):
+                    row[f"{stat}_{kind}"], row[f"{stat}_{kind}_lo"], row[f"{stat}_{kind}_hi"] = estimates[kind][m][stat]
+                row[f"poi_{kind}"], row[f"poi_{kind}_lo"], row[f"poi_{kind}_hi"] = probability_of_improvement(
+                    matrices[kind][m], matrices[kind][reference], reps, seed, paired)
+            rows.append(row)
+            advance(f"P(improvement) of {m}")
     table = pd.DataFrame(rows)
     atomic_write(out / "aggregate.csv", lambda p: table.to_csv(p, index=False))
 

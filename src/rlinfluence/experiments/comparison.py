@@ -267,7 +267,7 @@ def compare(cfg: CompareConfig) -> Path:
             {**asdict(cfg), "chosen": chosen, **({"confirms": confirmed} if confirmed else {})}, indent=2)))
         _run(cfg, eval_jobs, "pairs", may_fail=True)
         write_summary(out, plan.labels, plan.seeds, cfg.smooth, cfg.clock, plan.reference.label,
-                      chosen=chosen, tuning=tuning_table, reps=cfg.bootstrap_reps, seed=cfg.bootstrap_seed)
+                      chosen=chosen, tuning=tuning_table, reps=cfg.bootstrap_reps, seed=cfg.bootstrap_seed, progress=cfg.progress)
     return out
 
 
@@ -386,9 +386,11 @@ def speed_verdict(row: dict[str, Any]) -> str:
 
 def summarize(out: Path, methods: Sequence[str], seeds: Sequence[int], window: int = 1, clock: Clock = "wall",
               reference: str = "ppo", reps: int = DEFAULT_REPS,
-              curves: dict[tuple[str, int], Curve] | None = None, seed: int = 0) -> list[dict[str, Any]]:
+              curves: dict[tuple[str, int], Curve] | None = None, seed: int = 0,
+              progress: bool = False) -> list[dict[str, Any]]:
     """Per method against ``reference``, every seed pair counted (``curves`` = ``load_curves``'s
-    result saves reading the runs again; ``seed`` seeds every bootstrap):
+    result saves reading the runs again; ``seed`` seeds every bootstrap; ``progress`` shows a
+    line per method summarised, the bootstraps taking a while):
 
     - the paper's metrics (method-spec 7.2): mean, s.e. and number of seed pairs where defined;
     - censoring-aware rounds to 80% of the reference's range: seeds reached, the restricted mean of
@@ -404,47 +406,56 @@ def summarize(out: Path, methods: Sequence[str], seeds: Sequence[int], window: i
     finite = all(np.isfinite(v).all() for v in matrices["auc"].values())
     estimates = {kind: interval_estimates(matrices[kind], reps, seed) for kind in matrices} if finite else {}
     rows = []
-    for method in methods:
-        per_seed = [pair_metrics(curves[reference, s], curves[method, s]) for s in seeds]
-        row: dict[str, Any] = {"method": method, "seeds": len(seeds)}
-        for key in per_seed[0]:
-            values = [p[key] for p in per_seed if p[key] is not None]
-            row[f"{key}_n"] = len(values)
-            row[f"{key}_mean"], row[f"{key}_se"] = mean_se(values) if values else (None, None)
-            if key in _BOOTSTRAPPED:
-                row[f"{key}_lo"], row[f"{key}_hi"] = bootstrap_mean(values, reps, seed)[1:] if values else (None, None)
-        speed = [paired_speed(curves[reference, s].returns, curves[method, s].returns,
-                              level_of(curves[reference, s], SPEED_FRACTION)) for s in seeds]
-        row["reached80_n"] = int(sum(p["reached"] for p in speed))
-        row["reference_reached80_n"] = int(sum(p["reference_reached"] for p in speed))
-        row["rounds80_mean"], row["rounds80_lo"], row["rounds80_hi"] = bootstrap_mean([p["rounds"] for p in speed],
-                                                                                      reps, seed)
-        row["log_ratio80"], row["log_ratio80_lo"], row["log_ratio80_hi"] = bootstrap_mean(
-            [p["log_ratio"] for p in speed], reps, seed)
-        row["verdict80"] = speed_verdict(row)
-        finals = [float(curves[method, s].returns[-1]) for s in seeds]
-        gains = [f - float(curves[reference, s].returns[-1]) for f, s in zip(finals, seeds, strict=True)]
-        row["final_mean"], row["final_lo"], row["final_hi"] = ci95(finals)
-        row["gain_mean"], row["gain_lo"], row["gain_hi"] = ci95(gains)
-        for kind in ("auc", "final"):
-            for stat in ("iqm", "mean"):
-                point, lo, hi = estimates[kind][method][stat] if estimates else (math.nan,) * 3
-                row[f"{stat}_{kind}_norm"], row[f"{stat}_{kind}_norm_lo"], row[f"{stat}_{kind}_norm_hi"] = point, lo, hi
-            if finite:
-                x, y = matrices[kind][method], matrices[kind][reference]
-                p = probability_of_improvement(x, y, reps, seed, paired=True)
-                diff = bootstrap_mean((x - y)[:, 0], reps, seed)
-            else:
-                p = diff = (math.nan,) * 3
-            row[f"poi_{kind}"], row[f"poi_{kind}_lo"], row[f"poi_{kind}_hi"] = p
-            row[f"diff_{kind}"], row[f"diff_{kind}_lo"], row[f"diff_{kind}_hi"] = diff
-        kls = [float(np.nanmean(curves[method, s].approx_kl)) for s in seeds
-               if curves[method, s].approx_kl is not None and np.isfinite(curves[method, s].approx_kl).any()]
-        row["approx_kl_mean"] = float(np.mean(kls)) if kls else math.nan
-        row["failed_seeds"] = " ".join(str(s) for s in seeds
-                                       if failure(out / f"{dirname_of(method)}__seed{s}") is not None)
-        rows.append(row)
+    with progress_bar(progress, f"summary ({reps} bootstrap draws)", len(methods)) as advance:
+        for method in methods:
+            rows.append(_summary_row(method, curves, reference, seeds, reps, seed, matrices, estimates, finite, out))
+            advance(method)
     return rows
+
+
+def _summary_row(method: str, curves: dict[tuple[str, int], Curve], reference: str, seeds: Sequence[int], reps: int,
+                 seed: int, matrices: dict[str, dict[str, np.ndarray]], estimates: dict[str, Any], finite: bool,
+                 out: Path) -> dict[str, Any]:
+    """One method's row of ``summarize``."""
+    per_seed = [pair_metrics(curves[reference, s], curves[method, s]) for s in seeds]
+    row: dict[str, Any] = {"method": method, "seeds": len(seeds)}
+    for key in per_seed[0]:
+        values = [p[key] for p in per_seed if p[key] is not None]
+        row[f"{key}_n"] = len(values)
+        row[f"{key}_mean"], row[f"{key}_se"] = mean_se(values) if values else (None, None)
+        if key in _BOOTSTRAPPED:
+            row[f"{key}_lo"], row[f"{key}_hi"] = bootstrap_mean(values, reps, seed)[1:] if values else (None, None)
+    speed = [paired_speed(curves[reference, s].returns, curves[method, s].returns,
+                          level_of(curves[reference, s], SPEED_FRACTION)) for s in seeds]
+    row["reached80_n"] = int(sum(p["reached"] for p in speed))
+    row["reference_reached80_n"] = int(sum(p["reference_reached"] for p in speed))
+    row["rounds80_mean"], row["rounds80_lo"], row["rounds80_hi"] = bootstrap_mean([p["rounds"] for p in speed],
+                                                                                  reps, seed)
+    row["log_ratio80"], row["log_ratio80_lo"], row["log_ratio80_hi"] = bootstrap_mean(
+        [p["log_ratio"] for p in speed], reps, seed)
+    row["verdict80"] = speed_verdict(row)
+    finals = [float(curves[method, s].returns[-1]) for s in seeds]
+    gains = [f - float(curves[reference, s].returns[-1]) for f, s in zip(finals, seeds, strict=True)]
+    row["final_mean"], row["final_lo"], row["final_hi"] = ci95(finals)
+    row["gain_mean"], row["gain_lo"], row["gain_hi"] = ci95(gains)
+    for kind in ("auc", "final"):
+        for stat in ("iqm", "mean"):
+            point, lo, hi = estimates[kind][method][stat] if estimates else (math.nan,) * 3
+            row[f"{stat}_{kind}_norm"], row[f"{stat}_{kind}_norm_lo"], row[f"{stat}_{kind}_norm_hi"] = point, lo, hi
+        if finite:
+            x, y = matrices[kind][method], matrices[kind][reference]
+            p = probability_of_improvement(x, y, reps, seed, paired=True)
+            diff = bootstrap_mean((x - y)[:, 0], reps, seed)
+        else:
+            p = diff = (math.nan,) * 3
+        row[f"poi_{kind}"], row[f"poi_{kind}_lo"], row[f"poi_{kind}_hi"] = p
+        row[f"diff_{kind}"], row[f"diff_{kind}_lo"], row[f"diff_{kind}_hi"] = diff
+    kls = [float(np.nanmean(curves[method, s].approx_kl)) for s in seeds
+           if curves[method, s].approx_kl is not None and np.isfinite(curves[method, s].approx_kl).any()]
+    row["approx_kl_mean"] = float(np.mean(kls)) if kls else math.nan
+    row["failed_seeds"] = " ".join(str(s) for s in seeds
+                                   if failure(out / f"{dirname_of(method)}__seed{s}") is not None)
+    return row
 
 
 def _cell(row: dict[str, Any], key: str) -> str:
@@ -473,12 +484,12 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> lis
 def write_summary(
     out: Path, methods: Sequence[str], seeds: Sequence[int], window: int = 1, clock: Clock = "wall",
     reference: str = "ppo", chosen: dict[str, dict[str, Any]] | None = None,
-    tuning: pd.DataFrame | None = None, reps: int = DEFAULT_REPS, seed: int = 0,
+    tuning: pd.DataFrame | None = None, reps: int = DEFAULT_REPS, seed: int = 0, progress: bool = False,
 ) -> None:
     """summary.md, summary.csv, scores.csv (normalised scores per run) and curves.png; the tuning
     choice and table default to the folder's own (compare.json, tuning.csv)."""
     curves = load_curves(out, methods, seeds, window, clock, reference)
-    rows = summarize(out, methods, seeds, window, clock, reference, reps, curves, seed)
+    rows = summarize(out, methods, seeds, window, clock, reference, reps, curves, seed, progress)
     if chosen is None and (out / "compare.json").is_file():
         chosen = json.loads((out / "compare.json").read_text()).get("chosen")
     if tuning is None and (out / "tuning.csv").is_file():
