@@ -160,7 +160,8 @@ def aggregate(folders: Sequence[str | Path], out: str | Path, reps: int = DEFAUL
                "probability_of_improvement": _poi_png(matrices, methods, reference, reps, title, seed, paired)}
     section = Section("aggregate", f"Aggregate over {len(envs)} envs against {reference}", paragraphs=[note])
     section.tables.append(Table("Aggregate (point [95% CI])", columns, body))
-    captions = {"intervals": "IQM and mean of the normalised scores with 95% stratified-bootstrap intervals.",
+    captions = {"intervals": "IQM and mean of the normalised scores with 95% stratified-bootstrap intervals "
+                             f"(an interval narrower than {2 * MIN_BAR} is drawn as a mark of that width).",
                 "performance_profile": "Fraction of runs (all envs) whose normalised score exceeds tau.",
                 "probability_of_improvement": f"{pairing} P(method > {reference}) with 95% intervals."}
     for name, png in figures.items():
@@ -186,15 +187,23 @@ def _rliable_plot(draw: Any) -> bytes:
     return buf.getvalue()
 
 
+MIN_BAR = 0.005
+"""Half the width of the thinnest interval bar drawn (normalised-score units)."""
+
+
 def _intervals_png(estimates: dict[str, dict[str, dict[str, tuple[float, float, float]]]], methods: list[str],
                    title: str) -> bytes:
     from rliable import plot_utils
 
     def draw(plt: Any) -> Any:
-        names = [f"{stat.upper()} {kind}" for kind in KINDS for stat in ("iqm", "mean")]
+        names = [f"{'IQM' if stat == 'iqm' else 'mean'} {kind}" for kind in KINDS for stat in ("iqm", "mean")]
         points = {m: np.array([estimates[k][m][s][0] for k in KINDS for s in ("iqm", "mean")]) for m in methods}
         cis = {m: np.array([[estimates[k][m][s][i] for k in KINDS for s in ("iqm", "mean")] for i in (1, 2)])
                for m in methods}
+        # an interval of zero width (the reference's final score is 1 on every seed, normalised to
+        # itself) would be drawn as nothing: widen it to a thin visible mark around its point
+        for m in methods:
+            cis[m] = np.stack([np.minimum(cis[m][0], points[m] - MIN_BAR), np.maximum(cis[m][1], points[m] + MIN_BAR)])
         fig, _ = plot_utils.plot_interval_estimates(points, cis, metric_names=names, algorithms=methods,
                                                     xlabel="normalised score", xlabel_y_coordinate=-0.45,
                                                     row_height=0.5)
