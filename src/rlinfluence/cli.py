@@ -342,6 +342,10 @@ def diagnose(a: DiagnoseArgs) -> int:
         print(f"Monte-Carlo advantage: not available ({d.mc_reason})")
     for key, value in d.stats.items():
         print(f"{key}: {value:.4g}")
+    if "A_bar coverage" in d.stats:
+        print("(A_hat: the GAE advantage PPO trains on; A_bar: the Monte-Carlo advantage from the buffer's complete "
+              "episodes; coverage: the fraction of records that have one; mismatch: A_bar * A_hat < 0; bottom / top: "
+              "the most harmful / helpful records)")
     section = diagnosis_section(d)
     folder = Path(a.run_dir) / ANALYSES_DIR
     save_section(folder, section)
@@ -399,6 +403,9 @@ def timeline(a: TimelineArgs) -> int:
     print(t.rounds.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"pi(a*|s*) at the final theta({t.final_round}): {t.final_pi:.4g}")
     print(f"estimated phase starts: clustering {t.phases['clustering']}, saturation {t.phases['saturation']}")
+    print("(roughness: how unevenly the positive scores vary between neighbouring states, a normalised Dirichlet "
+          "energy; high = helpful records scattered, low = clustered; top_same_action: the share of the top records "
+          "whose action is a*)")
     section = timeline_section(t)
     folder = Path(a.run_dir) / ANALYSES_DIR
     save_section(folder, section)

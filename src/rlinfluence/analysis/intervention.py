@@ -156,6 +156,10 @@ def intervene(run_dirs: list[str | Path], rounds: list[int], eval_episodes: int 
               advantage_norm: str = DEFAULT_ADVANTAGE_NORM, progress: bool = False) -> pd.DataFrame:
     """One row per (run, round); runs are typically the seeds of one env."""
     rows = []
+    if progress:
+        print("R(a): evaluation return after round k's update on every record; dB, dC, dD: the return of (b) "
+              "without the negatively scored records, (c) without as many random records, (d) on every record "
+              "with the lr scaled to (b)'s KL step, minus R(a)", flush=True)
     for run_dir in run_dirs:
         for k in rounds:
             rows.append(intervene_round(run_dir, k, eval_episodes, advantage_norm))

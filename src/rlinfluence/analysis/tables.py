@@ -68,7 +68,9 @@ def print_records(table: pd.DataFrame, k: int, title: str) -> None:
 
     console = Console()
     columns = ["rank", "round", "env", "step", "obs_summary", "action", "advantage", "score"]
-    for name, rows in (("most helpful", table.nsmallest(k, "rank")), ("most harmful", table.nlargest(k, "rank"))):
+    # proponents push the target up the most (score > 0 = training on them raises it), opponents down
+    for name, rows in (("proponents (most helpful)", table.nsmallest(k, "rank")),
+                       ("opponents (most harmful)", table.nlargest(k, "rank"))):
         view = RichTable(title=f"{title}: {name}")
         for column in columns:
             view.add_column(column, justify="left" if column == "obs_summary" else "right")
