@@ -267,9 +267,14 @@ def test_an_interrupted_pair_is_trained_again_from_its_start(tmp_path):
 
 def test_compare_wandb_groups_the_pairs_and_tags_each_with_its_method(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
+    import wandb
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    out = compare(_tiny(tmp_path / "cmp", wandb=True, seeds=1))
+    try:
+        out = compare(_tiny(tmp_path / "cmp", wandb=True, seeds=1))
+    finally:
+        wandb.teardown()  # W&B keeps its settings (WANDB_DIR) process-wide; later tests set their own
     for method in ("ppo", "iif"):
         config = json.loads((out / f"{method}__seed1" / "config.json").read_text())
         assert config["wandb"] and config["wandb_group"] == "cmp" and config["wandb_tags"] == [method, "CartPole-v1"]

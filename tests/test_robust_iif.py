@@ -179,7 +179,7 @@ def test_drop_pct_auto_trains_and_logs_the_chosen_p():
     (["--filter", "random", "--drop-pct", "auto"], "drop_pct auto chooses p each round for --filter iif only"),
     (["--filter", "iif", "--drop-pct", "auto", "--drop-mode", "neg"], "drop_mode neg drops every negative"),
     (["--filter", "iif", "--precondition", "adam", "--optimizer", "sgd"], "precondition adam"),
-    (["--filter", "iif-robust", "--drop-pct", "25"], "iif-robust sets drop_pct=auto"),
+    (["--filter", "iif-robust", "--drop-pct", "25"], "--filter iif-robust sets --drop-pct itself"),
 ])
 def test_bad_robust_options_are_one_error_line(flags, message, tmp_path, capsys):
     assert main(["train", "--env", "CartPole-v1", "--run-root", str(tmp_path), *flags]) == 2
