@@ -29,7 +29,7 @@ import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pandas as pd  # noqa: E402
-from corruption import CONDITIONS  # noqa: E402  (benchmarks/corruption.py)
+from corruption import BONUS, CONDITIONS  # noqa: E402  (benchmarks/corruption.py)
 
 from rlinfluence.analysis.audit import SCORERS, detection, harm_table  # noqa: E402
 from rlinfluence.checkpoint import load_round  # noqa: E402
@@ -77,6 +77,9 @@ def main() -> None:
         if condition not in CONDITIONS or condition == "clean":
             parser.error(f"unknown condition {condition!r}")
         for env in args.envs.split(","):
+            if condition == "trigger25" and env not in BONUS:
+                print(f"== {condition} {env}: skipped (a trigger's bonus is set for {', '.join(BONUS)} only)")
+                continue
             for seed in range(1, args.seeds + 1):
                 if ((table["condition"] == condition) & (table["env"] == env) & (table["seed"] == seed)).any():
                     continue
