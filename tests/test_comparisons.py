@@ -279,3 +279,14 @@ def test_compare_wandb_groups_the_pairs_and_tags_each_with_its_method(tmp_path, 
         config = json.loads((out / f"{method}__seed1" / "config.json").read_text())
         assert config["wandb"] and config["wandb_group"] == "cmp" and config["wandb_tags"] == [method, "CartPole-v1"]
     assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 2  # one W&B run per pair
+
+
+def test_legends_define_named_methods(tmp_path):
+    from rlinfluence.experiments.comparison import _definitions
+
+    (tmp_path / "compare.json").write_text(json.dumps(
+        {"methods": ["ppo", "fast=ppo@learning_rate=0.04", "iif-trusted=iif@scoring_target=trusted,drop_pct=25",
+                     "iif@learning_rate=0.1"]}))
+    assert _definitions(tmp_path) == {"fast": "ppo@learning_rate=0.04",
+                                      "iif-trusted": "iif@scoring_target=trusted,drop_pct=25"}
+    assert _definitions(tmp_path / "missing") == {}

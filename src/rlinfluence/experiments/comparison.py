@@ -59,6 +59,7 @@ from rlinfluence.experiments.specs import (  # noqa: F401  (CompareConfig, episo
     parse_grid,
     parse_methods,
     parse_overrides,
+    split_specs,
 )
 from rlinfluence.experiments.statistics import (
     bootstrap_mean,
@@ -631,6 +632,18 @@ def _chosen_text(point: dict[str, Any] | None, tuned: bool = True, reference: st
     return text if tuned or not point else f"{reference}'s: {text}"
 
 
+def _definitions(out: Path) -> dict[str, str]:
+    """label -> spec of the named methods (``NAME=SPEC``) of the folder's compare.json, so that a
+    legend says what a name stands for; {} without one."""
+    try:
+        methods = json.loads((out / "compare.json").read_text())["methods"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    specs = [s.strip() for item in methods for s in split_specs(item)]
+    return {name.strip(): spec.strip() for name, sep, spec in (s.partition("=") for s in specs)
+            if sep and "@" not in name and name.strip() != spec.strip()}
+
+
 def plot_curves(
     out: Path, curves: dict[tuple[str, int], Curve], methods: Sequence[str], seeds: Sequence[int],
     clock: Clock = "wall", chosen: dict[str, dict[str, Any]] | None = None, tuned: set[str] | None = None,
@@ -649,12 +662,13 @@ def plot_curves(
     ax_rounds = fig.add_subplot(grid[0, 0])
     ax_kl = fig.add_subplot(grid[1, 0], sharex=ax_rounds)
     ax_time = fig.add_subplot(grid[:, 1])
+    definitions = _definitions(out)
     for method in methods:
         runs = [curves[method, s] for s in seeds]
-        label = method
+        label = method if method not in definitions else f"{method} = {definitions[method]}"
         if chosen and chosen.get(method):
             own = tuned is None or method in tuned
-            label = f"{method} ({'tuned: ' if own else ''}{_chosen_text(chosen[method], own, reference)})"
+            label += f" ({'tuned: ' if own else ''}{_chosen_text(chosen[method], own, reference)})"
         n = min(len(c.returns) for c in runs)
         y = np.stack([c.returns[:n] for c in runs])
         rounds = np.arange(n)
