@@ -68,11 +68,22 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", default="bench_out/corruption_detection")
+    parser.add_argument("--rescore", nargs="*", metavar="SCORER", default=None,
+                        help="recompute these scorers' rows from the saved runs (e.g. after a fix of a metric)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "detection.csv"
     table = pd.read_csv(path) if path.is_file() else pd.DataFrame(columns=["condition", "env", "seed"])
+    if args.rescore:
+        fresh = []
+        for run_dir in sorted((out / "runs").iterdir()):
+            env, condition, seed = run_dir.name.split("__")[:3]
+            fresh += [{"condition": condition, "env": env, "seed": int(seed.removeprefix("seed")), **row}
+                      for row in score_run(run_dir, args.rounds, tuple(args.rescore))]
+            print(f"== rescored {run_dir.name}", flush=True)
+        table = pd.concat([table[~table["scorer"].isin(args.rescore)], pd.DataFrame(fresh)], ignore_index=True)
+        table.to_csv(path, index=False)
     for condition in args.conditions.split(","):
         if condition not in CONDITIONS or condition == "clean":
             parser.error(f"unknown condition {condition!r}")

@@ -159,6 +159,9 @@ def test_precision_at_the_corrupted_fraction_counts_the_top_m():
     assert precision_at_fraction(np.array([5.0, 4.0, 3.0, 2.0]), np.array([1, 0, 1, 0])) == 0.5
     assert precision_at_fraction(np.array([5.0, 4.0, 3.0, 2.0]), np.array([1, 1, 0, 0])) == 1.0
     assert np.isnan(precision_at_fraction(np.array([1.0, 2.0]), np.array([1, 1])))
+    # ties at the cut share the slots: a constant scorer scores the base rate, whatever the order
+    assert precision_at_fraction(np.zeros(8), np.array([1, 1, 0, 0, 0, 0, 0, 0])) == 0.25
+    assert precision_at_fraction(np.array([3.0, 1.0, 1.0, 1.0]), np.array([0, 1, 1, 0])) == pytest.approx(2 / 3 / 2)
 
 
 def test_the_trainer_hands_the_trusted_records_to_its_filter_only_when_asked():

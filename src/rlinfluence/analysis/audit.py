@@ -144,13 +144,18 @@ def auroc(harm: np.ndarray, corrupted: np.ndarray) -> float:
 
 
 def precision_at_fraction(harm: np.ndarray, corrupted: np.ndarray) -> float:
-    """Of the m most harmful items (m = the number corrupted; stable order on ties), the fraction
-    that is corrupted; NaN if one class is empty."""
-    corrupted = np.asarray(corrupted, bool)
+    """Of the m most harmful items (m = the number corrupted), the fraction that is corrupted;
+    NaN if one class is empty. Items tied at the m-th harm share the slots left: each counts with
+    the chance a random tie-break would pick it (so no order of the items, e.g. corrupted envs
+    first, favours a scorer with many ties)."""
+    corrupted, harm = np.asarray(corrupted, bool), np.asarray(harm, float)
     m = int(corrupted.sum())
     if m in (0, len(corrupted)):
         return float("nan")
-    return float(corrupted[np.argsort(-np.asarray(harm), kind="stable")[:m]].mean())
+    threshold = np.sort(harm)[::-1][m - 1]
+    above, tied = harm > threshold, harm == threshold
+    slots = m - int(above.sum())
+    return float((corrupted[above].sum() + slots * corrupted[tied].mean()) / m)
 
 
 def items(table: pd.DataFrame, level: Level, scorers: Sequence[str]) -> pd.DataFrame:
