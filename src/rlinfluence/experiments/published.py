@@ -24,6 +24,7 @@ import pandas as pd
 
 from rlinfluence.errors import UserError
 from rlinfluence.experiments.comparison import markdown_table, robust_cells, robust_columns
+from rlinfluence.experiments.specs import parse_methods
 
 # the summary.csv columns a published table reads (a committed CSV keeps just these)
 PUBLISHED_COLUMNS = (
@@ -52,6 +53,11 @@ def collect(folders: Sequence[str | Path]) -> pd.DataFrame:
         tuned = set(pd.read_csv(folder / "tuning.csv")["method"]) if (folder / "tuning.csv").is_file() else set()
         rows["tuning"] = ["tuned" if m in tuned else f"{settings['reference']}'s" if tuned else "given"
                           for m in rows["method"]]
+        # a method whose values were given in its spec (``ppo@learning_rate=0.005``) shows them
+        given = {spec.label: {k: v for k, v in spec.overrides if k == "learning_rate"}
+                 for spec in parse_methods(settings["methods"])}
+        rows["chosen"] = [c if isinstance(c, str) and json.loads(c) else json.dumps(given.get(m, {}))
+                          for m, c in zip(rows["method"], rows["chosen"], strict=True)]
         rows["cpu_per_round"] = [_cpu_per_round(folder, m) for m in rows["method"]]
         frames.append(rows)
     return pd.concat(frames, ignore_index=True)
