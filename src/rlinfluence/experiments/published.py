@@ -55,7 +55,7 @@ def collect(folders: Sequence[str | Path]) -> pd.DataFrame:
                           for m in rows["method"]]
         # a method whose values were given in its spec (``ppo@learning_rate=0.005``) shows them
         given = {spec.label: {k: v for k, v in spec.overrides if k == "learning_rate"}
-                 for spec in parse_methods(settings["methods"])}
+                 for spec in parse_methods(settings["methods"])} if settings.get("methods") else {}
         rows["chosen"] = [c if isinstance(c, str) and json.loads(c) else json.dumps(given.get(m, {}))
                           for m, c in zip(rows["method"], rows["chosen"], strict=True)]
         rows["cpu_per_round"] = [_cpu_per_round(folder, m) for m in rows["method"]]
