@@ -27,6 +27,7 @@ from rlinfluence.experiments.published import (
     detection_by_round_table,
     detection_table,
     fill,
+    flags_table,
     gap_table,
     headline_table,
     target_table,
@@ -44,6 +45,7 @@ TABLES = {
        for c in ("noise25", "trigger25", "stale25")},
     "corruption": ("corruption.csv", gap_table, ("docs/results/harmful-records.md",)),
     "corruption-targets": ("corruption.csv", target_table, ("docs/results/harmful-records.md",)),
+    "audit-flags": ("audit_flags.csv", flags_table, ("docs/results/harmful-records.md",)),
 }
 
 
@@ -52,6 +54,7 @@ def main() -> int:
     parser.add_argument("--collect", metavar="DIR", help="confirmation folders (one compare folder per env)")
     parser.add_argument("--collect-detection", metavar="CSV", help="corruption_detection.py's detection.csv")
     parser.add_argument("--collect-corruption", metavar="DIR", help="corruption.py's compare folders")
+    parser.add_argument("--collect-flags", metavar="CSV", help="audit_flags.py's flags.csv")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated table is stale")
     args = parser.parse_args()
     DATA.mkdir(parents=True, exist_ok=True)
@@ -60,6 +63,8 @@ def main() -> int:
         collect(folders).to_csv(DATA / "confirmation.csv", index=False)
     if args.collect_detection:
         pd.read_csv(args.collect_detection).to_csv(DATA / "detection.csv", index=False)
+    if args.collect_flags:
+        pd.read_csv(args.collect_flags).to_csv(DATA / "audit_flags.csv", index=False)
     if args.collect_corruption:
         folders = sorted(p.parent for p in Path(args.collect_corruption).glob("*/summary.csv"))
         collect(folders).to_csv(DATA / "corruption.csv", index=False)

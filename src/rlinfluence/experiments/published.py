@@ -220,3 +220,18 @@ def fill(text: str, name: str, lines: Sequence[str]) -> str:
     if not pattern.search(text):
         raise UserError(f"no <!-- table:{name} --> ... <!-- /table:{name} --> markers")
     return pattern.sub(lambda m: m.group(1) + "".join(f"{line}\n" for line in lines) + m.group(2), text)
+
+
+def flags_table(rows: pd.DataFrame) -> list[str]:
+    """Per env and scorer (``benchmarks/audit_flags.py``'s flags.csv): in how many flip runs the
+    audit flagged the flipped env, in how many it flagged another env, and in how many clean runs
+    it flagged any env; then the totals over envs."""
+    body = []
+    groups = [*rows.groupby(["env", "scorer"], sort=False), *((("all envs", s), g) for s, g in rows.groupby("scorer", sort=False))]
+    for (env, scorer), group in groups:
+        flips, cleans = group[group["condition"] == "flip1of8"], group[group["condition"] == "clean"]
+        hits = int(flips["broken_flagged"].astype(str).str.lower().eq("true").sum())
+        body.append([env, scorer, f"{hits}/{len(flips)}", f"{int((flips['false_flags'] > 0).sum())}/{len(flips)}",
+                     f"{int((cleans['false_flags'] > 0).sum())}/{len(cleans)}"])
+    return markdown_table(["env", "scorer", "flipped env flagged (runs)", "flip runs with a false flag",
+                           "clean runs with a flag"], body)
