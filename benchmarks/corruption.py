@@ -113,7 +113,8 @@ def report(folder: Path, rounds: int) -> None:
         cpu = [pd.read_csv(run / "metrics.csv")["train_cpu_seconds"].iloc[-1] / rounds
                for run in folder.glob(f"{method}__seed*") if (run / "metrics.csv").is_file()]
         print(f"{folder.name}/{method}/mean_auc_norm: {row['mean_auc_norm']:.3f}")
-        print(f"{folder.name}/{method}/cpu_s_per_round: {sum(cpu) / len(cpu):.2f}")
+        if cpu:  # a method whose every seed diverged in round 0 has no timed round
+            print(f"{folder.name}/{method}/cpu_s_per_round: {sum(cpu) / len(cpu):.2f}")
         if method == "ppo":
             continue
         print(f"{folder.name}/{method}/paired_poi_auc: {row['poi_auc']:.2f} [{row['poi_auc_lo']:.2f}, {row['poi_auc_hi']:.2f}]")
