@@ -2,6 +2,7 @@
 
 import csv
 import json
+import math
 import re
 
 import numpy as np
@@ -290,3 +291,21 @@ def test_legends_define_named_methods(tmp_path):
     assert _definitions(tmp_path) == {"fast": "ppo@learning_rate=0.04",
                                       "iif-trusted": "iif@scoring_target=trusted,drop_pct=25"}
     assert _definitions(tmp_path / "missing") == {}
+
+
+def test_a_reference_that_got_worse_gives_no_normalised_scores_and_p_compares_raw_returns(tmp_path):
+    """Dividing by a negative span (the reference's plateau below its start) would reverse every
+    comparison: the normalised scores are undefined there, and P(improvement) reads raw returns."""
+    from rlinfluence.experiments.statistics import normalise
+
+    assert np.isnan(normalise(np.array([1.0, 2.0]), start=0.5, plateau=0.1)).all()
+    assert np.isnan(normalise(np.array([1.0]), start=0.5, plateau=0.5)).all()
+    assert normalise(np.array([0.3]), start=0.1, plateau=0.5)[0] == pytest.approx(0.5)
+    worse = [0.03, 0.02, 0.01, 0.0, 0.0, 0.0, 0.0, 0.0]  # a reference taken over by a backdoor
+    learns = [0.02, 0.2, 0.5, 0.8, 1.0, 1.0, 1.0, 1.0]
+    for seed in (1, 2, 3):
+        _fake_run(tmp_path / f"ppo__seed{seed}", worse)
+        _fake_run(tmp_path / f"oracle__seed{seed}", learns)
+    rows = {r["method"]: r for r in summarize(tmp_path, ["ppo", "oracle"], [1, 2, 3], reference="ppo", reps=200)}
+    assert math.isnan(rows["oracle"]["iqm_auc_norm"]) and math.isnan(rows["oracle"]["diff_auc"])
+    assert rows["oracle"]["poi_auc"] == 1.0  # it learns, the reference does not: not reversed to 0

@@ -184,3 +184,4 @@ def test_the_docs_tables_are_the_ones_their_committed_data_gives():
     result = subprocess.run([sys.executable, str(root / "benchmarks" / "publish_results.py"), "--check"],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+

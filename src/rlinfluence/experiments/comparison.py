@@ -406,17 +406,22 @@ def summarize(out: Path, methods: Sequence[str], seeds: Sequence[int], window: i
                 for kind in ("auc", "final")}
     finite = all(np.isfinite(v).all() for v in matrices["auc"].values())
     estimates = {kind: interval_estimates(matrices[kind], reps, seed) for kind in matrices} if finite else {}
+    # P(improvement) compares raw returns: a positive normalisation changes no ordering, and the
+    # raw comparison stays defined when the reference did not improve (no scale to normalise by)
+    raw = {"auc": {m: np.array([[curves[m, s].returns.mean()] for s in seeds]) for m in methods},
+           "final": {m: np.array([[curves[m, s].plateau] for s in seeds]) for m in methods}}
     rows = []
     with progress_bar(progress, f"summary ({reps} bootstrap draws)", len(methods)) as advance:
         for method in methods:
-            rows.append(_summary_row(method, curves, reference, seeds, reps, seed, matrices, estimates, finite, out))
+            rows.append(_summary_row(method, curves, reference, seeds, reps, seed, matrices, estimates, finite, out,
+                                     raw))
             advance(method)
     return rows
 
 
 def _summary_row(method: str, curves: dict[tuple[str, int], Curve], reference: str, seeds: Sequence[int], reps: int,
                  seed: int, matrices: dict[str, dict[str, np.ndarray]], estimates: dict[str, Any], finite: bool,
-                 out: Path) -> dict[str, Any]:
+                 out: Path, raw: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
     """One method's row of ``summarize``."""
     per_seed = [pair_metrics(curves[reference, s], curves[method, s]) for s in seeds]
     row: dict[str, Any] = {"method": method, "seeds": len(seeds)}
@@ -443,12 +448,12 @@ def _summary_row(method: str, curves: dict[tuple[str, int], Curve], reference: s
         for stat in ("iqm", "mean"):
             point, lo, hi = estimates[kind][method][stat] if estimates else (math.nan,) * 3
             row[f"{stat}_{kind}_norm"], row[f"{stat}_{kind}_norm_lo"], row[f"{stat}_{kind}_norm_hi"] = point, lo, hi
+        p = probability_of_improvement(raw[kind][method], raw[kind][reference], reps, seed, paired=True)
         if finite:
             x, y = matrices[kind][method], matrices[kind][reference]
-            p = probability_of_improvement(x, y, reps, seed, paired=True)
             diff = bootstrap_mean((x - y)[:, 0], reps, seed)
         else:
-            p = diff = (math.nan,) * 3
+            diff = (math.nan,) * 3
         row[f"poi_{kind}"], row[f"poi_{kind}_lo"], row[f"poi_{kind}_hi"] = p
         row[f"diff_{kind}"], row[f"diff_{kind}_lo"], row[f"diff_{kind}_hi"] = diff
     kls = [float(np.nanmean(curves[method, s].approx_kl)) for s in seeds

@@ -31,7 +31,7 @@ PUBLISHED_COLUMNS = (
     "env", "folder", "method", "chosen", "seeds", "first_seed", "reached80_n", "reference_reached80_n",
     *(f"{k}{s}" for k in ("rounds80", "log_ratio80", "poi_auc", "diff_auc", "iqm_auc_norm", "iqm_final_norm")
       for s in ("_mean" if k == "rounds80" else "", "_lo", "_hi")),
-    "verdict80", "approx_kl_mean", "failed_seeds", "mean_auc_norm",
+    "verdict80", "approx_kl_mean", "failed_seeds", "mean_auc_norm", "auc_mean",
 )
 
 
@@ -98,10 +98,12 @@ def headline_table(data: pd.DataFrame, reference: str = "ppo") -> list[str]:
 
 
 def gap_closed(group: pd.DataFrame, reference: str = "ppo", ceiling: str = "oracle") -> pd.Series:
-    """Per method of one folder: (auc_m - auc_ref) / (auc_ceiling - auc_ref) on the mean normalised
-    auc, the fraction of the ceiling's gain recovered; NaN for the two themselves, and for every
-    method where the folder has no ceiling or the ceiling does not beat the reference."""
-    auc = group.set_index("method")["mean_auc_norm"]
+    """Per method of one folder: (auc_m - auc_ref) / (auc_ceiling - auc_ref) on the mean raw auc
+    (the mean evaluation return over rounds and seeds: the same ratio as on normalised auc where
+    that is defined, and defined where the reference did not improve), the fraction of the
+    ceiling's gain recovered; NaN for the two themselves, and for every method where the folder
+    has no ceiling or the ceiling does not beat the reference."""
+    auc = group.set_index("method")["auc_mean"]
     if ceiling not in auc or not auc[ceiling] > auc[reference]:
         return pd.Series(math.nan, index=auc.index)
     gap = (auc - auc[reference]) / (auc[ceiling] - auc[reference])

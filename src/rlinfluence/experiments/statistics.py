@@ -47,10 +47,11 @@ def ci95(values: Sequence[float]) -> Interval:
 
 
 def normalise(returns: np.ndarray, start: float, plateau: float) -> np.ndarray:
-    """(R - start) / (plateau - start); a reference that did not move (plateau == start) makes
-    the scale undefined, and the scores NaN."""
+    """(R - start) / (plateau - start); a reference that did not improve (plateau <= start) makes
+    the scale undefined, and the scores NaN: dividing by a negative span would reverse every
+    comparison made on the normalised scores."""
     span = plateau - start
-    return (np.asarray(returns, float) - start) / span if span != 0 else np.full(np.shape(returns), np.nan)
+    return (np.asarray(returns, float) - start) / span if span > 0 else np.full(np.shape(returns), np.nan)
 
 
 def iqm(scores: np.ndarray) -> float:
