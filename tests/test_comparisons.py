@@ -309,3 +309,4 @@ def test_a_reference_that_got_worse_gives_no_normalised_scores_and_p_compares_ra
     rows = {r["method"]: r for r in summarize(tmp_path, ["ppo", "oracle"], [1, 2, 3], reference="ppo", reps=200)}
     assert math.isnan(rows["oracle"]["iqm_auc_norm"]) and math.isnan(rows["oracle"]["diff_auc"])
     assert rows["oracle"]["poi_auc"] == 1.0  # it learns, the reference does not: not reversed to 0
+    assert rows["oracle"]["verdict80"] == "undefined: the reference did not improve"

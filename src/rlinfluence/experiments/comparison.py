@@ -439,7 +439,7 @@ def _summary_row(method: str, curves: dict[tuple[str, int], Curve], reference: s
                                                                                   reps, seed)
     row["log_ratio80"], row["log_ratio80_lo"], row["log_ratio80_hi"] = bootstrap_mean(
         [p["log_ratio"] for p in speed], reps, seed)
-    row["verdict80"] = speed_verdict(row)
+    row["verdict80"] = speed_verdict(row) if finite else "undefined: the reference did not improve"
     finals = [float(curves[method, s].returns[-1]) for s in seeds]
     gains = [f - float(curves[reference, s].returns[-1]) for f, s in zip(finals, seeds, strict=True)]
     row["final_mean"], row["final_lo"], row["final_hi"] = ci95(finals)
@@ -594,6 +594,9 @@ def reading_lines(rows: Sequence[dict[str, Any]], reference: str) -> list[str]:
         phrase = {"faster": f"faster than {reference} to 80%", "slower": f"slower than {reference} to 80%",
                   "no clear difference": f"no clear difference from {reference} in rounds to 80%",
                   "reaches it on fewer seeds": f"reaches 80% on fewer seeds than {reference}"}
+        if r["verdict80"].startswith("undefined"):
+            out.append(f"{r['method']}: rounds to 80% {r['verdict80']}; paired P(auc > {reference}) {r['poi_auc']:.2f}.")
+            continue
         rounds = [math.exp(-r[k]) for k in ("log_ratio80", "log_ratio80_hi", "log_ratio80_lo")]
         interval = f", 95% interval [{rounds[1]:.2f}x, {rounds[2]:.2f}x]" if not math.isnan(rounds[1]) else ""
         out.append(f"{r['method']}: {phrase.get(r['verdict80'], r['verdict80'])}: needs {rounds[0]:.2f}x "

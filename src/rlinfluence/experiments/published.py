@@ -131,7 +131,8 @@ def gap_table(data: pd.DataFrame, reference: str = "ppo", ceiling: str = "oracle
             if row["failed_seeds"]:  # diverged pairs count in every statistic (padded at the worst return)
                 cells[0] += f" (diverged: seeds {row['failed_seeds']})"
             lr = _chosen(row["chosen"]) + (f" ({row['tuning']})" if isinstance(row.get("tuning"), str) else "")
-            body.append([folder, cells[0], lr, f"{row['mean_auc_norm']:.2f}", *cells[5:7],
+            mean_auc = "undefined" if math.isnan(row["mean_auc_norm"]) else f"{row['mean_auc_norm']:.2f}"
+            body.append([folder, cells[0], lr, mean_auc, *cells[5:7],
                          "-" if math.isnan(gap) else f"{gap:.2f}", cells[1], cells[4], _cpu_cell(row, reference_cpu)])
     return markdown_table(["folder", "method", "learning rate", "mean auc", f"paired P(> {reference}), auc",
                            f"auc - {reference}'s, paired", f"gap to {ceiling} closed", "reached 80% (seeds)",
