@@ -370,3 +370,23 @@ def test_records_show_a_grid_cell_or_an_image_not_a_mean():
     assert _obs_summary(one_hot) == "state 6 (row 1, col 2 of 4x4)"  # FrozenLake 4x4
     assert _obs_summary(np.zeros((7, 7, 3), np.uint8)) == "image 7x7x3"  # MiniGrid's view
     assert _obs_summary(np.array([0.1, -0.2, 0.3, 0.0])) == "[0.1, -0.2, 0.3, 0]"
+
+
+def test_frame_strips_say_the_round_step_not_the_episode_step():
+    from rlinfluence.analysis.report import render_html
+    from rlinfluence.analysis.sections import FrameCard, Gallery, Section
+
+    png = figure_png_of_one_pixel()
+    card = FrameCard("record 5 (env 0, step 624)", "action 1", png, [png, png], [623, 624], 1)
+    html = render_html("t", [Section("s", "s", galleries=[Gallery("g", [card])])])
+    assert "round step 624" in html and "of its episode\"" not in html
+
+
+def figure_png_of_one_pixel() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(buffer, format="PNG")
+    return buffer.getvalue()
