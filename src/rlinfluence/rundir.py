@@ -28,7 +28,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -107,18 +107,23 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _check_nearest_folder(path: Path, folders: Sequence[Path], flag: str) -> None:
+    """``UserError`` unless the first existing one of ``folders`` is a writable directory."""
+    for folder in folders:
+        if folder.exists():
+            if not folder.is_dir():
+                raise UserError(f"{flag} {str(path)!r}: {str(folder)!r} is a file, not a directory")
+            if not os.access(folder, os.W_OK):
+                raise UserError(f"{flag} {str(path)!r}: {str(folder)!r} is not writable")
+            return
+
+
 def check_output_file(path: str | Path, flag: str = "--out") -> Path:
     """``path`` as an output file: ``UserError`` if it is a directory or a parent is a file."""
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{flag} {str(path)!r} is a directory; give a file name")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UserError(f"{flag} {str(path)!r}: {str(parent)!r} is a file, not a directory")
-            if not os.access(parent, os.W_OK):
-                raise UserError(f"{flag} {str(path)!r}: {str(parent)!r} is not writable")
-            break
+    _check_nearest_folder(path, path.parents, flag)
     return path
 
 
@@ -128,13 +133,7 @@ def check_output_dir(path: str | Path, flag: str = "--out") -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {str(path)!r} is a file; give a folder")
-    for folder in (path, *path.parents):
-        if folder.exists():
-            if not folder.is_dir():
-                raise UserError(f"{flag} {str(path)!r}: {str(folder)!r} is a file, not a directory")
-            if not os.access(folder, os.W_OK):
-                raise UserError(f"{flag} {str(path)!r}: {str(folder)!r} is not writable")
-            break
+    _check_nearest_folder(path, [path, *path.parents], flag)
     return path
 
 
