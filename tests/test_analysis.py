@@ -368,8 +368,30 @@ def test_records_show_a_grid_cell_or_an_image_not_a_mean():
     one_hot = np.zeros(16, np.float32)
     one_hot[6] = 1
     assert _obs_summary(one_hot) == "state 6 (row 1, col 2 of 4x4)"  # FrozenLake 4x4
-    assert _obs_summary(np.zeros((7, 7, 3), np.uint8)) == "image 7x7x3"  # MiniGrid's view
+    assert _obs_summary(np.full((7, 7, 3), 200, np.uint8)) == "image 7x7x3"  # not MiniGrid's object codes
     assert _obs_summary(np.array([0.1, -0.2, 0.3, 0.0])) == "[0.1, -0.2, 0.3, 0]"
+
+
+def test_a_minigrid_record_says_where_the_goal_is_from_the_agent():
+    import gymnasium as gym
+    import minigrid  # noqa: F401  (registers the envs)
+    from minigrid.core.constants import OBJECT_TO_IDX
+
+    from rlinfluence.analysis import tables
+
+    assert (OBJECT_TO_IDX["empty"], OBJECT_TO_IDX["goal"]) == (tables._MINIGRID_EMPTY, tables._MINIGRID_GOAL)
+    assert max(OBJECT_TO_IDX.values()) == tables._MINIGRID_MAX
+    assert all(OBJECT_TO_IDX[name] == code for code, name in tables._MINIGRID_NAMES.items())
+    env = gym.make("MiniGrid-Empty-8x8-v0")
+    obs, _ = env.reset(seed=0)  # agent at (1, 1) facing east, the goal at (6, 6), walls round the 8x8
+    assert tables._obs_summary(obs["image"]) == "view 7x7: no goal in view; wall 6 ahead"
+    for action in (2, 2, 2, 1, 2, 2, 2, 2):  # 3 forward, turn right (south), 4 forward: agent at (4, 5)
+        obs, *_ = env.step(action)
+    assert tuple(env.unwrapped.agent_pos) == (4, 5)
+    # facing south, the goal is 1 row further down and 2 columns east: east is the agent's left
+    assert tables._obs_summary(obs["image"]) == "view 7x7: goal 1 ahead, 2 left; wall 2 ahead"
+    obs, *_ = env.step(0)  # turn left: facing east, the goal 2 ahead and 1 to the right (south)
+    assert tables._obs_summary(obs["image"]) == "view 7x7: goal 2 ahead, 1 right; wall 3 ahead"
 
 
 def test_frame_strips_say_the_round_step_not_the_episode_step():

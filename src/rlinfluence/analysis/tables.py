@@ -21,16 +21,50 @@ from rlinfluence.frames import HOW_TO_SAVE, png, record_strip
 _MAX_OBS_VALUES = 64  # larger observations (images) are summarised, not stored in the table
 
 
+# MiniGrid's object codes (minigrid.core.constants.OBJECT_TO_IDX, a fixed part of its observation
+# format; the tests compare them with minigrid's): the ones a record's view is described by.
+_MINIGRID_EMPTY, _MINIGRID_GOAL, _MINIGRID_MAX = 1, 8, 10
+_MINIGRID_NAMES = {0: "unseen", 2: "wall", 3: "floor", 4: "door", 5: "key", 6: "ball", 7: "box", 8: "goal",
+                   9: "lava", 10: "agent"}
+
+
+def _minigrid_view(image: np.ndarray) -> str | None:
+    """A MiniGrid egocentric view (width x height x (object, colour, state), the agent at the
+    bottom row's centre facing up) in words: where the goal is from the agent, and what is
+    straight ahead; ``None`` for an image that is not such a view. The agent's cell in the grid
+    is not part of the observation, so the view is what a record can show."""
+    if not (image.shape[0] == image.shape[1] and image.shape[0] % 2 == 1 and image.shape[2] == 3):
+        return None
+    objects = image[..., 0]
+    if not np.issubdtype(objects.dtype, np.integer) or objects.min() < 0 or objects.max() > _MINIGRID_MAX:
+        return None
+    size, centre = image.shape[0], image.shape[0] // 2
+    places = []
+    for x, y in zip(*np.nonzero(objects == _MINIGRID_GOAL), strict=True):
+        ahead, side = size - 1 - int(y), int(x) - centre
+        sideways = f", {abs(side)} {'right' if side > 0 else 'left'}" if side else ""
+        places.append(f"goal {ahead} ahead{sideways}")
+    column = objects[centre, size - 2::-1]  # the cells straight ahead, nearest first
+    blocked = np.flatnonzero(column != _MINIGRID_EMPTY)
+    front = (f"{_MINIGRID_NAMES.get(int(column[blocked[0]]), 'object')} {int(blocked[0]) + 1} ahead"
+             if len(blocked) else f"open {size - 1} ahead")
+    parts = places or ["no goal in view"]
+    if not front.startswith("goal"):  # a goal straight ahead is said once
+        parts.append(front)
+    return f"view {size}x{size}: {'; '.join(parts)}"
+
+
 def _obs_summary(obs: np.ndarray) -> str:
     """An observation in words: a one-hot state as its index (and its cell, for a square grid such
-    as FrozenLake's), an image by its shape, a short vector by its values."""
+    as FrozenLake's), a MiniGrid view by where the goal is and what is ahead, another image by its
+    shape, a short vector by its values."""
     flat = obs.ravel()
     if flat.size > 1 and obs.ndim == 1 and np.count_nonzero(flat) == 1 and flat.max() == 1:
         state, width = int(np.flatnonzero(flat)[0]), int(round(flat.size ** 0.5))
         cell = f" (row {state // width}, col {state % width} of {width}x{width})" if width * width == flat.size else ""
         return f"state {state}{cell}"
     if obs.ndim == 3:
-        return f"image {'x'.join(map(str, obs.shape))}"
+        return _minigrid_view(obs) or f"image {'x'.join(map(str, obs.shape))}"
     if obs.size <= 8:
         return "[" + ", ".join(f"{v:.3g}" for v in flat) + "]"
     return f"{'x'.join(map(str, obs.shape))} mean {obs.mean():.3g}"
