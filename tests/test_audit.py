@@ -1,6 +1,8 @@
 """audit: a permutation test per source that flags a broken env and not a clean one; detection
 AUROC where the truth is known; bad input is one error line."""
 
+import shutil
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -61,6 +63,8 @@ def test_audit_flags_the_flipped_env_and_no_env_of_clean_runs(tmp_path, capsys):
     (["--scorer", "oracle"], "unknown scorer 'oracle'"),
     (["--scorer", "influence-trusted"], "unknown scorer 'influence-trusted'"),
     (["--permutations", "0"], "--permutations must be >= 1"),
+    (["--workers", "0"], "--workers must be >= 1, got 0"),
+    (["--ray-address", "127.0.0.1:1"], "--ray-address 127.0.0.1:1: no Ray cluster answers there"),
 ])
 def test_bad_audit_input_is_one_error_line(tmp_path, capsys, extra, message):
     run = _run(tmp_path, 4)
@@ -68,6 +72,44 @@ def test_bad_audit_input_is_one_error_line(tmp_path, capsys, extra, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not (run.run.path / "audit").exists()
+
+
+AUDIT_TABLES = ("sources.csv", "detection.csv", "ranked_episode.csv")
+
+
+def _audit_tables(run_dir, *flags):
+    """The bytes of the tables ``rlinfluence audit RUN --by episode *flags`` writes."""
+    assert cli.main(["audit", str(run_dir), "--by", "episode", *flags]) == 0
+    return {name: (run_dir / "audit" / name).read_bytes() for name in AUDIT_TABLES}
+
+
+@pytest.fixture(scope="module")
+def flipped_serial(tmp_path_factory):
+    """A 6-round run with a flipped env (every scorer, for detection.csv) and the tables of its
+    serial audit."""
+    run = _run(tmp_path_factory.mktemp("flipped"), 5, ["reward-flip:envs=1"]).run.path
+    return run, _audit_tables(run)
+
+
+def _unaudited_copy(run, folder):
+    return shutil.copytree(run, folder / run.name, ignore=shutil.ignore_patterns("audit", "analyses"))
+
+
+def test_audit_in_worker_processes_writes_the_serial_tables(flipped_serial, tmp_path):
+    run, serial = flipped_serial
+    assert len(pd.read_csv(run / "audit" / "detection.csv")) > 0
+    assert _audit_tables(_unaudited_copy(run, tmp_path), "--workers", "2") == serial
+
+
+def test_audit_on_a_ray_cluster_writes_the_serial_tables(flipped_serial, tmp_path):
+    ray = pytest.importorskip("ray")
+    run, serial = flipped_serial
+    context = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:  # the cluster's own HOST:PORT, so that the reachability check is run too
+        tables = _audit_tables(_unaudited_copy(run, tmp_path), "--ray-address", context.address_info["gcs_address"])
+    finally:
+        ray.shutdown()
+    assert tables == serial
 
 
 def test_dtv_scores_equal_brute_force_per_record_gradients():

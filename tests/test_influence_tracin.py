@@ -39,6 +39,16 @@ def make_round(kind: str, n: int = N, seed: int = 0):
     elif kind == "cnn":
         policy = make_policy(gym.spaces.Box(0, 255, (7, 7, 3), dtype="uint8"), gym.spaces.Discrete(5), hidden_sizes=(16,))
         obs, actions = torch.randint(0, 11, (n, 7, 7, 3), dtype=torch.uint8) * 20, torch.randint(0, 5, (n,))
+    elif kind == "layernorm":  # LayerNorm's parameters take the forward-mode path, the Linear ones ghost
+        policy = make_policy(gym.spaces.Box(-1, 1, (6,)), gym.spaces.Discrete(4), hidden_sizes=(16, 16))
+        policy.actor = nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        nn.init.normal_(policy.actor[1].weight, 1.0, 0.3)
+        nn.init.normal_(policy.actor[1].bias, 0.0, 0.3)
+        obs, actions = torch.randn(n, 6), torch.randint(0, 4, (n,))
+    elif kind == "hooked":  # a user hook rescales a layer's output: its ghost terms fail verification
+        policy = make_policy(gym.spaces.Box(-1, 1, (6,)), gym.spaces.Discrete(4), hidden_sizes=(16, 16))
+        policy.actor[0].register_forward_hook(lambda module, args, out: out * 1.5)
+        obs, actions = torch.randn(n, 6), torch.randint(0, 4, (n,))
     else:
         policy = make_policy(gym.spaces.Box(-1, 1, (5,)), gym.spaces.Box(-1, 1, (2,)), hidden_sizes=(16, 16))
         obs, actions = torch.randn(n, 5), torch.randn(n, 2)
@@ -123,6 +133,8 @@ def brute_force_tracin(policy, data, schedule, optimizer, loss_kwargs, max_grad_
         ("mlp", "sgd", None, {"clip_range": 0.2}),
         ("cnn", "sgd", None, {"clip_range": 0.2, "vf_coef": 0.5}),
         ("gaussian", "adam", 0.5, {"clip_range": 0.1, "clip_range_vf": 0.2, "ent_coef": 0.01}),
+        ("layernorm", "sgd", 0.5, {"clip_range": 0.2, "ent_coef": 0.01}),
+        ("hooked", "sgd", None, {"clip_range": 0.2}),
     ],
 )
 def test_tracin_matches_brute_force_replay(kind, optimizer_name, max_grad_norm, loss_kwargs):
@@ -178,3 +190,71 @@ def test_tracin_with_action_target_and_records_outside_every_minibatch():
         data["old_values"], schedule, target=target,
     )
     assert torch.all(scores[12:] == 0) and torch.all(scores[:12] != 0)
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 0.5])
+def test_the_trainer_records_the_replays_tracin_and_trains_unchanged(tmp_path, max_grad_norm):
+    """PPOConfig.tracin: the scores recorded inside the update equal the replay of the saved round,
+    and the run's parameters are those of the same run without recording, bit for bit."""
+    from rlinfluence.analysis.validation import score_round
+    from rlinfluence.checkpoint import load_round
+    from rlinfluence.influence import ReturnTarget
+    from rlinfluence.ppo import PPO, PPOConfig
+
+    def run(tracin: bool) -> PPO:
+        config = PPOConfig(env="CartPole-v1", n_envs=2, n_steps=64, batch_size=32, n_epochs=2, total_timesteps=256,
+                           max_grad_norm=max_grad_norm, eval_episodes=0, tensorboard=False, progress=False,
+                           save_buffers=True, tracin=tracin, run_root=str(tmp_path / str(tracin)))
+        return PPO(config).learn()
+
+    recorded, plain = run(True), run(False)
+    for name, value in plain.policy.state_dict().items():
+        assert torch.equal(value, recorded.policy.state_dict()[name]), name
+    for k in (0, 1):
+        saved = load_round(recorded.run.path, k)
+        assert saved.tracin is not None and saved.tracin.shape == (128,) and bool(saved.tracin.ne(0).all())
+        replay = score_round(saved, ReturnTarget(), "full", 0)
+        assert float((saved.tracin - replay).abs().max() / replay.abs().max()) < 1e-5
+    # audit's tracin scorer reads the recorded scores, and replays a round trained without them
+    from rlinfluence.analysis.audit import _tracin
+
+    recorded_round, plain_round = load_round(recorded.run.path, 1), load_round(plain.run.path, 1)
+    assert plain_round.tracin is None
+    assert torch.equal(torch.from_numpy(_tracin(recorded_round)), -recorded_round.tracin.double())
+    torch.testing.assert_close(torch.from_numpy(_tracin(plain_round)), -recorded_round.tracin.double(),
+                               rtol=1e-5, atol=1e-5 * float(recorded_round.tracin.abs().max()))
+    rows = recorded.run.rows
+    assert all(row["tracin_seconds"] > 0 for row in rows)
+
+
+def test_scoring_memory_grows_with_records_not_records_times_parameters():
+    """100,000 records, a 256-256 policy (~68k attributed parameters): an [N, parameters] tensor
+    would be ~27 GB. Snapshot scores and full TracIn (two steps, so the target spans every
+    record) must allocate well under 0.4 GB beyond their inputs (peak resident set, own process)."""
+    import subprocess
+    import sys
+
+    code = """
+import resource, torch, gymnasium as gym
+from rlinfluence.buffer import MinibatchStep
+from rlinfluence.influence import snapshot_influence, tracin_influence
+from rlinfluence.policies import make_policy
+torch.set_num_threads(1)
+policy = make_policy(gym.spaces.Box(-1, 1, (8,)), gym.spaces.Discrete(4), hidden_sizes=(256, 256))
+n = 100_000
+g = torch.Generator().manual_seed(0)
+obs, actions, adv = torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g), torch.randn(n, generator=g)
+with torch.no_grad():
+    logp, _, values = policy.evaluate_actions(obs, actions)
+steps = [MinibatchStep(0, torch.arange(64), 1e-3), MinibatchStep(0, torch.arange(64, 128), 1e-3)]
+snapshot_influence(policy, obs[:256], actions[:256], adv[:256], chunk_size=64)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+snapshot_influence(policy, obs, actions, adv, chunk_size=64)
+tracin_influence(policy, obs, actions, logp, adv, adv + values, values, steps)
+params = sum(p.numel() for p in policy.policy_parameters())
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024, params)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    peak_mb, params = (float(x) for x in out.stdout.split())
+    assert params * 100_000 * 4 / 2**20 > 20_000  # the tensor that must never exist: > 20 GB
+    assert peak_mb < 400, peak_mb

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -139,7 +141,8 @@ def test_constant_predictions_are_a_message_not_a_correlation():
 
 @pytest.mark.parametrize("flags", [["--subsets", "4"], ["--subsets", "0"], ["--fraction", "0"],
                                    ["--fraction", "1"], ["--fraction", "1.5"],
-                                   ["--fraction", "-0.2"], ["--seed", "-1"], ["--round", "a"]])
+                                   ["--fraction", "-0.2"], ["--seed", "-1"], ["--round", "a"],
+                                   ["--workers", "0"], ["--ray-address", "127.0.0.1:1"]])
 def test_bad_settings_are_one_error_line_exit_2(run, flags, capsys):
     saved = run / "analyses" / "validation.json"
     before = saved.read_bytes() if saved.exists() else None
@@ -184,6 +187,21 @@ def test_cli_several_rounds_into_the_report(run, tmp_path, capsys, one_thread):
     path, sections = build_report(run, tmp_path / "report.html", score_rounds=0)
     assert "validation" in [s.key for s in sections]
     assert "Counterfactual validation" in path.read_text()
+
+
+def test_validate_in_worker_processes_writes_the_serial_tables(run, tmp_path):
+    tables = {}
+    for workers in ("1", "2"):
+        copy = shutil.copytree(run, tmp_path / workers / run.name, ignore=shutil.ignore_patterns("analyses"))
+        assert cli.main(["validate", str(copy), "--round", "0", "2", "--subsets", "5", "--random-draws", "1",
+                         "--mode", "snapshot", "full", "--workers", workers]) == 0
+        folder = copy / "analyses"
+        tables[workers] = (pd.read_csv(folder / "validation.csv"), (folder / "validation_drops.csv").read_bytes())
+    timings = ["score_seconds", "retrain_seconds"]  # the only columns that may differ
+    pd.testing.assert_frame_equal(tables["1"][0].drop(columns=timings), tables["2"][0].drop(columns=timings),
+                                  check_exact=True)
+    assert tables["1"][0]["round"].tolist() == [0, 0, 2, 2]  # in round order, whichever round ended first
+    assert tables["1"][1] == tables["2"][1]
 
 
 def test_one_round_section_has_no_curve(round_one):

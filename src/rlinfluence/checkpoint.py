@@ -84,6 +84,8 @@ class SavedRound:
     schedule: list[MinibatchStep]
     start: dict[str, Any]
     """the trainer's state at theta(k) (policy, optimiser, generator), for ``retrain``"""
+    tracin: torch.Tensor | None = None
+    """full local TracIn of the records as recorded in training (``PPOConfig.tracin``), or None"""
 
     def retrain(self, keep: torch.Tensor | None = None, lr_scale: float = 1.0) -> dict[str, float]:
         """Redo round k's update from theta(k) on the records ``keep`` (default: all) with the
@@ -106,7 +108,8 @@ def load_round(run_dir: str | Path, round_index: int) -> SavedRound:
     """Round ``round_index`` of a run trained with ``save_buffers``: the trainer restored to
     theta(k) (policy and optimiser state before the round's update) and the saved buffer."""
     run = RunDirectory.open_existing(run_dir, tensorboard=False)
-    config = dataclasses.replace(PPOConfig.from_dict(run.read_config()), progress=False)
+    # retraining a saved round (validate, intervention) does not record TracIn again
+    config = dataclasses.replace(PPOConfig.from_dict(run.read_config()), progress=False, tracin=False)
     tensors = run.load_buffer(round_index)
     checkpoint = run.checkpoint_path(round_index)
     if not checkpoint.is_file():
@@ -122,7 +125,8 @@ def load_round(run_dir: str | Path, round_index: int) -> SavedRound:
     if "schedule_indices" in tensors:
         schedule = [MinibatchStep(int(e), idx, float(lr)) for e, idx, lr in zip(
             tensors["schedule_epochs"], tensors["schedule_indices"], tensors["schedule_lr"], strict=True)]
-    return SavedRound(trainer, RolloutBuffer.from_tensors(tensors), tensors["keep"], schedule, state)
+    return SavedRound(trainer, RolloutBuffer.from_tensors(tensors), tensors["keep"], schedule, state,
+                      tensors.get("tracin"))
 
 
 def _check_buffer_fits(tensors: dict[str, torch.Tensor], trainer: PPO, path: Path) -> None:

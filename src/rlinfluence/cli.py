@@ -536,6 +536,10 @@ class ValidateArgs:
     """random drops per percentage in the drop test"""
     seed: int = 0
     """seed of the subsets, random drops, chunking and bootstrap"""
+    workers: int = 1
+    """local worker processes, each validating one round at a time (the same tables as 1)"""
+    ray_address: str | None = None
+    """validate the rounds as Ray tasks on this cluster (auto or HOST:PORT) instead"""
     html: bool = False
     """also write RUN_DIR/analyses/validation.html"""
 
@@ -559,7 +563,7 @@ def validate(a: ValidateArgs) -> int:
     results = validate_rounds(
         a.run_dir, list(a.round), progress=True, target=a.target, state_index=a.state_index,
         scorers=scorer_names(a.mode, a.advantage_norm), subsets=a.subsets, fraction=a.fraction,
-        random_draws=a.random_draws, seed=a.seed,
+        random_draws=a.random_draws, seed=a.seed, workers=a.workers, ray_address=a.ray_address,
     )
     lds, drops = lds_rows(results), drop_rows(results)
     fmt = {"float_format": lambda v: f"{v:.4g}", "index": False}
@@ -603,6 +607,10 @@ class AuditArgs:
     """permutation draws of the test"""
     seed: int = 0
     """seed of the permutations and bootstrap intervals"""
+    workers: int = 1
+    """local worker processes, each scoring one saved round at a time (the same tables as 1)"""
+    ray_address: str | None = None
+    """score the saved rounds as Ray tasks on this cluster (auto or HOST:PORT) instead"""
 
 
 def audit(a: AuditArgs) -> int:
@@ -612,7 +620,8 @@ def audit(a: AuditArgs) -> int:
     from rlinfluence.analysis.report import ANALYSES_DIR, save_section
 
     _check_writes_into(a.run_dir)
-    sources, found, table = audit_run(a.run_dir, a.rounds, a.scorer, a.alpha, a.permutations, a.seed)
+    sources, found, table = audit_run(a.run_dir, a.rounds, a.scorer, a.alpha, a.permutations, a.seed, a.workers,
+                                      a.ray_address)
     folder = Path(a.run_dir) / "audit"
     folder.mkdir(exist_ok=True)
     section = audit_section(sources, found, a.alpha)

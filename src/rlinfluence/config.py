@@ -170,6 +170,10 @@ class PPOConfig:
     shown with the top and bottom records by diagnose, attribute --html, timeline and report"""
     record_minibatches: bool = False
     """keep, for every optimiser step, its minibatch record indices and lr (full TracIn)"""
+    tracin: bool = False
+    """score every record by full local TracIn (return target) inside the round's own update,
+    without a replay: saved with --save-buffers (audit --scorer tracin reads it), its time logged
+    as tracin_seconds"""
     tensorboard: bool = True
     """write TensorBoard event files"""
     wandb: bool = False

@@ -19,6 +19,7 @@ One round k:
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import math
 import random
@@ -40,7 +41,9 @@ from rlinfluence.errors import UserError
 from rlinfluence.evaluation import Evaluator
 from rlinfluence.filters import Filter, FilterContext, make_filter
 from rlinfluence.frames import FrameRecorder, save_frames
-from rlinfluence.losses import PPOLoss, ppo_loss
+from rlinfluence.influence.targets import Records
+from rlinfluence.influence.tracin import TracInRecorder
+from rlinfluence.losses import PPOLoss, normalize_advantages, ppo_loss
 from rlinfluence.policies import ActorCritic, make_policy, rollout_actor
 from rlinfluence.progress import progress_bar
 from rlinfluence.rundir import CheckpointError, RunDirectory
@@ -135,6 +138,7 @@ class PPO:
         self.train_seconds = 0.0
         self.train_cpu_seconds = 0.0
         self.schedule: list[MinibatchStep] = []  # last round's optimiser steps (record_minibatches)
+        self.tracin: TracInRecorder | None = None  # last round's full TracIn (PPOConfig.tracin)
         self.last_buffer: RolloutBuffer | None = None
         self._reset_envs(config.seed)
         self._evaluator: Evaluator | None = None
@@ -353,6 +357,7 @@ class PPO:
         returns, old_values = tensors["returns"], tensors["values"]
         n_minibatches = len(kept) // cfg.batch_size
         self.schedule = []
+        self.tracin = self._tracin_recorder(tensors) if cfg.tracin else None
         totals = {"policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0}
         n_updates = 0
         stop = False
@@ -364,7 +369,7 @@ class PPO:
                 perm = kept[draw]
             for m in range(n_minibatches):
                 idx = perm[m * cfg.batch_size : (m + 1) * cfg.batch_size]
-                out = self._minibatch_step(self.policy, self.optimizer, tensors, idx, buffer.round, epoch)
+                out = self._minibatch_step(self.policy, self.optimizer, tensors, idx, buffer.round, epoch, self.tracin)
                 if out is None:
                     stop = True
                     break
@@ -381,7 +386,17 @@ class PPO:
             stats["explained_variance"] = float(1 - (returns - old_values).var() / var_returns) if var_returns > 0 else float("nan")
         stats["kept_fraction"] = len(kept) / len(buffer)
         stats["n_updates"] = n_updates
+        if self.tracin is not None:
+            stats["tracin_seconds"] = self.tracin.seconds
         return stats
+
+    def _tracin_recorder(self, tensors: dict[str, torch.Tensor]) -> TracInRecorder:
+        """Full local TracIn of this round's records (return target, raw advantages), recorded
+        from the update's own steps (``PPOConfig.tracin``)."""
+        cfg = self.config
+        return TracInRecorder(self.policy, Records(tensors["obs"], tensors["actions"], tensors["advantages"]),
+                              loss_kwargs={"clip_range": cfg.clip_range, "clip_range_vf": cfg.clip_range_vf,
+                                           "vf_coef": cfg.vf_coef, "ent_coef": cfg.ent_coef})
 
     @staticmethod
     def _update_tensors(buffer: RolloutBuffer) -> dict[str, torch.Tensor]:
@@ -389,27 +404,34 @@ class PPO:
 
     def _minibatch_step(self, policy: ActorCritic, optimizer: torch.optim.Optimizer,
                         tensors: dict[str, torch.Tensor], idx: torch.Tensor, round_index: int,
-                        epoch: int) -> PPOLoss | None:
+                        epoch: int, tracin: TracInRecorder | None = None) -> PPOLoss | None:
         """One optimiser step of the PPO loss on the records ``idx``; returns the loss terms, or
-        None (no step taken) when target_kl stops the round."""
+        None (no step taken) when target_kl stops the round. ``tracin`` records the step's terms."""
         cfg = self.config
-        out = ppo_loss(
-            policy, *(tensors[k][idx] for k in ("obs", "actions", "logp", "advantages", "returns", "values")),
-            clip_range=cfg.clip_range, clip_range_vf=cfg.clip_range_vf, vf_coef=cfg.vf_coef,
-            ent_coef=cfg.ent_coef, normalize_advantage=cfg.normalize_advantage,
-        )
-        if not torch.isfinite(out.loss):
-            raise UserError(
-                f"round {round_index}: non-finite loss {float(out.loss.detach())} at epoch {epoch} "
-                f"(policy_loss {out.policy_loss}, value_loss {out.value_loss}); stopped before "
-                f"the round's checkpoint (check the env's reward scale)"
+        fields = [tensors[k][idx] for k in ("obs", "actions", "logp", "advantages", "returns", "values")]
+        if tracin is not None and cfg.normalize_advantage:
+            # the recorder's per-record terms need the advantages as the loss uses them (same op, same values)
+            fields[3] = normalize_advantages(fields[3])
+        with tracin.capture(fields) if tracin is not None else contextlib.nullcontext():
+            out = ppo_loss(
+                policy, *fields, clip_range=cfg.clip_range, clip_range_vf=cfg.clip_range_vf, vf_coef=cfg.vf_coef,
+                ent_coef=cfg.ent_coef, normalize_advantage=cfg.normalize_advantage and tracin is None,
             )
-        if cfg.target_kl is not None and out.approx_kl > 1.5 * cfg.target_kl:
-            return None
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
+            if not torch.isfinite(out.loss):
+                raise UserError(
+                    f"round {round_index}: non-finite loss {float(out.loss.detach())} at epoch {epoch} "
+                    f"(policy_loss {out.policy_loss}, value_loss {out.value_loss}); stopped before "
+                    f"the round's checkpoint (check the env's reward scale)"
+                )
+            if cfg.target_kl is not None and out.approx_kl > 1.5 * cfg.target_kl:
+                return None
+            optimizer.zero_grad(set_to_none=True)
+            out.loss.backward()
         if cfg.max_grad_norm is not None:
-            nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+            norm = nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+        if tracin is not None:  # the step's size eta_j c_j, c_j the clipping factor
+            clip = 1.0 if cfg.max_grad_norm is None else min(1.0, cfg.max_grad_norm / (float(norm) + 1e-6))
+            tracin.record(idx, optimizer.param_groups[0]["lr"] * clip)
         optimizer.step()
         return out
 
@@ -436,6 +458,8 @@ class PPO:
     def _buffer_tensors(self, buffer: RolloutBuffer, keep: torch.Tensor) -> dict[str, torch.Tensor]:
         tensors = buffer.tensors()
         tensors["keep"] = torch.as_tensor(keep, dtype=torch.bool)
+        if self.tracin is not None:
+            tensors["tracin"] = self.tracin.scores()
         if self.schedule:
             tensors["schedule_indices"] = torch.stack([s.indices for s in self.schedule])
             tensors["schedule_epochs"] = torch.tensor([s.epoch for s in self.schedule])

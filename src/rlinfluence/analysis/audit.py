@@ -6,7 +6,8 @@ Every scorer gives each record of a round a *harm* score (higher = more harmful)
     influence           -<grad l_i, grad f>, f the return target on the whole buffer (IIF's scores)
     influence-trusted   the same with f on the trusted envs' records only (``trusted_envs``)
     tracin              -I_i, full local TracIn over the round's recorded optimiser steps
-                        (``rlinfluence.influence.tracin_influence``, the return target)
+                        (the return target): as recorded in training (``train --tracin``), or
+                        by a replay of the round (``rlinfluence.influence.tracin_influence``)
     dtv                 -g_i . mean_j g_j, g_i = A_i grad log pi(a_i|s_i) (A batch-normalised): the
                         gradient alignment of "Not All Rollouts Are Worth Learning", no target needed
     negative-advantage  -A_i
@@ -76,6 +77,8 @@ def _influence(trusted_only: bool) -> Scorer:
 def _tracin(saved: SavedRound) -> np.ndarray:
     from rlinfluence.analysis.validation import score_round
 
+    if saved.tracin is not None:  # recorded inside the round's update: the same sum, no replay
+        return -saved.tracin.double().numpy()
     try:
         return -score_round(saved, ReturnTarget(), "full", 0).double().numpy()
     except ZeroTargetGradient:
@@ -263,10 +266,21 @@ def _saved_rounds(run_dir: Path) -> list[int]:
     return sorted(int(p.stem.split("_")[1]) for p in (run_dir / "buffers").glob("round_*.safetensors"))
 
 
-def _scored_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None) -> tuple[pd.DataFrame, list[str], str]:
-    """A run trained with ``--save-buffers``: its saved rounds scored now, by every scorer where
-    the run has ground truth (for the detection table), else by the test's alone."""
+def round_harm_table(run_dir: str | Path, round_index: int, scorers: Sequence[str]) -> pd.DataFrame:
+    """``harm_table`` of saved round ``round_index`` of a run, loaded at theta(k): one job of an
+    audit (a top-level function, so that another process can run it)."""
     from rlinfluence.checkpoint import load_round
+
+    return harm_table(load_round(run_dir, round_index), scorers)
+
+
+def _scored_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None, workers: int,
+                   ray_address: str | None) -> tuple[pd.DataFrame, list[str], str]:
+    """A run trained with ``--save-buffers``: its saved rounds scored now, by every scorer where
+    the run has ground truth (for the detection table), else by the test's alone; one round per
+    job, in ``workers`` local processes or as Ray tasks (``execution.run_calls``), concatenated
+    in round order whichever ran them."""
+    from rlinfluence.experiments.execution import run_calls
     from rlinfluence.rundir import RunDirectory
 
     config = RunDirectory.open_existing(run_dir, tensorboard=False).read_config()
@@ -279,8 +293,8 @@ def _scored_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None) -> 
     if absent:
         raise UserError(f"round {absent[0]} of {str(run_dir)!r} is not saved (saved: {saved[0]}..{saved[-1]})")
     scorers = available if config.get("corrupt") else [scorer]
-    table = pd.concat([harm_table(load_round(run_dir, k), scorers) for k in rounds or saved], ignore_index=True)
-    return table, scorers, scorer
+    tables = run_calls(round_harm_table, [(run_dir, k, scorers) for k in rounds or saved], workers, ray_address)
+    return pd.concat(tables, ignore_index=True), scorers, scorer
 
 
 def _written_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None) -> tuple[pd.DataFrame, list[str], str]:
@@ -315,22 +329,29 @@ def _written_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None) ->
 
 
 def audit_run(run_dir: str | Path, rounds: Sequence[int] = (), scorer: str | None = None,
-              alpha: float = 0.01, permutations: int = 2000, seed: int = 0
-              ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+              alpha: float = 0.01, permutations: int = 2000, seed: int = 0, workers: int = 1,
+              ray_address: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(sources, detection, harm table) of a run's rounds (default: all).
 
-    The harm table comes from the run's saved rounds (``--save-buffers``) or from the tables
-    written during training (``SCORES_DIR``). sources: ``sources_table`` by ``scorer`` (default
+    The harm table comes from the run's saved rounds (``--save-buffers``), scored one round per
+    job in this process (``workers`` 1), in ``workers`` local processes or as Ray tasks on
+    ``ray_address``, the same table whichever ran them; or from the tables written during
+    training (``SCORES_DIR``). sources: ``sources_table`` by ``scorer`` (default
     influence-trusted for a run with trusted envs, else influence; for written tables, the first
     they hold). detection: every scorer at every level per round (``detection``), where the run
     has ground truth (``--corrupt``, or a ``corrupted`` column); else empty."""
+    from rlinfluence.experiments.execution import check_executor
+
     if not 0 < alpha < 1:
         raise UserError(f"--alpha must be in (0, 1), got {alpha}")
     if permutations < 1:
         raise UserError(f"--permutations must be >= 1, got {permutations}")
+    check_executor(workers, ray_address)
     run_dir = Path(run_dir)
-    read = _scored_rounds if _saved_rounds(run_dir) else _written_rounds
-    table, scorers, scorer = read(run_dir, list(rounds), scorer)
+    if _saved_rounds(run_dir):
+        table, scorers, scorer = _scored_rounds(run_dir, list(rounds), scorer, workers, ray_address)
+    else:  # read, not scored: nothing to distribute
+        table, scorers, scorer = _written_rounds(run_dir, list(rounds), scorer)
     found = detection(table, scorers) if "corrupted" in table else \
         pd.DataFrame(columns=["scorer", "level", "round", "auroc", "precision"])
     return sources_table(table, scorer, alpha, permutations, seed), found, table

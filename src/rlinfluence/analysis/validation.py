@@ -164,18 +164,24 @@ def validate_round(run_dir: str | Path, round_index: int, *, target: str | Targe
                            reproduces, seconds)
 
 
-def validate_rounds(run_dir: str | Path, rounds: Sequence[int], progress: bool = False,
-                    **kwargs: object) -> list[RoundValidation]:
-    """``validate_round`` for each round (an LDS curve over training); same keyword arguments."""
-    out = []
-    for k in rounds:
-        out.append(validate_round(run_dir, k, **kwargs))
-        if progress:
-            for name, s in out[-1].result.scorers.items():
-                lds = s.lds
-                print(f"round {k} {name}: LDS {lds.value:+.3f} [{lds.low:+.3f}, {lds.high:+.3f}]"
-                      + (f"  ({lds.message})" if lds.message else ""), flush=True)
-    return out
+def validate_rounds(run_dir: str | Path, rounds: Sequence[int], progress: bool = False, workers: int = 1,
+                    ray_address: str | None = None, **kwargs: object) -> list[RoundValidation]:
+    """``validate_round`` for each round (an LDS curve over training), in the order of ``rounds``;
+    same keyword arguments. One round per job: in this process (``workers`` 1), in ``workers``
+    local processes or as Ray tasks on ``ray_address`` (``execution.run_calls``), the same
+    results whichever ran them (but the timings). ``progress`` prints each round's LDS as it ends."""
+    from rlinfluence.experiments.execution import check_executor, run_calls
+
+    check_executor(workers, ray_address)
+
+    def show(r: RoundValidation) -> None:
+        for name, s in r.result.scorers.items():
+            lds = s.lds
+            print(f"round {r.round} {name}: LDS {lds.value:+.3f} [{lds.low:+.3f}, {lds.high:+.3f}]"
+                  + (f"  ({lds.message})" if lds.message else ""), flush=True)
+
+    return run_calls(validate_round, [(run_dir, k) for k in rounds], workers, ray_address,
+                     show if progress else None, keywords=kwargs)
 
 
 def lds_rows(results: Sequence[RoundValidation]) -> pd.DataFrame:

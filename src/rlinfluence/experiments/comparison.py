@@ -36,8 +36,8 @@ import pandas as pd
 from rlinfluence.errors import UserError
 from rlinfluence.experiments.execution import (
     Job,
+    check_executor,
     check_existing,
-    check_reachable,
     failure,
     finished,
     folder_lock,
@@ -94,15 +94,12 @@ class Plan:
 
 def plan_comparison(cfg: CompareConfig) -> Plan:
     """Parse and validate everything (``UserError`` naming the first bad value)."""
-    for name in ("seeds", "rounds", "smooth", "workers"):
+    for name in ("seeds", "rounds", "smooth"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    check_executor(cfg.workers, cfg.ray_address)  # before any folder exists
     check_bootstrap_reps(cfg.bootstrap_reps)
-    if cfg.workers > MAX_WORKERS:
-        raise UserError(f"--workers must be <= {MAX_WORKERS}, got {cfg.workers}")
-    if cfg.ray_address:
-        check_reachable(cfg.ray_address)  # before any folder exists
     fixed_by_seed = sorted(set(parse_overrides(cfg.set)) & {"seed", "eval_seed"})
     if fixed_by_seed:
         raise UserError(f"--set {fixed_by_seed[0]}=... is not allowed: a comparison derives each run's seed and "
@@ -196,9 +193,6 @@ def confirmation_config(cfg: CompareConfig) -> tuple[CompareConfig, dict[str, di
     record = {"study": str(path), "study_seeds": study_seeds, "study_tune_seeds": study_tune}
     return confirm_cfg, chosen, record
 
-
-MAX_WORKERS = 256
-"""More local worker processes than this would only exhaust the machine."""
 
 # what defines a study's results: a folder re-run with another value of one of these would mix
 # two studies (its tuning.csv, chosen values and pairs); --seeds may grow, the rest is display

@@ -1,4 +1,5 @@
-"""Running (method, seed) pairs: one at a time, in a local process pool, or as Ray tasks.
+"""Running (method, seed) pairs, or any top-level function of picklable arguments (``run_calls``:
+the saved rounds of ``audit`` and ``validate``), one at a time, in a local process pool, or as Ray tasks.
 
 A pair is a top-level function of plain data (its ``PPOConfig`` as a dict and its folder), so
 the executor does not change its result. A finished pair (``done.json``) is skipped; an
@@ -18,17 +19,21 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rlinfluence.errors import UserError
 from rlinfluence.experiments.specs import config_difference
 from rlinfluence.ppo import PPO, PPOConfig
 
 Job = tuple[dict[str, Any], str]
+T = TypeVar("T")
+
+MAX_WORKERS = 256
+"""More local worker processes than this would only exhaust the machine."""
 
 
 def check_existing(jobs: list[Job]) -> None:
@@ -102,25 +107,51 @@ def run_pair(config: dict[str, Any], run_dir: str, may_fail: bool = False) -> st
 def run_jobs(jobs: list[Job], workers: int, ray_address: str | None, on_done: Callable[[str], None],
              may_fail: bool = False) -> None:
     """Run every job not yet finished, calling ``on_done(run_dir)`` as each ends."""
-    todo = [job for job in jobs if not finished(job[1])]
+    todo = [(config, run_dir, may_fail) for config, run_dir in jobs if not finished(run_dir)]
+    run_calls(run_pair, todo, workers, ray_address, on_done)
+
+
+def check_executor(workers: int, ray_address: str | None) -> None:
+    """``UserError`` unless ``1 <= workers <= MAX_WORKERS`` and a ``HOST:PORT`` ``ray_address``
+    answers (``check_reachable``); called before any work is done."""
+    if workers < 1:
+        raise UserError(f"--workers must be >= 1, got {workers}")
+    if workers > MAX_WORKERS:
+        raise UserError(f"--workers must be <= {MAX_WORKERS}, got {workers}")
     if ray_address:
-        _run_ray(todo, ray_address, on_done, may_fail)
-    else:
-        _run_local(todo, workers, on_done, may_fail)
+        check_reachable(ray_address)
 
 
-def _run_local(jobs: list[Job], workers: int, on_done: Callable[[str], None], may_fail: bool) -> None:
+def run_calls(function: Callable[..., T], calls: Sequence[tuple[Any, ...]], workers: int, ray_address: str | None,
+              on_done: Callable[[T], None] | None = None, keywords: Mapping[str, Any] | None = None) -> list[T]:
+    """``[function(*args, **keywords) for args in calls]``: in this process if ``workers <= 1``,
+    else in ``workers`` spawned local processes, or as Ray tasks of one CPU each on the cluster
+    at ``ray_address`` (which replaces ``workers``). ``function`` must be a top-level function
+    and its arguments picklable. ``on_done(result)`` is called as each call ends (in the order
+    they end); the results are returned in the order of ``calls``, whichever ran them."""
+    keywords = dict(keywords or {})
+    done = on_done or (lambda _: None)
+    if ray_address:
+        return _run_ray(function, calls, keywords, ray_address, done)
+    return _run_local(function, calls, keywords, workers, done)
+
+
+def _run_local(function: Callable[..., T], calls: Sequence[tuple[Any, ...]], keywords: dict[str, Any],
+               workers: int, on_done: Callable[[T], None]) -> list[T]:
     if workers <= 1:
-        for config, run_dir in jobs:
-            on_done(run_pair(config, run_dir, may_fail))
-        return
+        results = []
+        for args in calls:
+            results.append(function(*args, **keywords))
+            on_done(results[-1])
+        return results
     import multiprocessing
 
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                              initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
-        futures = [pool.submit(run_pair, config, run_dir, may_fail) for config, run_dir in jobs]
+        futures = [pool.submit(function, *args, **keywords) for args in calls]
         for future in as_completed(futures):
             on_done(future.result())
+        return [future.result() for future in futures]
 
 
 def die_with_parent(parent: int) -> None:
@@ -161,7 +192,8 @@ def check_reachable(address: str, timeout: float = 5.0) -> None:
         raise UserError(f"--ray-address {address}: no Ray cluster answers there ({exc.strerror or exc})") from None
 
 
-def _run_ray(jobs: list[Job], address: str, on_done: Callable[[str], None], may_fail: bool) -> None:
+def _run_ray(function: Callable[..., T], calls: Sequence[tuple[Any, ...]], keywords: dict[str, Any],
+             address: str, on_done: Callable[[T], None]) -> list[T]:
     try:
         import ray
     except ImportError:
@@ -169,11 +201,14 @@ def _run_ray(jobs: list[Job], address: str, on_done: Callable[[str], None], may_
     if not ray.is_initialized():
         check_reachable(address)
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
-    remote = ray.remote(num_cpus=1)(run_pair)
-    pending = [remote.remote(config, run_dir, may_fail) for config, run_dir in jobs]
+    remote = ray.remote(num_cpus=1)(function)
+    refs = [remote.remote(*args, **keywords) for args in calls]
+    results, pending = {}, list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
-        on_done(ray.get(done[0]))
+        results[done[0]] = ray.get(done[0])
+        on_done(results[done[0]])
+    return [results[ref] for ref in refs]
 
 
 @contextmanager

@@ -356,6 +356,27 @@ def _ghost_backward(
     return pairs, failed, [s for s in slots if s not in failed]
 
 
+def captured_pairs(
+    policy: nn.Module, plan: GhostPlan, record_fn: RecordFn, calls: Sequence[_Call], n: int, scale: float
+) -> tuple[list[tuple[_Call, torch.Tensor]], set[int]]:
+    """The ghost pairs of a backward that has already run: for a loss L = sum_i u_i / ``scale``
+    whose backward left ``out.grad`` on every captured call's output (``retain_grad``) and the
+    gradient of L in each ghosted parameter's ``.grad``, the (call, d(sum_i u_i)/dY) pairs and
+    the slots that fail verification (``_unverified`` of sum_i u_i's gradient, scale * .grad;
+    once per call signature, as ``per_record_dots``). This lets a training step's own backward
+    serve as the ghost pass (``tracin_influence``)."""
+    broken = {c.layer for c in calls if not _rows_are_records(c.layer.module, c.x, c.out, n)}
+    failed = {s for layer in broken for s in layer.slots()}
+    pairs = [(c, c.out.grad * scale) for c in calls if c.layer not in broken and c.out.grad is not None]
+    signature = _signature(plan, record_fn, calls)
+    known = _VERDICTS.setdefault(policy, {})
+    if signature not in known:
+        slots = [s for layer in plan.layers for s in layer.slots() if s not in failed]
+        exact = {s: None if plan.params[s].grad is None else plan.params[s].grad * scale for s in slots}
+        known[signature] = frozenset(_unverified(pairs, exact, plan.params, n))
+    return pairs, failed | known[signature]
+
+
 def _unverified(
     pairs: Sequence[tuple[_Call, torch.Tensor]],
     exact: dict[int, torch.Tensor | None],
