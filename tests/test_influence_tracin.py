@@ -258,3 +258,33 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024, para
     peak_mb, params = (float(x) for x in out.stdout.split())
     assert params * 100_000 * 4 / 2**20 > 20_000  # the tensor that must never exist: > 20 GB
     assert peak_mb < 400, peak_mb
+
+
+def test_a_step_without_target_gradient_adds_nothing_and_a_round_of_them_is_refused():
+    """All advantages 0: grad f = 0 at every step. The recorder (as the trainer runs it) adds
+    zeros and counts the steps; tracin_influence refuses the round as the snapshot scorer does."""
+    from rlinfluence.influence import Records, TracInRecorder, ZeroTargetGradient
+
+    policy, data = make_round("mlp")
+    data["advantages"] = torch.zeros(N, dtype=torch.float64)
+    schedule = make_schedule(N, BATCH, epochs=1, lr=0.05)
+    recorder = TracInRecorder(policy, Records(data["obs"], data["actions"], data["advantages"]),
+                              loss_kwargs={"clip_range": 0.2})
+    for step in schedule:
+        batch = minibatch(data, step.indices, normalize=False)
+        policy.zero_grad()
+        with recorder.capture(batch):
+            ppo_loss(policy, *batch, normalize_advantage=False, clip_range=0.2).loss.backward()
+        recorder.record(step.indices, step.lr)
+    assert recorder.zero_target_steps == len(schedule) and torch.all(recorder.scores() == 0)
+    with pytest.raises(ZeroTargetGradient):
+        tracin_influence(policy, data["obs"], data["actions"], data["old_logp"], data["advantages"],
+                         data["returns"], data["old_values"], schedule)
+
+
+def test_tracin_in_training_needs_saved_buffers():
+    from rlinfluence.errors import UserError
+    from rlinfluence.ppo import PPOConfig
+
+    with pytest.raises(UserError, match="--tracin needs --save-buffers"):
+        PPOConfig(env="CartPole-v1", tracin=True).validate()

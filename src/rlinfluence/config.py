@@ -284,6 +284,8 @@ class PPOConfig:
             raise UserError(f"adam_eps must be > 0, got {self.adam_eps}")
         if self.vf_coef < 0:
             raise UserError(f"vf_coef must be >= 0, got {self.vf_coef}")
+        if self.tracin and not self.save_buffers:
+            raise UserError("--tracin needs --save-buffers (the scores are saved with the round's buffer)")
         if self.save_frames and not self.save_buffers:
             raise UserError("--save-frames needs --save-buffers (frames are kept for the saved rounds' records)")
         if any(size < 1 for size in self.hidden_sizes):

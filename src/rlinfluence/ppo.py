@@ -41,8 +41,7 @@ from rlinfluence.errors import UserError
 from rlinfluence.evaluation import Evaluator
 from rlinfluence.filters import Filter, FilterContext, make_filter
 from rlinfluence.frames import FrameRecorder, save_frames
-from rlinfluence.influence.targets import Records
-from rlinfluence.influence.tracin import TracInRecorder
+from rlinfluence.influence import Records, TracInRecorder
 from rlinfluence.losses import PPOLoss, normalize_advantages, ppo_loss
 from rlinfluence.policies import ActorCritic, make_policy, rollout_actor
 from rlinfluence.progress import progress_bar

@@ -5,7 +5,8 @@ Scorers (what is computed) and targets (what influence is measured on) are indep
 - ``snapshot_influence``: score_i = A_norm_i <grad log pi(a_i|s_i), grad f> at theta(k) (IIF's
   fast scores, ghost dot products);
 - ``gradient_alignment``: g_i . mean_j g_j, no target (DTV);
-- ``tracin_influence``: full local TracIn over the round's recorded optimiser steps;
+- ``tracin_influence``: full local TracIn over the round's recorded optimiser steps (a replay);
+  ``TracInRecorder``, the same sum recorded by a training loop as it takes the steps;
 - targets ``ActionTarget`` (mean log pi(a*|s*)) and ``ReturnTarget`` ((1/n) sum_j A_j log pi(a_j|s_j));
 - ``score_buffer`` scores a ``RolloutBuffer``; ``top_records`` picks proponents / opponents;
 - the engine, for new scorers: ``plan_ghost``, ``per_record_dots`` (d_i = <grad u_i, v> for any
@@ -38,7 +39,7 @@ from rlinfluence.influence.targets import (
     ZeroTargetGradient,
     target_gradient,
 )
-from rlinfluence.influence.tracin import tracin_influence
+from rlinfluence.influence.tracin import TracInRecorder, tracin_influence
 from rlinfluence.influence.validation import validate
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "ReturnTarget",
     "Target",
     "TopRecords",
+    "TracInRecorder",
     "ZeroTargetGradient",
     "adam_inverse_preconditioner",
     "chunk_permutation",

@@ -63,6 +63,7 @@ from rlinfluence.influence.targets import (
     Records,
     ReturnTarget,
     Target,
+    ZeroTargetGradient,
     check_per_record,
     check_positive_int,
     target_gradient,
@@ -210,6 +211,9 @@ def tracin_influence(
         for group in replay.param_groups:
             group["lr"] = step.lr
         replay.step()
+    if recorder.zero_target_steps == len(schedule):
+        # as the snapshot scorer: a target without gradient carries no attribution signal
+        target_gradient(recorder.target, replica, recorder.params, records, records_per_pass)
     return recorder.scores()
 
 
@@ -236,7 +240,8 @@ class TracInRecorder:
     clip_range_vf, vf_coef, ent_coef). ``target`` defaults to ``ReturnTarget()``; ``params`` to
     the policy's attributed parameters (``ghost.attributed_parameters``); ``records_per_pass`` and
     ``accumulate_dtype`` as in ``snapshot_influence``. ``seconds`` is the wall time spent
-    recording and scoring, what recording adds to a round.
+    recording and scoring, what recording adds to a round. A step at which grad f is exactly 0
+    (e.g. every advantage 0) adds nothing and is counted in ``zero_target_steps``.
     """
 
     def __init__(
@@ -262,6 +267,7 @@ class TracInRecorder:
         self.influence = torch.zeros(len(records), dtype=accumulate_dtype or self.params[0].dtype,
                                      device=self.params[0].device)
         self.seconds = 0.0
+        self.zero_target_steps = 0  # steps where grad f was exactly 0 (they add nothing)
         self._calls: list[_Call] = []
         self._batch: tuple[torch.Tensor, ...] | None = None
         self._pairs: list | None = None
@@ -302,7 +308,13 @@ class TracInRecorder:
         start = time.perf_counter()
         if self._batch is None:
             raise RuntimeError("TracInRecorder.record needs the step's forward and backward inside capture() first")
-        direction = target_gradient(self.target, self.policy, self.params, self.records, self.records_per_pass)
+        try:
+            direction = target_gradient(self.target, self.policy, self.params, self.records, self.records_per_pass)
+        except ZeroTargetGradient:  # grad f = 0 at theta_j: every term of the step is exactly 0
+            self.zero_target_steps += 1
+            self._batch, self._pairs = None, None
+            self.seconds += time.perf_counter() - start
+            return
         dtype = self.influence.dtype
         if self._pairs is None:
             dots = per_record_dots(self.policy, self.plan, self.record_fn, self._batch, direction,
