@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ from rlinfluence.rlhf import (  # noqa: E402
 )
 from rlinfluence.rlhf.cli import rlhf_command  # noqa: E402
 from rlinfluence.rlhf.model import response_mask  # noqa: E402
+from rlinfluence.rlhf.report import load_completions  # noqa: E402
 from rlinfluence.rlhf.rollout import score_sequences  # noqa: E402
 
 PROMPTS = ["You are such a", "hi", "Shut up, you", "That referee is a", "ok then", "Why are you"]
@@ -76,6 +78,10 @@ def brute_force(policy, rollout, validation, target, algo, value_loss, vf_coef=0
     if target == "seq":
         logp, _ = policy(validation.input_ids, validation.attention_mask, validation.mask.shape[1], values=False)
         f = (validation.sequence_advantages * (logp * validation.mask).sum(1)).mean()
+    elif target == "mean":  # DTV: g_i . mean_j g_j, g_j = grad of (1/T_j) sum_t A_jt log pi(y_jt)
+        logp, _ = policy(rollout.input_ids, rollout.attention_mask, rollout.mask.shape[1], values=False)
+        per_sequence = (rollout.token_advantages * logp * rollout.mask).sum(1) / rollout.mask.sum(1)
+        f = per_sequence.mean()
     else:
         logp, _ = policy(rollout.input_ids, rollout.attention_mask, rollout.mask.shape[1], values=False)
         f = (rollout.token_advantages * logp * rollout.mask).sum() / rollout.mask.sum()
@@ -94,6 +100,7 @@ def brute_force(policy, rollout, validation, target, algo, value_loss, vf_coef=0
 @pytest.mark.filterwarnings("error:LoRA parameters scored by forward mode")  # the ghost path must serve every LoRA matrix
 @pytest.mark.parametrize(("algo", "target", "value_loss"), [
     ("ppo", "seq", False), ("ppo", "seq", True), ("ppo", "return", False), ("grpo", "seq", False),
+    ("grpo", "mean", False),
 ])
 def test_lora_ghost_scores_match_brute_force(tiny_policy, algo, target, value_loss):
     group = 2 if algo == "grpo" else 1
@@ -306,3 +313,121 @@ def test_smollm2_toxicity_round(tmp_path):
     row = trainer.run.rows[0]
     assert 0 <= row["test_toxicity"] <= 1 and row["kept_fraction"] > 0
     assert type(trainer.policy.lm.base_model.model).__name__ == "LlamaForCausalLM"
+
+
+def test_gold_reward_on_fixed_texts():
+    """gold = s d q for positive text (s = tanh(AFINN / 5), d = distinct / words, q = fluency),
+    s itself for negative text; the hack the proxy invites scores low."""
+    from rlinfluence.rlhf.reward import GOLD_MIN_LOGP, GoldSentimentReward, SentimentReward
+
+    gold = GoldSentimentReward()
+    texts = ["I had a good day at the park.", "great great great great", "This is a terrible idea.", ""]
+    fluent = torch.full((4,), -2.0)
+    parts = gold.parts(texts, fluent)
+    # AFINN: good = +3, great = +3 (x4 = 12), terrible = -3
+    torch.testing.assert_close(parts["sentiment"], torch.tanh(torch.tensor([3.0, 12.0, -3.0, 0.0]) / 5))
+    torch.testing.assert_close(parts["distinct"], torch.tensor([1.0, 0.25, 1.0, 1.0]))
+    assert torch.all(parts["fluency"] == 1.0)  # -2 nats/token is above l0
+    scores = gold(texts, fluent)
+    torch.testing.assert_close(scores, torch.tensor([math.tanh(0.6), math.tanh(2.4) * 0.25, -math.tanh(0.6), 0.0]))
+    # unlikely text under the reference: q = exp(mean logp - l0); negative text is not softened
+    low = torch.full((4,), GOLD_MIN_LOGP - 1.0)
+    torch.testing.assert_close(gold(texts, low)[:2], scores[:2] * math.exp(-1.0))
+    assert float(gold(texts, low)[2]) == float(scores[2])
+    # the proxy rewards the stuffed text more than the natural one; the gold reward does not
+    proxy = SentimentReward()(texts[:2])
+    assert proxy[1] > proxy[0] and scores[1] < scores[0]
+
+
+def test_the_sentiment_gold_task_logs_gold_on_training_and_test_prompts(tmp_path):
+    config = tiny_config(tmp_path, task="sentiment-gold", algo="grpo", group_size=2, mini_batch_size=2)
+    trainer = trainer_of(config)
+    trainer.learn()
+    row = trainer.run.rows[0]
+    assert math.isfinite(row["gold_mean"]) and math.isfinite(row["eval_gold_mean"])
+    completions = load_completions(trainer.run.path, 0)
+    assert "gold" in completions and completions["gold"].notna().all()
+    assert row["gold_mean"] == pytest.approx(completions["gold"].mean())
+
+
+def test_pods_keeps_the_max_variance_subset_of_each_group():
+    """Brute force over every m-subset of small groups (ties included): the kept rewards' variance
+    is the largest any subset reaches."""
+    import itertools
+
+    from rlinfluence.rlhf.filters import pods
+
+    generator = torch.Generator().manual_seed(0)
+    for n, m in [(4, 2), (5, 3), (6, 2), (6, 4), (3, 3), (4, 1)]:
+        for _ in range(20):
+            scores = torch.randint(0, 4, (3 * n,), generator=generator).float()  # few values: many ties
+            keep = pods(scores, n, m)
+            for g in range(3):
+                group, kept = scores[g * n:(g + 1) * n], keep[g * n:(g + 1) * n]
+                assert int(kept.sum()) == m
+                best = max(float(group[list(c)].var(unbiased=False)) for c in itertools.combinations(range(n), m))
+                assert float(group[kept].var(unbiased=False)) == pytest.approx(best, abs=1e-9)
+
+
+def test_rule_filters_on_fixed_rewards():
+    from rlinfluence.rlhf.filters import advantage_sign, random_subset, zero_variance_groups
+
+    scores = torch.tensor([1.0, 1.0, 1.0, 0.0, 2.0, 1.0])
+    assert zero_variance_groups(scores, 3).tolist() == [True, True, True, False, False, False]
+    assert advantage_sign(torch.tensor([-0.5, 0.0, 0.7])).tolist() == [False, True, True]
+    picked = random_subset(100, 0.54, torch.Generator().manual_seed(1))
+    assert int(picked.sum()) == 54
+    assert torch.equal(picked, random_subset(100, 0.54, torch.Generator().manual_seed(1)))
+
+
+@pytest.mark.parametrize("name", ["advantage-sign", "pods", "random", "dtv"])
+def test_every_grpo_filter_trains_on_what_it_keeps(tmp_path, name):
+    config = tiny_config(tmp_path, algo="grpo", group_size=4, prompts_per_round=4, mini_batch_size=2, filter=name,
+                         pods_keep=2, random_keep=0.5)
+    trainer = trainer_of(config)
+    trainer.learn()
+    row, completions = trainer.run.rows[0], load_completions(trainer.run.path, 0)
+    rollout = trainer.last_rollout
+    assert trainer.run.path.name.split("__")[1] == f"grpo-{name}"
+    kept = torch.tensor(completions["kept"].to_numpy())
+    if row.get("minibatch_guard", 0.0) == 0.0:
+        if name == "advantage-sign":
+            assert torch.equal(kept, rollout.sequence_advantages >= 0)
+        if name == "pods":
+            assert kept.reshape(-1, 4).sum(1).tolist() == [2, 2, 2, 2]
+        if name == "random":
+            assert int(kept.sum()) == 8
+        if name == "dtv":
+            assert torch.equal(kept, torch.tensor(completions["score"].to_numpy()) >= 0)
+    assert row["kept_fraction"] == pytest.approx(float(kept.float().mean()))
+
+
+def test_iif_with_the_gold_target_scores_the_validation_rollout_by_the_gold_reward(tmp_path):
+    config = tiny_config(tmp_path, task="sentiment-gold", algo="grpo", group_size=2, mini_batch_size=2, filter="iif",
+                         target="seq", target_source="fresh", target_reward="gold")
+    trainer = trainer_of(config)
+    judged = []
+    gold = trainer.gold
+
+    def spy(texts, ref_logp_mean):
+        judged.append(len(texts))
+        return gold(texts, ref_logp_mean)
+
+    trainer.gold = spy
+    trainer.learn()
+    assert trainer.run.path.name.split("__")[1] == "grpo-iif-gold"
+    # theta(0) on the 3 test prompts; the round: its validation rollout (3 val prompts x 2), then its
+    # training rollout (4 x 2) for the log; the test prompts after the last round
+    assert judged == [3, 6, 8, 3]
+
+
+def test_bad_filter_settings_are_one_clear_error(tmp_path):
+    with pytest.raises(UserError, match="pods down-samples each prompt's group"):
+        tiny_config(tmp_path, filter="pods").validate()
+    with pytest.raises(UserError, match="--target-reward gold"):
+        tiny_config(tmp_path, algo="grpo", group_size=2, filter="iif", target_reward="gold").validate()
+    with pytest.raises(UserError, match="random_keep"):
+        tiny_config(tmp_path, filter="random", random_keep=0.0).validate()
+    with pytest.raises(SystemExit) as exit_info:
+        rlhf_command(["--filter", "podz", "--model", TINY_GPT2])
+    assert exit_info.value.code == 2

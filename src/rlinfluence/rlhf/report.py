@@ -6,7 +6,8 @@ the kept and dropped completions of a round side by side (one self-contained HTM
 Every round's completions are saved by the trainer as ``completions/round_XXXX.parquet``, one
 row per sequence in rollout order: ``round`` (int64), ``prompt``, ``response`` (str),
 ``reward`` (the reward model's score, float64), ``score`` (its influence on the IIF target,
-float64; null without IIF or in a round IIF skipped) and ``kept`` (bool: the update trained on it).
+float64; null without IIF or in a round IIF skipped) and ``kept`` (bool: the update trained on it);
+task ``sentiment-gold`` adds ``gold`` (the gold reward, float64).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def saved_rounds(run_dir: str | Path) -> list[int]:
 
 
 def save_completions(run_dir: str | Path, round_index: int, rollout: Rollout, keep: torch.Tensor,
-                     scores: torch.Tensor | None) -> Path:
+                     scores: torch.Tensor | None, gold: torch.Tensor | None = None) -> Path:
     """Write round ``round_index``'s sequences as Parquet (columns: the module docstring)."""
     path = completions_path(run_dir, round_index)
     path.parent.mkdir(exist_ok=True)
@@ -69,6 +70,8 @@ def save_completions(run_dir: str | Path, round_index: int, rollout: Rollout, ke
         "score": scores.double().cpu().numpy() if scores is not None else np.full(len(rollout), np.nan),
         "kept": keep.cpu().numpy().astype(bool),
     })
+    if gold is not None:
+        completions["gold"] = gold.double().cpu().numpy()
     atomic_write(path, lambda p: completions.to_parquet(p, engine="pyarrow", index=False))
     return path
 
@@ -83,7 +86,8 @@ def load_completions(run_dir: str | Path, round_index: int) -> pd.DataFrame | No
         missing = set(COMPLETION_COLUMNS) - set(completions.columns)
         if missing:
             raise ValueError(f"missing columns {sorted(missing)}")
-        return completions[list(COMPLETION_COLUMNS)].astype({"reward": float, "score": float, "kept": bool})
+        columns = list(COMPLETION_COLUMNS) + (["gold"] if "gold" in completions else [])
+        return completions[columns].astype({"reward": float, "score": float, "kept": bool})
     except (OSError, ValueError, TypeError) as exc:  # unreadable, not Parquet, a column missing or of the wrong type
         raise UserError(f"cannot read completions {str(path)!r}: {exc}") from None
 

