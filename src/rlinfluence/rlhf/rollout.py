@@ -63,6 +63,39 @@ class Rollout:
         return float(self.kl.sum(1).mean())
 
 
+def concatenate(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
+    """One rollout of the records of ``rollouts`` in order, each with its advantages as computed
+    in its own rollout (so: for group-relative GRPO advantages). Prompts are left-padded and
+    responses right-padded to the widest, as ``sample`` pads its chunks; stage seconds add up."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    r_max = max(r.mask.shape[1] for r in rollouts)
+    p_max = max(r.input_ids.shape[1] - r.mask.shape[1] for r in rollouts)
+
+    def widened(r: Rollout, ids: torch.Tensor, value: int) -> torch.Tensor:
+        width = r.mask.shape[1]
+        prompt, response = ids[:, : ids.shape[1] - width], ids[:, ids.shape[1] - width :]
+        return torch.cat([F.pad(prompt, (p_max - prompt.shape[1], 0), value=value),
+                          F.pad(response, (0, r_max - width), value=value)], 1)
+
+    merged: dict = {}
+    for f in fields(Rollout):
+        values = [getattr(r, f.name) for r in rollouts]
+        if f.name == "input_ids":
+            merged[f.name] = torch.cat([widened(r, r.input_ids, pad_token_id) for r in rollouts])
+        elif f.name == "attention_mask":
+            merged[f.name] = torch.cat([widened(r, r.attention_mask, 0) for r in rollouts])
+        elif f.name == "seconds":
+            merged[f.name] = {k: sum(v.get(k, 0.0) for v in values) for k in values[0]}
+        elif isinstance(values[0], list):
+            merged[f.name] = [x for v in values for x in v]
+        elif values[0].dim() == 2:  # per token [N, R]: zero after each response
+            merged[f.name] = torch.cat([F.pad(v, (0, r_max - v.shape[1])) for v in values])
+        else:
+            merged[f.name] = torch.cat(values)
+    return Rollout(**merged)
+
+
 @torch.no_grad()
 def sample(
     policy: PolicyWithValueHead,

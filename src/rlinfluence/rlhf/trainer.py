@@ -44,12 +44,12 @@ from rlinfluence.progress import progress_bar
 from rlinfluence.rlhf.config import RLHFConfig  # noqa: F401  (importable from here)
 from rlinfluence.rlhf.core import AdaptiveKLController, grpo_loss, mean_response_logp, ppo_losses
 from rlinfluence.rlhf.data import load_prompts
-from rlinfluence.rlhf.filters import advantage_sign, pods, random_subset
+from rlinfluence.rlhf.filters import advantage_sign, pods, random_subset, zero_variance_groups
 from rlinfluence.rlhf.influence import heldout_sequence_influence, sequence_influence
 from rlinfluence.rlhf.model import PolicyWithValueHead, load_policy
 from rlinfluence.rlhf.report import save_completions, write_report
 from rlinfluence.rlhf.reward import TASK_REWARDS, GoldSentimentReward, ProfanityReward, RewardFn
-from rlinfluence.rlhf.rollout import Rollout, add_advantages, sample
+from rlinfluence.rlhf.rollout import Rollout, add_advantages, concatenate, sample
 from rlinfluence.rundir import RunDirectory
 from rlinfluence.seeding import derived_seed  # streams: 0 training, 1 validation, 2 evaluation
 
@@ -163,6 +163,37 @@ class RLHFTrainer:
                          clock=self.clock)
         return add_advantages(rollout, cfg.algo, self.kl_ctl.value, cfg.gamma, cfg.gae_lambda, cfg.responses_per_prompt)
 
+    def informative_groups(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
+        """DAPO's dynamic sampling: the round's groups whose rewards differ, topped up with such
+        groups of new prompts (at most ``max_resample`` extra draws of ``prompts_per_round``
+        prompts) to ``prompts_per_round`` groups. The extra sequences sampled and their seconds
+        are counted. A round with fewer informative sequences than one minibatch keeps its own
+        rollout (``minibatch_guard`` 1; with none at all every advantage is 0 and only the KL
+        term moves the policy)."""
+        cfg = self.config
+        size, wanted = cfg.responses_per_prompt, cfg.prompts_per_round * cfg.responses_per_prompt
+        parts, seconds, extra = [], 0.0, 0
+        for draw in range(cfg.max_resample + 1):
+            if draw:
+                start = self.clock()
+                more = self.rollout(self._next_prompts(), stream=10 + draw)  # a sampling stream per draw
+                seconds += self.clock() - start
+                extra += len(more)
+            else:
+                more = rollout
+            parts.append(more.select((~zero_variance_groups(more.scores, size)).nonzero().squeeze(1)))
+            if sum(len(p) for p in parts) >= wanted:
+                break
+        found = [p for p in parts if len(p)]
+        informative = min(sum(map(len, found)), wanted)
+        stats = {"extra_sequences": float(extra), "extra_generation_seconds": seconds,
+                 "informative_groups": float(informative // size),
+                 "minibatch_guard": float(informative < cfg.mini_batch_size)}
+        if informative < cfg.mini_batch_size:  # too few to fill one minibatch: the round's own rollout
+            return rollout, stats
+        merged = concatenate(found, self.policy.tokenizer.pad_token_id)
+        return merged.select(torch.arange(informative)), stats
+
     def rule_keep(self, rollout: Rollout) -> torch.Tensor:
         """The keep mask of a filter that needs no gradient (``rlinfluence.rlhf.filters``); random
         draws are seeded by (seed, round), so a resumed run draws the same."""
@@ -208,8 +239,10 @@ class RLHFTrainer:
         cfg = self.config
         t0 = self.clock()
         rollout = self.rollout(self._next_prompts(), stream=0)
-        t1 = self.clock()
         stats: dict[str, float] = {}
+        if cfg.filter == "dynamic-sampling":
+            rollout, stats = self.informative_groups(rollout)
+        t1 = self.clock()
         keep = torch.ones(len(rollout), dtype=torch.bool)
         if cfg.filter in ("advantage-sign", "pods", "random"):
             keep = self.rule_keep(rollout)
@@ -268,17 +301,21 @@ class RLHFTrainer:
 
     # -- optimise -----------------------------------------------------------------------
     def update(self, rollout: Rollout, keep: torch.Tensor) -> dict[str, float]:
-        """``ppo_epochs`` passes over the kept sequences, ``mini_batch_size`` per Adam step (remainder dropped)."""
+        """``ppo_epochs`` passes over the kept sequences, ``mini_batch_size`` per Adam step (remainder
+        dropped); with ``equal_steps`` each epoch takes the unfiltered round's floor(N / mini_batch_size)
+        steps, the kept sequences drawn in fresh permutations, one after another, until they fill them."""
         cfg = self.config
         kept = keep.nonzero().squeeze(1)
-        n_mb = len(kept) // cfg.mini_batch_size
-        if n_mb == 0:
+        n_mb = (len(keep) if cfg.equal_steps else len(kept)) // cfg.mini_batch_size
+        if len(kept) < cfg.mini_batch_size:
             raise UserError(f"round {self.round}: {len(kept)} sequences kept, fewer than mini_batch_size {cfg.mini_batch_size}")
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         totals = {"policy_loss": 0.0, "value_loss": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0}
         steps = 0
         for _ in range(cfg.ppo_epochs):
-            perm = kept[torch.randperm(len(kept), generator=self.generator)]
+            perms = [kept[torch.randperm(len(kept), generator=self.generator)]
+                     for _ in range(-(-n_mb * cfg.mini_batch_size // len(kept)))]
+            perm = torch.cat(perms)
             for m in range(n_mb):
                 mb = rollout.select(perm[m * cfg.mini_batch_size : (m + 1) * cfg.mini_batch_size])
                 logp, values = self.policy(mb.input_ids, mb.attention_mask, mb.mask.shape[1], values=cfg.algo == "ppo")
