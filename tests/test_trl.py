@@ -186,6 +186,8 @@ def test_constant_rewards_skip_scoring_and_keep_everything(tmp_path) -> None:
         ({"iif_target": "held-out", "per_device_train_batch_size": 4, "num_generations": 4}, "at least 2 prompt groups"),
         ({"top_entropy_quantile": 0.2}, "top_entropy_quantile=0.2"),
         ({"entropy_coef": 0.01}, "entropy bonus"),
+        ({"rollout_filter": "gfpo"}, "unknown rollout_filter 'gfpo'"),
+        ({"rollout_filter": "pods", "rollout_pods_keep": 9}, "rollout_pods_keep must be in"),
     ],
 )
 def test_bad_config_is_a_user_error(config, message) -> None:
@@ -204,3 +206,39 @@ def test_trainer_refuses_a_plain_config_and_a_model_without_lora(tmp_path) -> No
     with pytest.raises(UserError, match="LoRA"):
         IIFGRPOTrainer(model=lm, reward_funcs=mean_code_point, args=args, train_dataset=dataset,
                        processing_class=tokenizer)
+
+
+@pytest.mark.parametrize("config", [{"rollout_filter": "pods", "rollout_pods_keep": 4},
+                                    {"rollout_filter": "random", "rollout_random_keep": 1.0},
+                                    {"rollout_filter": "zero-variance"}], ids=["pods", "random", "zero-variance"])
+def test_every_rule_filter_at_keep_all_trains_as_grpo_trainer(tmp_path, config) -> None:
+    plain = make_trainer(GRPOTrainer, tmp_path=tmp_path / "plain")
+    plain.train()
+    filtered = make_trainer(IIFGRPOTrainer, tmp_path=tmp_path / "filtered", **config)
+    filtered.train()
+    assert filtered.influence_keep.all()  # mean_code_point differs within every group: nothing to drop
+    after_plain, after_filtered = lora_state(plain), lora_state(filtered)
+    assert all(torch.equal(after_plain[k], v) for k, v in after_filtered.items())
+
+
+def test_rule_filters_mask_what_they_drop(tmp_path) -> None:
+    for config, expected in [({"rollout_filter": "advantage-sign"}, lambda a: a >= 0),
+                             ({"rollout_filter": "pods", "rollout_pods_keep": 2}, None)]:
+        trainer = make_trainer(tmp_path=tmp_path / config["rollout_filter"], **config)
+        batch = generation_batch(trainer)
+        keep = trainer.influence_keep
+        if expected is not None:
+            assert torch.equal(keep, expected(batch["advantages"].cpu()))
+        else:
+            assert keep.reshape(-1, 4).sum(1).tolist() == [2, 2]
+        assert not batch["completion_mask"][~keep].any() and 0 < int(keep.sum()) < len(keep)
+
+
+def test_a_trl_whose_batch_moved_is_refused_loudly() -> None:
+    """The one surface the integration reads (GRPOTrainer._generate_and_score_completions's batch)."""
+    from rlinfluence.integrations.trl import BATCH_KEYS, _check_surface
+
+    assert hasattr(GRPOTrainer, "_generate_and_score_completions")
+    _check_surface(dict.fromkeys(BATCH_KEYS))
+    with pytest.raises(UserError, match="has no completion_mask"):
+        _check_surface({k: None for k in BATCH_KEYS if k != "completion_mask"})

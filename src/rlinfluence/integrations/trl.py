@@ -41,6 +41,13 @@ every epoch of ``num_iterations``) and ``num_items_in_batch`` (the token count `
 micro-batch's B rows, as TRL does for truncated completions. Nothing is dropped when p gives 0
 completions: ``drop_pct=0`` with ``neg-bottom``/``bottom`` trains exactly as ``GRPOTrainer``.
 
+The field's rule filters ride on the same one method (``rollout_filter``: ``advantage-sign``,
+``pods``, ``random``, ``zero-variance``; ``rlinfluence.rlhf.filters``), computed from TRL's
+advantages and masked the same way. DAPO's refill of dropped groups needs new generations inside
+TRL's loop and is not offered here (``rlinfluence rlhf --filter dynamic-sampling`` has it); DTV
+is the ``batch`` target above (f = the batch's mean policy-gradient objective). The batch fields
+read (``BATCH_KEYS``) are checked on every batch, so a TRL whose surface moved is refused loudly.
+
 Logged through TRL's metrics (``trainer.log``: the console, W&B, TensorBoard, ...):
 ``influence/kept_fraction``, ``influence/n_negative``, ``influence/n_dropped``,
 ``influence/skipped`` and ``influence/seconds`` (scoring and masking time per generation batch);
@@ -87,11 +94,17 @@ from rlinfluence.influence import (
     target_gradient,
     unchanged,
 )
+from rlinfluence.rlhf.filters import advantage_sign, pods, random_subset, zero_variance_groups
 from rlinfluence.rlhf.influence import heldout_halves
+from rlinfluence.seeding import derived_seed
 
 __all__ = ["IIFGRPOConfig", "IIFGRPOTrainer", "completion_influence"]
 
 DROP_MODES = get_args(DropMode)
+ROLLOUT_FILTERS = ("iif", "advantage-sign", "pods", "random", "zero-variance")
+BATCH_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "num_items_in_batch")
+"""What this integration reads from ``GRPOTrainer._generate_and_score_completions``'s batch (TRL
+1.16): the one surface it rides on; a TRL that changes it is refused loudly (``_check_surface``)."""
 TARGETS = ("batch", "held-out")
 SEQUENCE_MEAN_LOSSES = ("grpo", "sapo")
 """TRL loss types that average each completion over its own tokens (c_i = 1/T_i)."""
@@ -125,6 +138,15 @@ class IIFGRPOConfig(GRPOConfig):
         default=None,
         metadata={"help": "Completions per scoring forward/backward (default per_device_train_batch_size)."},
     )
+    rollout_filter: str = field(
+        default="iif",
+        metadata={"help": "Which completions each generation batch trains on: iif (the influence scores above), "
+                          "advantage-sign (A >= 0), pods (rollout_pods_keep of each group, max reward variance), "
+                          "random (a rollout_random_keep fraction) or zero-variance (drop the groups of equal "
+                          "rewards, DAPO's dynamic sampling without its refill)."},
+    )
+    rollout_pods_keep: int = field(default=0, metadata={"help": "pods: completions kept per group (0 = half)."})
+    rollout_random_keep: float = field(default=0.54, metadata={"help": "random: the kept fraction."})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -138,6 +160,13 @@ class IIFGRPOConfig(GRPOConfig):
         if self.iif_target == "held-out" and self.generation_batch_size < 2 * self.num_generations:
             raise UserError(f"iif_target held-out needs at least 2 prompt groups per generation batch, got "
                             f"generation_batch_size {self.generation_batch_size} / num_generations {self.num_generations}")
+        if self.rollout_filter not in ROLLOUT_FILTERS:
+            raise UserError(f"unknown rollout_filter {self.rollout_filter!r} (choose {', '.join(ROLLOUT_FILTERS)})")
+        if not 0 <= self.rollout_pods_keep <= self.num_generations:
+            raise UserError(f"rollout_pods_keep must be in [0, num_generations {self.num_generations}], "
+                            f"got {self.rollout_pods_keep}")
+        if not 0 < self.rollout_random_keep <= 1:
+            raise UserError(f"rollout_random_keep must be in (0, 1], got {self.rollout_random_keep}")
         per_pass = self.iif_records_per_pass
         if per_pass is not None and (isinstance(per_pass, bool) or not isinstance(per_pass, int) or per_pass < 1):
             raise UserError(f"iif_records_per_pass must be a positive int or None, got {per_pass!r}")
@@ -154,6 +183,17 @@ class IIFGRPOConfig(GRPOConfig):
         if refused:
             raise UserError(f"IIF in GRPOTrainer does not support {'; '.join(refused)}: influence scores would not "
                             "match the loss GRPOTrainer trains (docs/trl.md, 'Limits')")
+
+
+def _check_surface(batch: dict[str, Any]) -> None:
+    """``UserError`` if TRL's generation batch lacks a field this integration reads (``BATCH_KEYS``):
+    the one place an upgrade of TRL can break it, refused before anything trains on a wrong mask."""
+    missing = [key for key in BATCH_KEYS if key not in batch]
+    if missing:
+        import trl
+
+        raise UserError(f"TRL {trl.__version__}'s generation batch has no {', '.join(missing)}: this integration "
+                        "rides on TRL 1.16's GRPOTrainer._generate_and_score_completions (pip install 'trl>=1.16,<1.17')")
 
 
 class _CompletionPolicy(nn.Module):
@@ -289,19 +329,24 @@ class IIFGRPOTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         batch = super()._generate_and_score_completions(inputs)
+        _check_surface(batch)
         n = len(batch["advantages"])
         if not self.model.training:  # evaluation: nothing is trained, nothing to filter
             self._log_completion_columns([None] * n, [None] * n)
             return batch
         start = time.perf_counter()
-        try:
-            scores = completion_influence(self, batch)
-        except ZeroTargetGradient as exc:  # no attribution signal: every score is 0, keep every completion
-            warnings.warn(f"IIFGRPOTrainer kept every completion of this batch (influence/skipped = 1): {exc}",
-                          RuntimeWarning, stacklevel=2)
-            scores, keep, skipped = torch.zeros(n), torch.ones(n, dtype=torch.bool), 1.0
+        if self.args.rollout_filter != "iif":
+            scores, keep, skipped = torch.zeros(n), self._rule_keep(batch["advantages"].detach().cpu()), 0.0
         else:
-            keep, skipped = drop_lowest(scores, iif_drop_count(scores, self.args.iif_drop_pct, self.args.iif_drop_mode)), 0.0
+            try:
+                scores = completion_influence(self, batch)
+            except ZeroTargetGradient as exc:  # no attribution signal: every score is 0, keep every completion
+                warnings.warn(f"IIFGRPOTrainer kept every completion of this batch (influence/skipped = 1): {exc}",
+                              RuntimeWarning, stacklevel=2)
+                scores, keep, skipped = torch.zeros(n), torch.ones(n, dtype=torch.bool), 1.0
+            else:
+                drop = iif_drop_count(scores, self.args.iif_drop_pct, self.args.iif_drop_mode)
+                keep, skipped = drop_lowest(scores, drop), 0.0
         if not keep.all():  # drop as mask_truncated_completions does; untouched when nothing is dropped
             device_keep = keep.to(batch["completion_mask"].device)
             batch["completion_mask"] = batch["completion_mask"] * device_keep[:, None].to(batch["completion_mask"].dtype)
@@ -316,6 +361,20 @@ class IIFGRPOTrainer(GRPOTrainer):
         metrics["influence/seconds"].append(time.perf_counter() - start)
         self._log_completion_columns(scores.tolist(), keep.tolist())
         return batch
+
+    def _rule_keep(self, advantages: torch.Tensor) -> torch.Tensor:
+        """The keep mask of a rule filter (``rlinfluence.rlhf.filters``) from TRL's advantages. Within
+        a group they are the rewards up to a positive affine map, so the max-variance subset and the
+        equal-reward groups are the rewards' own; random draws are seeded by (seed, step)."""
+        args, size = self.args, self.num_generations
+        if args.rollout_filter == "advantage-sign":
+            return advantage_sign(advantages)
+        if args.rollout_filter == "pods":
+            return pods(advantages, size, args.rollout_pods_keep or -(-size // 2))
+        if args.rollout_filter == "zero-variance":
+            return ~zero_variance_groups(advantages, size)
+        generator = torch.Generator().manual_seed(derived_seed(args.seed, self.state.global_step, 3))
+        return random_subset(len(advantages), args.rollout_random_keep, generator)
 
     def _log_completion_columns(self, scores: list[float | None], kept: list[bool | None]) -> None:
         # every batch adds a row per completion to TRL's completions table, so every batch adds these columns
