@@ -349,6 +349,8 @@ def test_the_sentiment_gold_task_logs_gold_on_training_and_test_prompts(tmp_path
     completions = load_completions(trainer.run.path, 0)
     assert "gold" in completions and completions["gold"].notna().all()
     assert row["gold_mean"] == pytest.approx(completions["gold"].mean())
+    html = (trainer.run.path / "report.html").read_text(encoding="utf-8")
+    assert "Proxy against gold" in html and "the completions the proxy rates most above the gold reward" in html
 
 
 def test_pods_keeps_the_max_variance_subset_of_each_group():

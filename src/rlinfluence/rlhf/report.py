@@ -134,11 +134,32 @@ def completions_section(rounds: dict[int, pd.DataFrame]) -> Section:
         "score = the sequence's influence on the IIF target (negative = harmful), lowest first"
         + ("." if filtered else "; no round dropped a completion (training without IIF, or IIF found no "
            "negative sequence)."))
-    columns = ["prompt", "response", "reward", "score"]
+    columns = ["prompt", "response", "reward", "score"] + (["gold"] if "gold" in completions else [])
     for kept, name in ((True, "kept"), (False, "dropped")):
         side = completions[completions["kept"] == kept]
         section.side_by_side.append(Table(f"{name}: {len(side)} of {len(completions)}", columns,
                                           _cells(side.head(SHOWN_COMPLETIONS), columns)))
+    return section
+
+
+def proxy_gold_section(rounds: dict[int, pd.DataFrame]) -> Section | None:
+    """Task ``sentiment-gold``: per saved round the mean proxy and gold reward of its completions,
+    and the last round's completions the proxy likes most beyond the gold reward (what gaming the
+    proxy looks like); None without gold scores."""
+    from rlinfluence.analysis.report import Section, Table
+
+    with_gold = {k: c for k, c in sorted(rounds.items()) if "gold" in c}
+    if not with_gold:
+        return None
+    section = Section("proxy-gold", "Proxy against gold")
+    section.tables.append(Table("Mean reward of the round's completions", ["round", "proxy (trained on)", "gold", "gap"],
+                                [[k, round(float(c["reward"].mean()), 3), round(float(c["gold"].mean()), 3),
+                                  round(float((c["reward"] - c["gold"]).mean()), 3)] for k, c in with_gold.items()]))
+    k, last = list(with_gold.items())[-1]
+    worst = last.assign(gap=last["reward"] - last["gold"]).sort_values("gap", ascending=False)
+    columns = ["prompt", "response", "reward", "gold", "gap"]
+    section.tables.append(Table(f"Round {k}: the completions the proxy rates most above the gold reward", columns,
+                                _cells(worst.head(SHOWN_COMPLETIONS), columns)))
     return section
 
 
@@ -151,6 +172,9 @@ def _curves_png(rows: list[dict], title: str) -> bytes:
     fig, axes = new_figure(8, 9.5, nrows=5, sharex=True)
     reward_ax, tox_ax, kl_ax, approx_ax, kept_ax = axes[:, 0]
     reward_ax.plot(rounds, _column(rows, "reward_mean"), ".-", label="reward of round k's sampled responses (mean)")
+    gold = _column(rows, "gold_mean")
+    if np.isfinite(gold).any():  # task sentiment-gold: the proxy trained on against the gold check
+        reward_ax.plot(rounds, gold, ".-", color="tab:red", label="gold reward of the same responses (mean)")
     reward_ax.set(ylabel="reward")
     # row k's evaluation is of theta(k+1): toxicity with the toxicity reward, else the test reward
     name, what = (("test_toxicity", "mean P(offensive)") if np.isfinite(_column(rows, "test_toxicity")).any()
@@ -161,6 +185,10 @@ def _curves_png(rows: list[dict], title: str) -> bytes:
     initial = _column(rows[:1], f"{name}_initial")
     if np.isfinite(initial).any():
         tox_ax.axhline(float(initial[0]), color="k", ls="--", lw=0.8, label="theta(0), before training")
+    test_gold = _column(rows, "eval_gold_mean")
+    if np.isfinite(test_gold).any():
+        shown = np.isfinite(test_gold)
+        tox_ax.plot(rounds[shown], test_gold[shown], "o-", color="tab:red", label="gold reward of theta(k+1) on the test prompts")
     tox_ax.set(ylabel=what)
     kl_ax.plot(rounds, _column(rows, "kl"), ".-", color="tab:orange", label="KL to the reference (mean summed per sequence)")
     kl_ax.set(ylabel="KL")
@@ -197,15 +225,18 @@ def write_report(run: RunDirectory) -> Path:
     section.tables.append(Table("Mean seconds per round (evaluation excluded)", [s.removesuffix("_seconds") for s in STAGES],
                                 [[round(m, 3) for m in means]]))
     section.summary.update({"rounds completed": len(rows), "final training reward": float(_column(rows, "reward_mean")[-1])})
-    for name in ("eval_return_mean", "test_toxicity"):
+    labels = {"eval_return_mean": "final test reward", "test_toxicity": "final test toxicity",
+              "eval_gold_mean": "final test gold reward"}
+    for name, label in labels.items():
         test = _column(rows, name)
         if np.isfinite(test).any():
-            label = "final test reward" if name == "eval_return_mean" else "final test toxicity"
             section.summary[label] = float(test[np.isfinite(test)][-1])
     section.summary["train seconds"] = float(_column(rows, "train_seconds")[-1])
     rounds = {k: load_completions(run.path, k) for k in saved_rounds(run.path)}
     if rounds:
         sections += [sampled_responses_section(rounds), completions_section(rounds)]
+        if (gold := proxy_gold_section(rounds)) is not None:
+            sections.append(gold)
     else:
         section.paragraphs.append("No completions saved for this run (runs before completions were saved).")
     return write_html(run.path / "report.html", f"rlinfluence report: {run.path.name}", sections)
