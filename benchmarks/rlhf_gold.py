@@ -22,6 +22,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -66,11 +67,16 @@ def run(method: str, seed: int, args: argparse.Namespace) -> None:
     print(f"done: {method} seed {seed}", flush=True)
 
 
-def final(run_dir: Path) -> dict[str, float]:
+def final(run_dir: Path) -> dict[str, Any]:
+    """The run's final test rewards, CPU seconds per round, and its test curves: theta(0), then
+    after every evaluated round (proxy, gold)."""
     rows = pd.read_csv(run_dir / "metrics.csv")
-    last = rows.dropna(subset=["eval_gold_mean"]).iloc[-1]
+    evaluated = rows.dropna(subset=["eval_gold_mean"])
+    last = evaluated.iloc[-1]
+    curve = [(0, float(rows["eval_return_mean_initial"].iloc[0]), float(rows["eval_gold_mean_initial"].iloc[0]))]
+    curve += [(int(r["round"]) + 1, float(r["eval_return_mean"]), float(r["eval_gold_mean"])) for _, r in evaluated.iterrows()]
     return {"proxy": float(last["eval_return_mean"]), "gold": float(last["eval_gold_mean"]),
-            "cpu_per_round": float(rows["train_seconds"].iloc[-1]) / len(rows)}
+            "cpu_per_round": float(rows["train_seconds"].iloc[-1]) / len(rows), "curve": curve}
 
 
 def main() -> None:
@@ -98,8 +104,14 @@ def main() -> None:
             continue
         gold = np.array([r["gold"] for r in per_seed.values()])
         proxy = np.array([r["proxy"] for r in per_seed.values()])
+        curves = np.array([[point[1:] for point in r["curve"]] for r in per_seed.values()])  # [seeds, evals, 2]
+        after = " ".join(str(point[0]) for point in next(iter(per_seed.values()))["curve"][1:])
+        print(f"{method} ({len(per_seed)} seeds), test reward before training and after rounds {after}:\n"
+              f"  proxy {' '.join(f'{v:.3f}' for v in curves[:, :, 0].mean(0))}\n"
+              f"  gold  {' '.join(f'{v:.3f}' for v in curves[:, :, 1].mean(0))}")
         lines += [f"final_gold_{method}: {gold.mean():.3f}", f"final_proxy_{method}: {proxy.mean():.3f}",
-                  f"proxy_gold_gap_{method}: {(proxy - gold).mean():.3f}"]
+                  f"proxy_gold_gap_{method}: {(proxy - gold).mean():.3f}",
+                  f"cpu_per_round_{method}: {np.mean([r['cpu_per_round'] for r in per_seed.values()]):.1f}"]
         shared = sorted(set(per_seed) & set(reference))
         if method != "grpo" and len(shared) >= 2:
             x = np.array([[per_seed[s]["gold"]] for s in shared])
