@@ -1,4 +1,4 @@
-"""Cost curves of attribution (issue 28, part 2): CPU seconds and peak memory as records, width,
+"""Cost curves of attribution: CPU seconds and peak memory as records, width,
 depth grow, ours against the authors' contraction kernel and per-record gradients by vmap(grad).
 
 Measurements (each in a fresh subprocess, one torch thread, its address space capped at

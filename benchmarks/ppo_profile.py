@@ -1,4 +1,4 @@
-"""Where our PPO's time goes (issue 28, part 4): learn() on LunarLander-v3 with the paper's preset
+"""Where our PPO's time goes: learn() on LunarLander-v3 with the paper's preset
 (as ``ppo_throughput.py``: n_steps 2048, batch 64, 10 epochs, SGD 5e-3, one env, one torch
 thread, no evaluation), with wall-clock timers around each phase:
 

@@ -1,4 +1,4 @@
-"""Language-model RL where the data matters (issue 27): GRPO and the rollout filters on the
+"""Language-model RL where the data matters: GRPO and the rollout filters on the
 ``sentiment-gold`` task, where the training reward (VADER) can be gamed and a gold reward judges
 the completions independently (``rlinfluence.rlhf.reward.GoldSentimentReward``).
 

@@ -1,4 +1,4 @@
-"""Where the gold reward's fluency threshold comes from (issue 27, task ``sentiment-gold``).
+"""Where the gold reward's fluency threshold comes from.
 
 SmolLM2-135M-Instruct at theta(0) (LoRA initialised to zero, so the policy is the reference
 model) answers each val prompt twice (24 tokens, temperature 1, chat template; sampling seed

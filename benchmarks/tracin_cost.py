@@ -1,4 +1,4 @@
-"""What exact full-round TracIn costs next to the round's own update (issue 28, part 1).
+"""What exact full-round TracIn costs next to the round's own update.
 
 For each env, two runs of the paper's preset with the same seed (one torch thread, no
 evaluation, buffers saved): one plain, one with ``PPOConfig.tracin`` (full local TracIn with the

@@ -42,6 +42,7 @@ from rlinfluence.evaluation import Evaluator
 from rlinfluence.filters import Filter, FilterContext, make_filter
 from rlinfluence.frames import FrameRecorder, save_frames
 from rlinfluence.influence import Records, TracInRecorder
+from rlinfluence.influence.tracin import clip_coefficient
 from rlinfluence.losses import PPOLoss, normalize_advantages, ppo_loss
 from rlinfluence.policies import ActorCritic, make_policy, rollout_actor
 from rlinfluence.progress import progress_bar
@@ -429,7 +430,7 @@ class PPO:
         if cfg.max_grad_norm is not None:
             norm = nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
         if tracin is not None:  # the step's size eta_j c_j, c_j the clipping factor
-            clip = 1.0 if cfg.max_grad_norm is None else min(1.0, cfg.max_grad_norm / (float(norm) + 1e-6))
+            clip = clip_coefficient(norm, cfg.max_grad_norm) if cfg.max_grad_norm is not None else 1.0
             tracin.record(idx, optimizer.param_groups[0]["lr"] * clip)
         optimizer.step()
         return out

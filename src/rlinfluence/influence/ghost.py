@@ -300,6 +300,12 @@ def _run_captured(
     return u, calls
 
 
+def _broken_layers(calls: Sequence[_Call], n: int) -> tuple[set[_Layer], set[int]]:
+    """The hooked layers with a call that is not one row per record, and their parameter slots."""
+    broken = {c.layer for c in calls if not _rows_are_records(c.layer.module, c.x, c.out, n)}
+    return broken, {s for layer in broken for s in layer.slots()}
+
+
 def _backward(
     plan: GhostPlan, u: torch.Tensor, calls: Sequence[_Call], retain_graph: bool, param_grads: bool
 ) -> tuple[list[tuple[_Call, torch.Tensor]], set[int], list[int], dict[int, torch.Tensor | None]]:
@@ -307,8 +313,7 @@ def _backward(
     without one row per record, the other ghosted slots, and -- if ``param_grads`` -- autograd's
     gradient of sum_i u_i for each of those (for ``_unverified``)."""
     n = len(u)
-    broken = {c.layer for c in calls if not _rows_are_records(c.layer.module, c.x, c.out, n)}
-    failed = {s for layer in broken for s in layer.slots()}
+    broken, failed = _broken_layers(calls, n)
     slots = [s for layer in plan.layers for s in layer.slots() if s not in failed]
     live = [c for c in calls if c.layer not in broken and c.out.requires_grad]
     if not (slots and u.requires_grad):
@@ -365,8 +370,7 @@ def captured_pairs(
     the slots that fail verification (``_unverified`` of sum_i u_i's gradient, scale * .grad;
     once per call signature, as ``per_record_dots``). This lets a training step's own backward
     serve as the ghost pass (``tracin_influence``)."""
-    broken = {c.layer for c in calls if not _rows_are_records(c.layer.module, c.x, c.out, n)}
-    failed = {s for layer in broken for s in layer.slots()}
+    broken, failed = _broken_layers(calls, n)
     pairs = [(c, c.out.grad * scale) for c in calls if c.layer not in broken and c.out.grad is not None]
     signature = _signature(plan, record_fn, calls)
     known = _VERDICTS.setdefault(policy, {})

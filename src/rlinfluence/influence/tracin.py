@@ -129,13 +129,18 @@ def _replay_optimizer(
     return replay
 
 
+def clip_coefficient(total_norm: float, max_grad_norm: float | None) -> float:
+    """c = min(1, max_grad_norm / (total_norm + 1e-6)), the factor ``clip_grad_norm_`` scaled the
+    gradients by (1 without clipping)."""
+    return 1.0 if max_grad_norm is None else min(1.0, max_grad_norm / (float(total_norm) + 1e-6))
+
+
 def _clip_factor(optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> float:
-    """Clip the gradients in place like the trainer and return c = min(1, max / (norm + 1e-6))."""
+    """Clip the gradients in place like the trainer and return ``clip_coefficient``."""
     if max_grad_norm is None:
         return 1.0
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    total = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-    return min(1.0, max_grad_norm / (total + 1e-6))
+    return clip_coefficient(torch.nn.utils.clip_grad_norm_(params, max_grad_norm), max_grad_norm)
 
 
 def tracin_influence(

@@ -370,7 +370,7 @@ class IIFGRPOTrainer(GRPOTrainer):
         if args.rollout_filter == "advantage-sign":
             return advantage_sign(advantages)
         if args.rollout_filter == "pods":
-            return pods(advantages, size, args.rollout_pods_keep or -(-size // 2))
+            return pods(advantages, size, args.rollout_pods_keep)
         if args.rollout_filter == "zero-variance":
             return ~zero_variance_groups(advantages, size)
         generator = torch.Generator().manual_seed(derived_seed(args.seed, self.state.global_step, 3))

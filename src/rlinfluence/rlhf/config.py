@@ -156,10 +156,6 @@ class RLHFConfig:
         return self.filter == "iif" and self.target == "seq" and self.target_source == "rollout"
 
     @property
-    def pods_per_group(self) -> int:
-        return self.pods_keep or -(-self.responses_per_prompt // 2)
-
-    @property
     def method_label(self) -> str:
         gold = "-gold" if self.filter == "iif" and self.target_reward == "gold" else ""
         return self.method or (self.algo if self.filter == "none" else f"{self.algo}-{self.filter}{gold}")

@@ -38,10 +38,11 @@ def zero_variance_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return flat.repeat_interleave(group_size)
 
 
-def pods(scores: torch.Tensor, group_size: int, keep: int) -> torch.Tensor:
-    """Per group, keep the ``keep`` completions whose rewards have the largest (population)
-    variance: the best of {top k} + {bottom keep - k}, k = 0..keep (ties: the smallest k).
-    Returns the keep mask ``[N]``."""
+def pods(scores: torch.Tensor, group_size: int, keep: int = 0) -> torch.Tensor:
+    """Per group, keep the ``keep`` completions (0 = half the group, rounded up) whose rewards have
+    the largest (population) variance: the best of {top k} + {bottom keep - k}, k = 0..keep
+    (ties: the smallest k). Returns the keep mask ``[N]``."""
+    keep = keep or -(-group_size // 2)
     if not 1 <= keep <= group_size:
         raise ValueError(f"pods keeps 1..{group_size} completions per group, got {keep}")
     grouped = _groups(scores.double(), group_size)

@@ -201,7 +201,7 @@ class RLHFTrainer:
         if cfg.filter == "advantage-sign":
             return advantage_sign(rollout.sequence_advantages)
         if cfg.filter == "pods":
-            return pods(rollout.scores, cfg.responses_per_prompt, cfg.pods_per_group)
+            return pods(rollout.scores, cfg.responses_per_prompt, cfg.pods_keep)
         generator = torch.Generator().manual_seed(derived_seed(cfg.seed, self.round, 3))
         return random_subset(len(rollout), cfg.random_keep, generator)
 
