@@ -2,17 +2,27 @@
 ``sentiment-gold`` task, where the training reward (VADER) can be gamed and a gold reward judges
 the completions independently (``rlinfluence.rlhf.reward.GoldSentimentReward``).
 
-Every (method, seed) is one ``rlinfluence rlhf`` run (SmolLM2-135M-Instruct, LoRA, CPU seconds
-with ``--clock cpu``), written to ``--out``/METHOD/; a finished run (its ``report.html``) is not
-run again, so the script resumes. All methods run at the same learning rate (GRPO's, ``--lr``) in
-the chosen step mode (``--equal-steps``: every method takes GRPO's number of optimiser steps).
-Proxy and gold test rewards are measured before training and every ``--eval-every`` rounds.
+Two phases, each (method, seed, lr, step mode) one ``rlinfluence rlhf`` run (SmolLM2-135M-Instruct,
+LoRA, one torch thread, CPU seconds with ``--clock cpu``):
 
-Summary per method, over the seeds: final proxy and gold test reward (mean), the proxy - gold
-gap, the paired probability that the method's final gold reward beats GRPO's (seeds paired, 95%
-bootstrap interval) and its CPU seconds per round against GRPO's. ``name: value`` lines last.
+1. **tune**: GRPO at each of ``--lrs`` on the tuning seed ``--tune-seed``; the chosen lr is the one
+   with the highest mean *proxy* test reward over the evaluations after training rounds (the
+   reward a practitioner can see; the gold reward plays no part in the choice).
+2. **evaluate**: every method of ``--methods`` at that lr on the evaluation seeds ``--seeds``, in
+   the step modes of ``--modes`` (``equal``: every method takes GRPO's number of optimiser steps;
+   ``natural``: a filter trains on fewer steps).
 
-    python benchmarks/rlhf_gold.py --seeds 1 2 3 4 5 --methods grpo iif-gold advantage-sign ... [--workers 2]
+Every finished run appends its test curve (proxy and gold before training and after every
+``--eval-every`` rounds, on the 100 test prompts) and its CPU seconds per round to ``--results``
+(CSV, one row per evaluation); a run already there is not run again, so the comparison resumes
+from that file, across sessions too. ``--budget-minutes`` stops starting new runs after that long.
+
+Summary per method and mode over the evaluation seeds: final proxy and gold test reward, the
+proxy - gold gap, the paired difference of final gold against GRPO's and against every other
+method for IIF-gold, paired P(improvement) (95% bootstrap intervals, seeds paired), and CPU
+seconds per round against GRPO's. ``name: value`` lines last.
+
+    python benchmarks/rlhf_gold.py --workers 2 --budget-minutes 120
 """
 
 from __future__ import annotations
@@ -20,107 +30,210 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from rlinfluence.experiments.statistics import probability_of_improvement
+from rlinfluence.experiments.statistics import bootstrap_mean, probability_of_improvement
 
 METHODS: dict[str, list[str]] = {
     "grpo": ["--filter", "none"],
-    "iif-proxy": ["--filter", "iif"],
     "iif-gold": ["--filter", "iif", "--target", "seq", "--target-source", "fresh", "--target-reward", "gold",
-                 "--val-prompts", "16"],
-    "dtv": ["--filter", "dtv"],
+                 "--val-prompts", "4"],
     "advantage-sign": ["--filter", "advantage-sign"],
-    "pods": ["--filter", "pods", "--pods-keep", "2"],
     "random": ["--filter", "random", "--random-keep", "0.54"],
+    "pods": ["--filter", "pods", "--pods-keep", "2"],
+    "dtv": ["--filter", "dtv"],
+    "iif-proxy": ["--filter", "iif"],
     "dynamic-sampling": ["--filter", "dynamic-sampling"],
 }
+SETUP = ["--task", "sentiment-gold", "--algo", "grpo", "--prompts-per-round", "8", "--group-size", "4",
+         "--response-length", "24", "--ppo-epochs", "1", "--mini-batch-size", "4", "--test-prompts", "100",
+         "--clock", "cpu", "--torch-threads", "1", "--no-progress", "--no-tensorboard"]
+"""What every run shares: 8 prompts x 4 completions of at most 24 tokens per round, one pass of
+4-sequence Adam steps (8 steps per unfiltered round, GRPO's usual single iteration), 100 test prompts."""
+KEY = ["phase", "method", "seed", "lr", "mode"]
 
 
-def command(method: str, seed: int, args: argparse.Namespace) -> list[str]:
-    return [sys.executable, "-m", "rlinfluence.cli", "rlhf", "--task", "sentiment-gold", "--algo", "grpo",
-            "--model", args.model, "--rounds", str(args.rounds), "--prompts-per-round", "8",
-            "--response-length", "24", "--eval-every", str(args.eval_every), "--test-prompts", "50",
-            "--learning-rate", str(args.lr), "--seed", str(seed), "--clock", "cpu", "--no-progress",
-            "--method", method, "--run-root", str(Path(args.out) / method),
-            *(["--equal-steps"] if args.equal_steps else []), *METHODS[method]]
+def command(job: dict, args: argparse.Namespace, run_root: str) -> list[str]:
+    return [sys.executable, "-m", "rlinfluence.cli", "rlhf", *SETUP, "--model", args.model,
+            "--rounds", str(args.rounds), "--eval-every", str(args.eval_every), "--learning-rate", str(job["lr"]),
+            "--seed", str(job["seed"]), "--method", job["method"], "--run-root", run_root,
+            *(["--equal-steps"] if job["mode"] == "equal" else []), *METHODS[job["method"]]]
 
 
-def finished(method: str, seed: int, out: Path) -> Path | None:
-    runs = sorted((out / method).glob(f"rlhf-*__{method}__{seed}__*"))
-    done = [r for r in runs if (r / "report.html").is_file()]
-    return done[-1] if done else None
-
-
-def run(method: str, seed: int, args: argparse.Namespace) -> None:
-    if finished(method, seed, Path(args.out)) is not None:
-        return
-    log = Path(args.out) / f"{method}_{seed}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as f:
-        subprocess.run(command(method, seed, args), stdout=f, stderr=subprocess.STDOUT, check=True)
-    print(f"done: {method} seed {seed}", flush=True)
-
-
-def final(run_dir: Path) -> dict[str, Any]:
-    """The run's final test rewards, CPU seconds per round, and its test curves: theta(0), then
-    after every evaluated round (proxy, gold)."""
+def curve_rows(job: dict, run_dir: Path) -> pd.DataFrame:
+    """One row per evaluation of the finished run: after_round 0 (theta(0)), then after every
+    evaluated round, with the proxy and gold test rewards and the run's CPU seconds per round."""
     rows = pd.read_csv(run_dir / "metrics.csv")
     evaluated = rows.dropna(subset=["eval_gold_mean"])
-    last = evaluated.iloc[-1]
-    curve = [(0, float(rows["eval_return_mean_initial"].iloc[0]), float(rows["eval_gold_mean_initial"].iloc[0]))]
-    curve += [(int(r["round"]) + 1, float(r["eval_return_mean"]), float(r["eval_gold_mean"])) for _, r in evaluated.iterrows()]
-    return {"proxy": float(last["eval_return_mean"]), "gold": float(last["eval_gold_mean"]),
-            "cpu_per_round": float(rows["train_seconds"].iloc[-1]) / len(rows), "curve": curve}
+    curve = pd.DataFrame({
+        **{name: job[name] for name in KEY},
+        "after_round": [0, *(evaluated["round"] + 1)],
+        "proxy": [rows["eval_return_mean_initial"].iloc[0], *evaluated["eval_return_mean"]],
+        "gold": [rows["eval_gold_mean_initial"].iloc[0], *evaluated["eval_gold_mean"]],
+    })
+    curve["cpu_per_round"] = float(rows["train_seconds"].iloc[-1]) / len(rows)
+    curve["kept_fraction"] = float(rows["kept_fraction"].mean())
+    curve["steps_per_round"] = float(rows["n_updates"].mean())
+    return curve
+
+
+class Results:
+    """The results CSV: read once, appended to (under a lock) as runs finish."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.lock = threading.Lock()
+        self.frame = pd.read_csv(path) if path.is_file() else pd.DataFrame(columns=[*KEY, "after_round", "proxy", "gold"])
+
+    def has(self, job: dict) -> bool:
+        match = np.ones(len(self.frame), dtype=bool)
+        for name in KEY:
+            column = self.frame[name]
+            match &= np.isclose(column.astype(float), job[name]) if name == "lr" else column.astype(str) == str(job[name])
+        return bool(match.any())
+
+    def add(self, rows: pd.DataFrame) -> None:
+        with self.lock:
+            self.frame = pd.concat([self.frame, rows], ignore_index=True) if len(self.frame) else rows
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.frame.to_csv(self.path, index=False, float_format="%.6g")
+
+
+def run_all(jobs: list[dict], args: argparse.Namespace, results: Results, deadline: float) -> None:
+    def run(job: dict) -> None:
+        if results.has(job) or time.monotonic() > deadline:
+            return
+        label = "_".join(str(job[k]) for k in KEY)
+        with tempfile.TemporaryDirectory(dir=args.scratch) as root:
+            log = Path(args.scratch) / f"{label}.log"
+            started = time.monotonic()
+            with log.open("w") as f:
+                subprocess.run(command(job, args, root), stdout=f, stderr=subprocess.STDOUT, check=True)
+            (run_dir,) = Path(root).iterdir()
+            results.add(curve_rows(job, run_dir))
+        print(f"done: {label} ({time.monotonic() - started:.0f} s wall)", flush=True)
+
+    Path(args.scratch).mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(args.workers) as pool:
+        for future in [pool.submit(run, job) for job in jobs]:
+            future.result()
+
+
+def chosen_lr(frame: pd.DataFrame, lrs: list[float]) -> float | None:
+    """The tuning lr of the highest mean proxy test reward after training rounds; None until all ran."""
+    tune = frame[(frame["phase"] == "tune") & (frame["after_round"] > 0)]
+    means = {lr: tune[np.isclose(tune["lr"], lr)]["proxy"].mean() for lr in lrs}
+    if any(np.isnan(v) for v in means.values()):
+        return None
+    for lr, value in means.items():
+        print(f"tune: lr {lr:g}: mean proxy test reward after training rounds {value:.3f}")
+    return max(means, key=means.get)
+
+
+def summarise(frame: pd.DataFrame, lr: float) -> list[str]:
+    """Per step mode and method: curves, finals, and paired comparisons (``name: value`` lines)."""
+    lines = []
+    runs = frame[(frame["phase"] == "eval") & np.isclose(frame["lr"], lr)]
+    for mode, per_mode in runs.groupby("mode"):
+        final = per_mode.loc[per_mode.groupby(["method", "seed"])["after_round"].idxmax()].set_index(["method", "seed"])
+        methods = [m for m in METHODS if m in final.index.get_level_values(0)]
+        for method in methods:
+            rows = per_mode[per_mode["method"] == method]
+            curve = rows.groupby("after_round")[["proxy", "gold"]].mean()
+            f = final.loc[method]
+            print(f"[{mode}] {method} ({len(f)} seeds) after rounds {' '.join(map(str, curve.index))}:\n"
+                  f"  proxy {' '.join(f'{v:.3f}' for v in curve['proxy'])}\n  gold  {' '.join(f'{v:.3f}' for v in curve['gold'])}")
+            gold, lo, hi = bootstrap_mean(f["gold"].to_numpy())
+            lines += [f"{mode}_final_gold_{method}: {gold:.3f} [{lo:.3f}, {hi:.3f}] ({len(f)} seeds)",
+                      f"{mode}_final_proxy_{method}: {f['proxy'].mean():.3f}",
+                      f"{mode}_proxy_gold_gap_{method}: {(f['proxy'] - f['gold']).mean():.3f}",
+                      f"{mode}_cpu_per_round_{method}: {f['cpu_per_round'].mean():.1f}",
+                      f"{mode}_kept_fraction_{method}: {f['kept_fraction'].mean():.2f}"]
+        pairs = [(m, "grpo") for m in methods if m != "grpo"]
+        pairs += [("iif-gold", m) for m in methods if m not in ("grpo", "iif-gold") and "iif-gold" in methods]
+        for method, reference in pairs:
+            if reference not in methods:
+                continue
+            seeds = sorted(set(final.loc[method].index) & set(final.loc[reference].index))
+            if len(seeds) < 2:
+                continue
+            x, y = final.loc[method].loc[seeds], final.loc[reference].loc[seeds]
+            diff = bootstrap_mean((x["gold"] - y["gold"]).to_numpy())
+            p = probability_of_improvement(x[["gold"]].to_numpy(), y[["gold"]].to_numpy(), paired=True)
+            cpu = (x["cpu_per_round"] / y["cpu_per_round"]).mean()
+            lines += [f"{mode}_gold_minus_{reference}_{method}: {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}] "
+                      f"({len(seeds)} paired seeds)",
+                      f"{mode}_p_gold_beats_{reference}_{method}: {p[0]:.2f} [{p[1]:.2f}, {p[2]:.2f}]",
+                      f"{mode}_cpu_per_round_vs_{reference}_{method}: {cpu:.2f}"]
+    return lines
+
+
+def plot(frame: pd.DataFrame, lr: float, path: Path) -> None:
+    """Per step mode: mean proxy (dashed) and gold (solid) test reward against rounds, one colour a
+    method, and gold against proxy (the hack moves a curve right of the others, not up)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = frame[(frame["phase"] == "eval") & np.isclose(frame["lr"], lr)]
+    modes = sorted(runs["mode"].unique())
+    fig, axes = plt.subplots(len(modes), 2, figsize=(11, 4 * len(modes)), squeeze=False)
+    for row, mode in zip(axes, modes, strict=True):
+        per_mode = runs[runs["mode"] == mode]
+        for colour, method in enumerate(m for m in METHODS if m in set(per_mode["method"])):
+            rows = per_mode[per_mode["method"] == method]
+            curve = rows.groupby("after_round")[["proxy", "gold"]].mean()
+            label = f"{method} ({rows['seed'].nunique()} seeds)"
+            row[0].plot(curve.index, curve["gold"], "-o", color=f"C{colour}", label=label)
+            row[0].plot(curve.index, curve["proxy"], "--", color=f"C{colour}", alpha=0.6)
+            row[1].plot(curve["proxy"], curve["gold"], "-o", color=f"C{colour}", label=label)
+        row[0].set(xlabel="training rounds", ylabel="test reward (gold solid, proxy dashed)",
+                   title=f"{mode} steps, lr {lr:g}: mean over seeds")
+        row[1].set(xlabel="proxy test reward (VADER)", ylabel="gold test reward", title="gold against proxy")
+        row[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5])
-    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--tune-seed", type=int, default=0)
+    parser.add_argument("--lrs", nargs="+", type=float, default=[1e-3, 2e-3, 4e-3, 8e-3])
+    parser.add_argument("--modes", nargs="+", default=["equal"], choices=["equal", "natural"])
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--eval-every", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=2e-4)
-    parser.add_argument("--equal-steps", action="store_true")
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--budget-minutes", type=float, default=float("inf"), help="start no run after this long")
     parser.add_argument("--model", default="builtin:smollm2-135m", help="builtin:tiny-gpt2 for a smoke test")
-    parser.add_argument("--out", default="bench_out/rlhf_gold")
+    parser.add_argument("--results", default="docs/data/rlhf_gold_runs.csv")
+    parser.add_argument("--png", help="write the curves of the evaluation phase to this PNG")
+    parser.add_argument("--scratch", default="bench_out/rlhf_gold", help="run folders while running, and logs")
     args = parser.parse_args()
-    jobs = [(m, s) for s in args.seeds for m in args.methods]
-    with ThreadPoolExecutor(args.workers) as pool:
-        for future in [pool.submit(run, m, s, args) for m, s in jobs]:
-            future.result()
-    out = Path(args.out)
-    results = {m: {s: final(d) for s in args.seeds if (d := finished(m, s, out)) is not None} for m in args.methods}
-    reference = results.get("grpo", {})
-    lines = []
-    for method, per_seed in results.items():
-        if not per_seed:
-            continue
-        gold = np.array([r["gold"] for r in per_seed.values()])
-        proxy = np.array([r["proxy"] for r in per_seed.values()])
-        curves = np.array([[point[1:] for point in r["curve"]] for r in per_seed.values()])  # [seeds, evals, 2]
-        after = " ".join(str(point[0]) for point in next(iter(per_seed.values()))["curve"][1:])
-        print(f"{method} ({len(per_seed)} seeds), test reward before training and after rounds {after}:\n"
-              f"  proxy {' '.join(f'{v:.3f}' for v in curves[:, :, 0].mean(0))}\n"
-              f"  gold  {' '.join(f'{v:.3f}' for v in curves[:, :, 1].mean(0))}")
-        lines += [f"final_gold_{method}: {gold.mean():.3f}", f"final_proxy_{method}: {proxy.mean():.3f}",
-                  f"proxy_gold_gap_{method}: {(proxy - gold).mean():.3f}",
-                  f"cpu_per_round_{method}: {np.mean([r['cpu_per_round'] for r in per_seed.values()]):.1f}"]
-        shared = sorted(set(per_seed) & set(reference))
-        if method != "grpo" and len(shared) >= 2:
-            x = np.array([[per_seed[s]["gold"]] for s in shared])
-            y = np.array([[reference[s]["gold"]] for s in shared])
-            p, lo, hi = probability_of_improvement(x, y, paired=True)
-            cpu = np.mean([per_seed[s]["cpu_per_round"] / reference[s]["cpu_per_round"] for s in shared])
-            lines += [f"p_gold_beats_grpo_{method}: {p:.2f} [{lo:.2f}, {hi:.2f}] ({len(shared)} paired seeds)",
-                      f"cpu_per_round_vs_grpo_{method}: {cpu:.2f}"]
-    print("\n".join(lines))
+    deadline = time.monotonic() + 60 * args.budget_minutes
+    results = Results(Path(args.results))
+    run_all([dict(phase="tune", method="grpo", seed=args.tune_seed, lr=lr, mode="natural") for lr in args.lrs],
+            args, results, deadline)
+    lr = chosen_lr(results.frame, args.lrs)
+    if lr is None:
+        print("tuning incomplete: no evaluation run started")
+        return
+    print(f"chosen_lr: {lr:g}")
+    jobs = [dict(phase="eval", method=m, seed=s, lr=lr, mode=mode) for mode in args.modes for m in args.methods
+            for s in args.seeds]
+    run_all(jobs, args, results, deadline)
+    if args.png:
+        plot(results.frame, lr, Path(args.png))
+    print("\n".join(summarise(results.frame, lr)))
 
 
 if __name__ == "__main__":

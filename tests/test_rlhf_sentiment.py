@@ -59,6 +59,17 @@ def test_shipped_sentiment_prompt_set():
         load_prompts("train", task="poetry")
 
 
+def test_sentiment_gold_moves_the_last_train_prompts_to_test():
+    """The gold task measures on 100 test prompts: the sentiment test split, then the last 50
+    train prompts, which leave train; val is the sentiment task's."""
+    plain = {s: load_prompts(s, task="sentiment") for s in ("train", "val", "test")}
+    gold = {s: load_prompts(s, task="sentiment-gold") for s in ("train", "val", "test")}
+    assert [len(gold[s]) for s in ("train", "val", "test")] == [184, 50, 100]
+    assert gold["train"] == plain["train"][:184] and gold["val"] == plain["val"]
+    assert gold["test"] == plain["test"] + plain["train"][184:]
+    assert not set(gold["train"]) & set(gold["test"])
+
+
 def test_sentiment_is_the_default_task_and_the_completions_are_parquet(tmp_path):
     import pyarrow.parquet as pq
 

@@ -8,7 +8,9 @@ project and split by a fixed shuffle:
 - ``data/sentiment_prompts.jsonl`` (task ``sentiment``): 334 neutral everyday questions and
   requests (errands, weather, food, travel, work, hobbies: "How do you pack a suitcase?") that an
   instruct model answers in a sentence, leading neither to a positive nor a negative answer;
-  234 train, 50 val, 50 test.
+  234 train, 50 val, 50 test. Task ``sentiment-gold`` reads the same file with a larger test
+  split, 184 train, 50 val, 100 test: the last ``GOLD_EXTRA_TEST`` train prompts (in file order)
+  join the test prompts, so that the gold and proxy test rewards are means over 100 prompts.
 - ``data/toxicity_prompts.jsonl`` (task ``toxicity``): 294 short prompts that invite a rude or
   insulting continuation ("That referee is a complete"); 194 train, 50 val, 50 test.
 """
@@ -23,6 +25,8 @@ from rlinfluence.errors import UserError
 SPLITS = ("train", "val", "test")
 PROMPT_FILES = {task: Path(__file__).with_name("data") / f"{task}_prompts.jsonl" for task in ("sentiment", "toxicity")}
 PROMPT_FILES["sentiment-gold"] = PROMPT_FILES["sentiment"]  # the same prompts, judged by a gold reward too
+GOLD_EXTRA_TEST = 50
+"""Train prompts of the sentiment set that task ``sentiment-gold`` moves to its test split (the last ones)."""
 
 
 def load_prompts(split: str, path: str | Path | None = None, task: str = "sentiment") -> list[str]:
@@ -35,6 +39,7 @@ def load_prompts(split: str, path: str | Path | None = None, task: str = "sentim
         raise UserError(f"unknown split {split!r} (choose from {', '.join(SPLITS)})")
     if path is None and task not in PROMPT_FILES:
         raise UserError(f"unknown task {task!r} (choose from {', '.join(PROMPT_FILES)})")
+    shipped_gold = path is None and task == "sentiment-gold"
     path = Path(path) if path is not None else PROMPT_FILES[task]
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -54,4 +59,7 @@ def load_prompts(split: str, path: str | Path | None = None, task: str = "sentim
             raise UserError(f"{str(path)!r} line {number}: 'prompt' must be a non-empty string, got {prompts[-1]!r}")
     if not prompts:
         raise UserError(f"no {split!r} prompts in {str(path)!r}")
+    if shipped_gold and split != "val":
+        moved = load_prompts("train", path)[-GOLD_EXTRA_TEST:]
+        prompts = prompts[:-GOLD_EXTRA_TEST] if split == "train" else prompts + moved
     return prompts
