@@ -18,7 +18,8 @@ Every finished run appends its test curve (proxy and gold before training and af
 from that file, across sessions too. ``--budget-minutes`` stops starting new runs after that long.
 
 Summary per method and mode over the evaluation seeds: final proxy and gold test reward, the
-proxy - gold gap, the paired difference of final gold against GRPO's and against every other
+proxy - gold gap and how much it widened from theta(0) (the hack: proxy rising faster than
+gold), the paired difference of final gold against GRPO's and against every other
 method for IIF-gold, paired P(improvement) (95% bootstrap intervals, seeds paired), and CPU
 seconds per round against GRPO's. ``name: value`` lines last.
 
@@ -151,9 +152,12 @@ def summarise(frame: pd.DataFrame, lr: float) -> list[str]:
             print(f"[{mode}] {method} ({len(f)} seeds) after rounds {' '.join(map(str, curve.index))}:\n"
                   f"  proxy {' '.join(f'{v:.3f}' for v in curve['proxy'])}\n  gold  {' '.join(f'{v:.3f}' for v in curve['gold'])}")
             gold, lo, hi = bootstrap_mean(f["gold"].to_numpy())
+            start = rows[rows["after_round"] == 0].set_index("seed").loc[f.index]
+            widening = bootstrap_mean(((f["proxy"] - f["gold"]) - (start["proxy"] - start["gold"])).to_numpy())
             lines += [f"{mode}_final_gold_{method}: {gold:.3f} [{lo:.3f}, {hi:.3f}] ({len(f)} seeds)",
                       f"{mode}_final_proxy_{method}: {f['proxy'].mean():.3f}",
                       f"{mode}_proxy_gold_gap_{method}: {(f['proxy'] - f['gold']).mean():.3f}",
+                      f"{mode}_gap_widening_{method}: {widening[0]:+.3f} [{widening[1]:+.3f}, {widening[2]:+.3f}]",
                       f"{mode}_cpu_per_round_{method}: {f['cpu_per_round'].mean():.1f}",
                       f"{mode}_kept_fraction_{method}: {f['kept_fraction'].mean():.2f}"]
         pairs = [(m, "grpo") for m in methods if m != "grpo"]
