@@ -29,9 +29,9 @@ seconds per round against GRPO's. ``name: value`` lines last.
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -112,16 +112,16 @@ def run_all(jobs: list[dict], args: argparse.Namespace, results: Results, deadli
         if results.has(job) or time.monotonic() > deadline:
             return
         label = "_".join(str(job[k]) for k in KEY)
-        with tempfile.TemporaryDirectory(dir=args.scratch) as root:
-            log = Path(args.scratch) / f"{label}.log"
-            started = time.monotonic()
-            with log.open("w") as f:
-                subprocess.run(command(job, args, root), stdout=f, stderr=subprocess.STDOUT, check=True)
-            (run_dir,) = Path(root).iterdir()
-            results.add(curve_rows(job, run_dir))
+        root = Path(args.scratch) / label
+        shutil.rmtree(root, ignore_errors=True)  # a run cut off earlier starts again
+        root.mkdir(parents=True)
+        started = time.monotonic()
+        with (root / "log.txt").open("w") as f:
+            subprocess.run(command(job, args, str(root)), stdout=f, stderr=subprocess.STDOUT, check=True)
+        (run_dir,) = root.glob("rlhf-*")
+        results.add(curve_rows(job, run_dir))
         print(f"done: {label} ({time.monotonic() - started:.0f} s wall)", flush=True)
 
-    Path(args.scratch).mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(args.workers) as pool:
         for future in [pool.submit(run, job) for job in jobs]:
             future.result()
@@ -221,7 +221,7 @@ def main() -> None:
     parser.add_argument("--model", default="builtin:smollm2-135m", help="builtin:tiny-gpt2 for a smoke test")
     parser.add_argument("--results", default="docs/data/rlhf_gold_runs.csv")
     parser.add_argument("--png", help="write the curves of the evaluation phase to this PNG")
-    parser.add_argument("--scratch", default="bench_out/rlhf_gold", help="run folders while running, and logs")
+    parser.add_argument("--scratch", default="bench_out/rlhf_gold", help="the run folders (report.html, completions), not committed")
     args = parser.parse_args()
     deadline = time.monotonic() + 60 * args.budget_minutes
     results = Results(Path(args.results))
