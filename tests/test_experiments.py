@@ -143,6 +143,20 @@ def test_compare_with_ray(tmp_path):
     assert strip(_summary(out)) == strip(_summary(local))
 
 
+def test_a_bad_value_inside_a_ray_task_is_the_one_line_error(tmp_path):
+    ray = pytest.importorskip("ray")
+    from rlinfluence.config import check_drop_pct
+    from rlinfluence.experiments.execution import run_calls
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        with pytest.raises(UserError) as raised:
+            run_calls(check_drop_pct, [(50.0,), (150.0,)], workers=1, ray_address="local")
+    finally:
+        ray.shutdown()
+    assert type(raised.value) is UserError and str(raised.value) == "drop_pct must be in (0, 100], got 150.0"
+
+
 def test_a_second_comparison_in_the_same_folder_is_refused(tmp_path):
     from rlinfluence.experiments import folder_lock
 

@@ -206,7 +206,12 @@ def _run_ray(function: Callable[..., T], calls: Sequence[tuple[Any, ...]], keywo
     results, pending = {}, list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
-        results[done[0]] = ray.get(done[0])
+        try:
+            results[done[0]] = ray.get(done[0])
+        except ray.exceptions.RayTaskError as exc:  # a bad value stays one line, not a worker's traceback
+            if isinstance(exc.cause, UserError):
+                raise exc.cause from None
+            raise
         on_done(results[done[0]])
     return [results[ref] for ref in refs]
 
