@@ -15,7 +15,8 @@ LoRA, one torch thread, CPU seconds with ``--clock cpu``):
 Every finished run appends its test curve (proxy and gold before training and after every
 ``--eval-every`` rounds, on the 100 test prompts) and its CPU seconds per round to ``--results``
 (CSV, one row per evaluation); a run already there is not run again, so the comparison resumes
-from that file, across sessions too. ``--budget-minutes`` stops starting new runs after that long.
+from that file, across sessions too; a run cut off after a round (its folder under ``--scratch``)
+continues from its last checkpoint. ``--budget-minutes`` stops starting new runs after that long.
 
 Summary per method and mode over the evaluation seeds: final proxy and gold test reward, the
 proxy - gold gap and how much it widened from theta(0) (the hack: proxy rising faster than
@@ -55,7 +56,7 @@ METHODS: dict[str, list[str]] = {
 }
 SETUP = ["--task", "sentiment-gold", "--algo", "grpo", "--prompts-per-round", "8", "--group-size", "4",
          "--response-length", "24", "--ppo-epochs", "1", "--mini-batch-size", "4", "--test-prompts", "100",
-         "--clock", "cpu", "--torch-threads", "1", "--no-progress", "--no-tensorboard"]
+         "--clock", "cpu", "--torch-threads", "1", "--no-progress", "--no-tensorboard", "--checkpoint-every", "1"]
 """What every run shares: 8 prompts x 4 completions of at most 24 tokens per round, one pass of
 4-sequence Adam steps (8 steps per unfiltered round, GRPO's usual single iteration), 100 test prompts."""
 KEY = ["phase", "method", "seed", "lr", "mode"]
@@ -113,11 +114,16 @@ def run_all(jobs: list[dict], args: argparse.Namespace, results: Results, deadli
             return
         label = "_".join(str(job[k]) for k in KEY)
         root = Path(args.scratch) / label
-        shutil.rmtree(root, ignore_errors=True)  # a run cut off earlier starts again
-        root.mkdir(parents=True)
+        cut_off = [r for r in root.glob("rlhf-*") if any((r / "checkpoints").glob("round_*.pt"))]
+        if cut_off:  # a run stopped after a round: continue it from its last checkpoint
+            call = [sys.executable, "-m", "rlinfluence.cli", "rlhf", "--resume", str(cut_off[0])]
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir(parents=True)
+            call = command(job, args, str(root))
         started = time.monotonic()
-        with (root / "log.txt").open("w") as f:
-            subprocess.run(command(job, args, str(root)), stdout=f, stderr=subprocess.STDOUT, check=True)
+        with (root / "log.txt").open("a") as f:
+            subprocess.run(call, stdout=f, stderr=subprocess.STDOUT, check=True)
         (run_dir,) = root.glob("rlhf-*")
         results.add(curve_rows(job, run_dir))
         print(f"done: {label} ({time.monotonic() - started:.0f} s wall)", flush=True)

@@ -240,6 +240,40 @@ def test_one_round_runs_and_writes_the_run_directory(tmp_path, algo):
     assert state["round"] == 1 and state["kl_coef"] > 0
 
 
+def test_a_resumed_run_continues_as_if_never_stopped(tmp_path):
+    """Stopped after round 3 with round 3's checkpoint lost, then resumed from round 2: the same
+    weights, optimiser and figures (all but the seconds) as the run that was never stopped. Six
+    prompts at four a round: the pass over the train prompts is cut by the stop."""
+    import pandas as pd
+
+    def config(name):
+        return tiny_config(tmp_path / name, algo="grpo", group_size=2, mini_batch_size=2, filter="random",
+                           rounds=4, eval_every=1, checkpoint_every=1)
+
+    components = dict(reward_fn=vowel_reward, train_prompts=PROMPTS, test_prompts=PROMPTS[3:])
+    whole = RLHFTrainer(config("whole"), **components).learn()
+    stopped = RLHFTrainer(config("stopped"), **components)
+    stopped._initial_eval = stopped.evaluate()
+    for _ in range(3):
+        stopped.train_round()
+    (stopped.run.path / "checkpoints" / "round_0003.pt").unlink()
+    resumed = RLHFTrainer.resume(stopped.run.path, **components)
+    assert resumed.round == 2 and len(resumed.run.rows) == 2
+    resumed.learn()
+    for name, value in whole.policy.trainable_state().items():
+        assert torch.equal(value, resumed.policy.trainable_state()[name]), name
+    assert str(whole.optimizer.state_dict()) == str(resumed.optimizer.state_dict())
+    figures = [pd.read_csv(t.run.path / "metrics.csv").filter(regex="^(?!.*seconds)") for t in (whole, resumed)]
+    assert figures[0]["reward_std"].gt(0).all()  # the rewards differ, so the updates move the weights
+    pd.testing.assert_frame_equal(*figures)
+    assert (resumed.run.path / "report.html").is_file()
+    with pytest.raises(UserError, match=r"unexpected flags \['--rounds'\]"):
+        rlhf_command(["--resume", str(stopped.run.path), "--rounds", "5"])
+    (stopped.run.path / "checkpoints" / "round_0004.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match="round_0004.pt'?: the file is corrupt or truncated"):
+        RLHFTrainer.resume(stopped.run.path, **components)
+
+
 @pytest.mark.parametrize(("drop_mode", "drop_pct"), [("neg", 100.0), ("neg-bottom", 50.0)])
 def test_iif_drops_exactly_the_negatives(tmp_path, tiny_policy, drop_mode, drop_pct):
     config = tiny_config(tmp_path, filter="iif", drop_mode=drop_mode, drop_pct=drop_pct, prompts_per_round=6,

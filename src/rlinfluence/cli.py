@@ -27,7 +27,7 @@ from rlinfluence.config import DEFAULT_ADVANTAGE_NORM, ROBUST_IIF, PPOConfig
 from rlinfluence.errors import UserError
 from rlinfluence.experiments.specs import CompareConfig, check_bootstrap_reps
 from rlinfluence.helptext import EmptyMeansNone, StatedDefault
-from rlinfluence.rlhf.config import RLHFConfig
+from rlinfluence.rlhf.config import RLHFArgs
 from rlinfluence.rundir import atomic_write, check_output_dir, check_output_file
 
 # Every module imported above is free of torch, pandas and scipy, so that `rlinfluence --help`
@@ -647,11 +647,11 @@ def audit(a: AuditArgs) -> int:
     return 0
 
 
-def rlhf(config: RLHFConfig) -> int:
+def rlhf(args: RLHFArgs) -> int:
     """PPO / GRPO for causal language models, optionally with IIF (needs rlinfluence[rlhf])."""
     from rlinfluence.rlhf.cli import run_rlhf
 
-    return run_rlhf(config)
+    return run_rlhf(args)
 
 
 COMMANDS: dict[str, tuple[type, Callable[[Any], int], str]] = {
@@ -672,7 +672,7 @@ COMMANDS: dict[str, tuple[type, Callable[[Any], int], str]] = {
               "(and detection AUROC for runs trained with --corrupt)"),
     "report": (ReportArgs, report, "one self-contained HTML file: learning curve, influence statistics, saved "
                "analyses"),
-    "rlhf": (RLHFConfig, rlhf, "PPO or GRPO on a causal language model with LoRA, optionally with IIF"),
+    "rlhf": (RLHFArgs, rlhf, "PPO or GRPO on a causal language model with LoRA, optionally with IIF"),
 }
 """Every command: its arguments (a dataclass, the command's flags), what runs it, its summary."""
 DESCRIPTION = ("Local data attribution and influence-based filtering (IIF) for PPO. "

@@ -3,28 +3,42 @@
     rlinfluence rlhf --algo grpo --filter iif --rounds 20           # SmolLM2-135M, sentiment task
     rlinfluence rlhf --task toxicity --device cuda                  # the toxicity task, on a GPU
     rlinfluence rlhf --model EleutherAI/gpt-neo-2.7B --prompts-per-round 256 --response-length 30
+    rlinfluence rlhf --resume runs/rlhf-smollm2-135m__grpo__1__...    # continue a stopped run
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import tyro
 
+from rlinfluence.errors import UserError
+from rlinfluence.rlhf.config import RLHFArgs
 from rlinfluence.rlhf.trainer import RLHFConfig, RLHFTrainer
 
 
 def rlhf_command(args: list[str]) -> int:
-    """Parse ``args`` as ``RLHFConfig`` flags, then ``run_rlhf``."""
-    return run_rlhf(tyro.cli(RLHFConfig, args=args, prog="rlinfluence rlhf", description=DESCRIPTION))
+    """Parse ``args`` as ``RLHFArgs`` flags, then ``run_rlhf``."""
+    return run_rlhf(tyro.cli(RLHFArgs, args=args, prog="rlinfluence rlhf", description=DESCRIPTION))
 
 
 DESCRIPTION = "RLHF (PPO/GRPO with LoRA) on the sentiment or toxicity task, optionally with IIF."
 
 
-def run_rlhf(config: RLHFConfig) -> int:
-    """Train; print the last round's figures and the run directory. Bad input raises ``UserError``."""
-    trainer = RLHFTrainer(config).learn()
+def run_rlhf(args: RLHFArgs) -> int:
+    """Train, or resume a run; print the last round's figures and the run directory. Bad input
+    raises ``UserError``."""
+    if args.resume is None:
+        trainer = RLHFTrainer(args.config)
+    else:
+        flags = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(RLHFConfig)
+                 if getattr(args.config, f.name) != getattr(RLHFConfig(), f.name)]
+        if flags:
+            raise UserError(f"--resume continues with the run's saved config; unexpected flags {flags}")
+        trainer = RLHFTrainer.resume(args.resume)
+        print(f"resuming {trainer.run.path} from round {trainer.round} of {trainer.config.rounds}", flush=True)
+    trainer.learn()
     last = trainer.run.rows[-1] if trainer.run is not None and trainer.run.rows else None
     if last is not None:
         tox = last.get("test_toxicity", math.nan)

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+import tyro
+
 from rlinfluence.config import check_drop_pct, check_plain_name
 from rlinfluence.errors import UserError
 from rlinfluence.helptext import StatedDefault
@@ -141,7 +143,8 @@ class RLHFConfig:
     method: Annotated[str | None, StatedDefault] = None
     """method label in the run directory name (default: algo, or algo-FILTER, algo-iif-gold)"""
     checkpoint_every: int = 0
-    """write checkpoints/round_XXXX.pt (LoRA + value head + optimiser) every N rounds; 0 = only the last"""
+    """write checkpoints/round_XXXX.pt (LoRA + value head + optimiser, what --resume continues from)
+    every N rounds; 0 = only the last"""
     tensorboard: bool = True
     """write TensorBoard event files"""
     progress: bool = True
@@ -225,3 +228,26 @@ class RLHFConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str) -> RLHFConfig:
+        """The config a run saved (``config.json``); ``UserError`` naming ``source`` for a key
+        this version does not know."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise UserError(f"{source}: unknown RLHF config keys {unknown}")
+        values = dict(values)
+        values["lora_target_modules"] = tuple(values.get("lora_target_modules", ()))  # JSON gives a list
+        return cls(**values)
+
+
+@dataclass
+class RLHFArgs:
+    """PPO or GRPO on a causal language model with LoRA, optionally with IIF. Add --resume RUN_DIR
+    to continue a run from its newest checkpoint (train with --checkpoint-every 1 to lose at most
+    one round)."""
+
+    config: Annotated[RLHFConfig, tyro.conf.arg(name="")]
+    resume: str | None = None
+    """continue RUN_DIR from its newest checkpoint with its saved config (no other flag)"""

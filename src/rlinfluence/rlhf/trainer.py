@@ -50,7 +50,7 @@ from rlinfluence.rlhf.model import PolicyWithValueHead, load_policy
 from rlinfluence.rlhf.report import save_completions, write_report
 from rlinfluence.rlhf.reward import TASK_REWARDS, GoldSentimentReward, ProfanityReward, RewardFn
 from rlinfluence.rlhf.rollout import Rollout, add_advantages, concatenate, sample
-from rlinfluence.rundir import RunDirectory
+from rlinfluence.rundir import RunDirectory, load_checkpoint
 from rlinfluence.seeding import derived_seed  # streams: 0 training, 1 validation, 2 evaluation
 
 
@@ -370,13 +370,48 @@ class RLHFTrainer:
 
     # -- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """LoRA + value head, optimiser, KL coefficient, RNG and counters (``weights_only`` loadable)."""
+        """LoRA + value head, optimiser, KL coefficient, RNG, the prompts left of the current pass
+        over the train split, and counters (``weights_only`` loadable). Every other draw is seeded
+        by (seed, round), so a run resumed from this state continues as if never stopped."""
         return {
             "format": "rlinfluence-rlhf-v1", "model": self.config.model, "round": self.round,
             "sequences": self.sequences, "train_seconds": self.train_seconds,
             "policy": self.policy.trainable_state(), "optimizer": self.optimizer.state_dict(),
             "kl_coef": self.kl_ctl.value, "generator": self.generator.get_state(),
+            "prompt_order": torch.tensor(self._order, dtype=torch.int64),
         }
+
+    def load_state_dict(self, state: dict[str, Any], source: str = "state") -> None:
+        """Restore what ``state_dict`` saved; ``UserError`` naming ``source`` if it is not a
+        checkpoint of this model's trainable weights."""
+        if state.get("format") != "rlinfluence-rlhf-v1" or "prompt_order" not in state:
+            raise UserError(f"{source} is not a resumable rlinfluence RLHF checkpoint")
+        mine = self.policy.trainable_state()
+        theirs = state["policy"]
+        if set(theirs) != set(mine) or any(theirs[k].shape != mine[k].shape for k in mine):
+            raise UserError(f"{source} holds other trainable weights than {self.config.model!r} with this LoRA config")
+        self.policy.load_trainable_state(theirs)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.kl_ctl.value = float(state["kl_coef"])
+        self.generator.set_state(state["generator"])
+        self._order = state["prompt_order"].tolist()
+        self.round, self.sequences = int(state["round"]), int(state["sequences"])
+        self.train_seconds = float(state["train_seconds"])
+        self._initial_eval = None  # logged with round 0, which a checkpoint always follows
+
+    @classmethod
+    def resume(cls, run_dir: str | Path, **components: Any) -> RLHFTrainer:
+        """Continue the run in ``run_dir`` from its newest checkpoint, with its saved config; the
+        rows of rounds after that checkpoint are dropped (they are trained again). ``components``:
+        the ``policy``, ``reward_fn`` or prompt lists the run was given, if not its config's."""
+        run = RunDirectory.open_existing(run_dir)
+        run.check_writable()
+        config = RLHFConfig.from_dict(run.read_config(), source=repr(str(run.path / "config.json")))
+        checkpoint = run.latest_checkpoint()
+        trainer = cls(config, run_dir=run, **components)
+        trainer.load_state_dict(load_checkpoint(checkpoint), source=repr(str(checkpoint)))
+        run.truncate(trainer.round)
+        return trainer
 
     def save_checkpoint(self) -> None:
         if self.run is not None:
