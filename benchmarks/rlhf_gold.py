@@ -33,13 +33,13 @@ import argparse
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from filelock import FileLock
 
 from rlinfluence.experiments.statistics import bootstrap_mean, probability_of_improvement
 
@@ -87,12 +87,15 @@ def curve_rows(job: dict, run_dir: Path) -> pd.DataFrame:
 
 
 class Results:
-    """The results CSV: read once, appended to (under a lock) as runs finish."""
+    """The results CSV: appended to as runs finish, under a file lock and from the file as it is
+    then, so that two invocations (say, of different methods) can share it."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.lock = threading.Lock()
-        self.frame = pd.read_csv(path) if path.is_file() else pd.DataFrame(columns=[*KEY, "after_round", "proxy", "gold"])
+        self.frame = self.read()
+
+    def read(self) -> pd.DataFrame:
+        return pd.read_csv(self.path) if self.path.is_file() else pd.DataFrame(columns=[*KEY, "after_round", "proxy", "gold"])
 
     def has(self, job: dict) -> bool:
         match = np.ones(len(self.frame), dtype=bool)
@@ -102,9 +105,10 @@ class Results:
         return bool(match.any())
 
     def add(self, rows: pd.DataFrame) -> None:
-        with self.lock:
-            self.frame = pd.concat([self.frame, rows], ignore_index=True) if len(self.frame) else rows
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(f"{self.path}.lock"):
+            current = self.read()
+            self.frame = pd.concat([current, rows], ignore_index=True) if len(current) else rows
             self.frame.to_csv(self.path, index=False, float_format="%.6g")
 
 
