@@ -8,7 +8,8 @@ LoRA, one torch thread, CPU seconds with ``--clock cpu``):
 1. **tune**: GRPO at each of ``--lrs`` on the tuning seed ``--tune-seed``; the chosen lr is the one
    with the highest mean *proxy* test reward over the evaluations after training rounds (the
    reward a practitioner can see; the gold reward plays no part in the choice).
-2. **evaluate**: every method of ``--methods`` at that lr on the evaluation seeds ``--seeds``, in
+2. **evaluate**: every method of ``--methods`` at that lr (or at ``--eval-lr``, a stress test
+   where GRPO is known to game the proxy) on the evaluation seeds ``--seeds``, in
    the step modes of ``--modes`` (``equal``: every method takes GRPO's number of optimiser steps;
    ``natural``: a filter trains on fewer steps).
 
@@ -223,6 +224,7 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5])
     parser.add_argument("--tune-seed", type=int, default=0)
     parser.add_argument("--lrs", nargs="+", type=float, default=[1e-3, 2e-3, 4e-3, 8e-3])
+    parser.add_argument("--eval-lr", type=float, help="evaluate at this lr instead of the tuned one (a stress test)")
     parser.add_argument("--modes", nargs="+", default=["equal"], choices=["equal", "natural"])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--eval-every", type=int, default=2)
@@ -242,6 +244,9 @@ def main() -> None:
         print("tuning incomplete: no evaluation run started")
         return
     print(f"chosen_lr: {lr:g}")
+    if args.eval_lr is not None:  # e.g. twice the tuned lr, where plain GRPO games the proxy
+        lr = args.eval_lr
+        print(f"evaluated at lr {lr:g}, not the tuned one")
     jobs = [dict(phase="eval", method=m, seed=s, lr=lr, mode=mode) for mode in args.modes for m in args.methods
             for s in args.seeds]
     run_all(jobs, args, results, deadline)
