@@ -32,8 +32,9 @@ def run_rlhf(args: RLHFArgs) -> int:
     if args.resume is None:
         trainer = RLHFTrainer(args.config)
     else:
+        default = RLHFConfig()
         flags = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(RLHFConfig)
-                 if getattr(args.config, f.name) != getattr(RLHFConfig(), f.name)]
+                 if getattr(args.config, f.name) != getattr(default, f.name)]
         if flags:
             raise UserError(f"--resume continues with the run's saved config; unexpected flags {flags}")
         trainer = RLHFTrainer.resume(args.resume)
