@@ -61,6 +61,9 @@ SETUP = ["--task", "sentiment-gold", "--algo", "grpo", "--prompts-per-round", "8
 """What every run shares: 8 prompts x 4 completions of at most 24 tokens per round, one pass of
 4-sequence Adam steps (8 steps per unfiltered round, GRPO's usual single iteration), 100 test prompts."""
 KEY = ["phase", "method", "seed", "lr", "mode"]
+NO_FILTER = "grpo"
+"""Keeps every completion, so its equal-steps and natural runs are the same run, bit for bit
+(tests/test_rlhf.py): it runs once, in equal-steps mode, and serves as the reference of both."""
 
 
 def command(job: dict, args: argparse.Namespace, run_root: str) -> list[str]:
@@ -138,6 +141,15 @@ def run_all(jobs: list[dict], args: argparse.Namespace, results: Results, deadli
             future.result()
 
 
+def with_reference_in_every_mode(frame: pd.DataFrame) -> pd.DataFrame:
+    """The evaluation rows with plain GRPO's equal-steps runs repeated under every other step mode
+    that has runs (see ``NO_FILTER``)."""
+    evaluation = frame[frame["phase"] == "eval"]
+    reference = evaluation[(evaluation["method"] == NO_FILTER) & (evaluation["mode"] == "equal")]
+    others = [m for m in evaluation["mode"].unique() if m != "equal"]
+    return pd.concat([evaluation, *(reference.assign(mode=m) for m in others)], ignore_index=True)
+
+
 def chosen_lr(frame: pd.DataFrame, lrs: list[float]) -> float | None:
     """The tuning lr of the highest mean proxy test reward after training rounds; None until all ran."""
     tune = frame[(frame["phase"] == "tune") & (frame["after_round"] > 0)]
@@ -183,11 +195,34 @@ def summarise(frame: pd.DataFrame, lr: float) -> list[str]:
             diff = bootstrap_mean((x["gold"] - y["gold"]).to_numpy())
             p = probability_of_improvement(x[["gold"]].to_numpy(), y[["gold"]].to_numpy(), paired=True)
             cpu = (x["cpu_per_round"] / y["cpu_per_round"]).mean()
+            # gold at equal proxy: a smaller proxy - gold gap than the reference's, seed for seed
+            gap = bootstrap_mean(((x["proxy"] - x["gold"]) - (y["proxy"] - y["gold"])).to_numpy())
             lines += [f"{mode}_gold_minus_{reference}_{method}: {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}] "
                       f"({len(seeds)} paired seeds)",
+                      f"{mode}_gap_minus_{reference}_{method}: {gap[0]:+.3f} [{gap[1]:+.3f}, {gap[2]:+.3f}]",
                       f"{mode}_p_gold_beats_{reference}_{method}: {p[0]:.2f} [{p[1]:.2f}, {p[2]:.2f}]",
                       f"{mode}_cpu_per_round_vs_{reference}_{method}: {cpu:.2f}"]
     return lines
+
+
+def per_seed_table(frame: pd.DataFrame, lr: float) -> str:
+    """Markdown, per step mode: each run's proxy and gold test curves, CPU seconds per round, kept
+    fraction and optimiser steps per round, as in the results CSV."""
+    runs = frame[(frame["phase"] == "eval") & np.isclose(frame["lr"], lr)]
+    out = []
+    for mode, per_mode in runs.groupby("mode"):
+        rounds = " / ".join(str(r) for r in sorted(per_mode["after_round"].unique()))
+        out += [f"**{mode} steps, lr {lr:g}** (test reward after rounds {rounds})", "",
+                "| method | seed | proxy | gold | CPU s / round | kept | steps / round |", "|---|---|---|---|---|---|---|"]
+        for method in (m for m in METHODS if m in set(per_mode["method"])):
+            for seed, rows in per_mode[per_mode["method"] == method].groupby("seed"):
+                rows = rows.sort_values("after_round")
+                curve = {k: " / ".join(f"{v:.3f}" for v in rows[k]) for k in ("proxy", "gold")}
+                last = rows.iloc[-1]
+                out.append(f"| {method} | {seed} | {curve['proxy']} | {curve['gold']} | {last['cpu_per_round']:.1f} "
+                           f"| {last['kept_fraction']:.2f} | {last['steps_per_round']:.0f} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def plot(frame: pd.DataFrame, lr: float, path: Path) -> None:
@@ -233,6 +268,7 @@ def main() -> None:
     parser.add_argument("--model", default="builtin:smollm2-135m", help="builtin:tiny-gpt2 for a smoke test")
     parser.add_argument("--results", default="docs/data/rlhf_gold_runs.csv")
     parser.add_argument("--png", help="write the curves of the evaluation phase to this PNG")
+    parser.add_argument("--markdown", help="write the per-seed table and the summary lines to this file (the docs include it)")
     parser.add_argument("--scratch", default="bench_out/rlhf_gold", help="the run folders (report.html, completions), not committed")
     args = parser.parse_args()
     deadline = time.monotonic() + 60 * args.budget_minutes
@@ -247,12 +283,16 @@ def main() -> None:
     if args.eval_lr is not None:  # e.g. twice the tuned lr, where plain GRPO games the proxy
         lr = args.eval_lr
         print(f"evaluated at lr {lr:g}, not the tuned one")
-    jobs = [dict(phase="eval", method=m, seed=s, lr=lr, mode=mode) for mode in args.modes for m in args.methods
-            for s in args.seeds]
-    run_all(jobs, args, results, deadline)
+    jobs = [dict(phase="eval", method=m, seed=s, lr=lr, mode="equal" if m == NO_FILTER else mode)
+            for mode in args.modes for m in args.methods for s in args.seeds]
+    run_all(list({tuple(job.values()): job for job in jobs}.values()), args, results, deadline)
+    frame = with_reference_in_every_mode(results.frame)
     if args.png:
-        plot(results.frame, lr, Path(args.png))
-    print("\n".join(summarise(results.frame, lr)))
+        plot(frame, lr, Path(args.png))
+    summary = summarise(frame, lr)
+    if args.markdown:
+        Path(args.markdown).write_text(f"{per_seed_table(frame, lr)}\n```\n" + "\n".join(summary) + "\n```\n")
+    print("\n".join(summary))
 
 
 if __name__ == "__main__":

@@ -472,15 +472,19 @@ def test_bad_filter_settings_are_one_clear_error(tmp_path):
 
 def test_equal_steps_takes_the_unfiltered_rounds_steps_whatever_is_kept(tmp_path):
     """16 completions in minibatches of 2, 2 epochs: 16 steps for GRPO; random keeps 4 of them,
-    4 steps without equal_steps, 16 with (each kept completion 4 times per epoch)."""
-    steps = {}
-    for name, equal in [("none", False), ("random", False), ("random", True)]:
+    4 steps without equal_steps, 16 with (each kept completion 4 times per epoch). Without a filter
+    the two modes are one run, bit for bit (the benchmark runs plain GRPO once for both)."""
+    steps, weights = {}, {}
+    for name, equal in [("none", False), ("none", True), ("random", False), ("random", True)]:
         config = tiny_config(tmp_path / f"{name}{equal}", algo="grpo", group_size=4, prompts_per_round=4,
                              mini_batch_size=2, filter=name, random_keep=0.25, equal_steps=equal)
         trainer = trainer_of(config)
         trainer.learn()
         steps[name, equal] = trainer.run.rows[0]["n_updates"]
-    assert steps == {("none", False): 16, ("random", False): 4, ("random", True): 16}
+        weights[name, equal] = [p.detach().clone() for p in trainer.policy.parameters() if p.requires_grad]
+    assert steps == {("none", False): 16, ("none", True): 16, ("random", False): 4, ("random", True): 16}
+    assert all(torch.equal(a, b) for a, b in zip(weights["none", False], weights["none", True], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(weights["random", False], weights["random", True], strict=True))
 
 
 def _parity_reward(texts):
