@@ -43,6 +43,7 @@ import pandas as pd
 from filelock import FileLock
 
 from rlinfluence.experiments.statistics import bootstrap_mean, probability_of_improvement
+from rlinfluence.rlhf.report import load_completions, saved_rounds
 
 METHODS: dict[str, list[str]] = {
     "grpo": ["--filter", "none"],
@@ -90,8 +91,31 @@ def curve_rows(job: dict, run_dir: Path) -> pd.DataFrame:
     return curve
 
 
+def selection_rows(job: dict, run_dir: Path) -> pd.DataFrame:
+    """What a filter kept, judged within each group of ``--group-size`` completions (one prompt): with
+    A_gold = gold - the group's mean gold and A_proxy likewise for the proxy, per round the mean
+    A of the kept minus that of the dropped (rounds that dropped nothing left out), averaged over
+    rounds; and the fraction of completions kept exactly when A_proxy > 0 (1 for a sign filter)."""
+    size = int(SETUP[SETUP.index("--group-size") + 1])
+    gold_gaps, proxy_gaps, agreement = [], [], []
+    for round_index in saved_rounds(run_dir):
+        c = load_completions(run_dir, round_index)
+        group = np.arange(len(c)) // size
+        a_gold = c["gold"] - c.groupby(group)["gold"].transform("mean")
+        a_proxy = c["reward"] - c.groupby(group)["reward"].transform("mean")
+        agreement.append(float((c["kept"] == (a_proxy > 0)).mean()))
+        if c["kept"].all() or not c["kept"].any():
+            continue
+        gold_gaps.append(a_gold[c["kept"]].mean() - a_gold[~c["kept"]].mean())
+        proxy_gaps.append(a_proxy[c["kept"]].mean() - a_proxy[~c["kept"]].mean())
+    return pd.DataFrame([{**{name: job[name] for name in KEY},
+                          "kept_minus_dropped_gold_advantage": np.mean(gold_gaps) if gold_gaps else np.nan,
+                          "kept_minus_dropped_proxy_advantage": np.mean(proxy_gaps) if proxy_gaps else np.nan,
+                          "agreement_with_advantage_sign": np.mean(agreement)}])
+
+
 class Results:
-    """The results CSV: appended to as runs finish, under a file lock and from the file as it is
+    """A results CSV (``KEY`` columns first): appended to as runs finish, under a file lock and from the file as it is
     then, so that two invocations (say, of different methods) can share it."""
 
     def __init__(self, path: Path):
@@ -99,7 +123,7 @@ class Results:
         self.frame = self.read()
 
     def read(self) -> pd.DataFrame:
-        return pd.read_csv(self.path) if self.path.is_file() else pd.DataFrame(columns=[*KEY, "after_round", "proxy", "gold"])
+        return pd.read_csv(self.path) if self.path.is_file() else pd.DataFrame(columns=KEY)
 
     def has(self, job: dict) -> bool:
         match = np.ones(len(self.frame), dtype=bool)
@@ -116,12 +140,17 @@ class Results:
             self.frame.to_csv(self.path, index=False, float_format="%.6g")
 
 
-def run_all(jobs: list[dict], args: argparse.Namespace, results: Results, deadline: float) -> None:
+def run_root(job: dict, args: argparse.Namespace) -> Path:
+    return Path(args.scratch) / "_".join(str(job[k]) for k in KEY)
+
+
+def run_all(jobs: list[dict], args: argparse.Namespace, results: Results, selection: Results, deadline: float) -> None:
+    """Run every job not in ``results`` yet; each finished run adds its curve to ``results`` and,
+    for a filter, what it kept to ``selection``."""
     def run(job: dict) -> None:
         if results.has(job) or time.monotonic() > deadline:
             return
-        label = "_".join(str(job[k]) for k in KEY)
-        root = Path(args.scratch) / label
+        root = run_root(job, args)
         cut_off = [r for r in root.glob("rlhf-*") if any((r / "checkpoints").glob("round_*.pt"))]
         if cut_off:  # a run stopped after a round: continue it from its last checkpoint
             call = [sys.executable, "-m", "rlinfluence.cli", "rlhf", "--resume", str(cut_off[0])]
@@ -134,7 +163,9 @@ def run_all(jobs: list[dict], args: argparse.Namespace, results: Results, deadli
             subprocess.run(call, stdout=f, stderr=subprocess.STDOUT, check=True)
         (run_dir,) = root.glob("rlhf-*")
         results.add(curve_rows(job, run_dir))
-        print(f"done: {label} ({time.monotonic() - started:.0f} s wall)", flush=True)
+        if job["method"] != NO_FILTER:
+            selection.add(selection_rows(job, run_dir))
+        print(f"done: {root.name} ({time.monotonic() - started:.0f} s wall)", flush=True)
 
     with ThreadPoolExecutor(args.workers) as pool:
         for future in [pool.submit(run, job) for job in jobs]:
@@ -161,10 +192,12 @@ def chosen_lr(frame: pd.DataFrame, lrs: list[float]) -> float | None:
     return max(means, key=means.get)
 
 
-def summarise(frame: pd.DataFrame, lr: float) -> list[str]:
-    """Per step mode and method: curves, finals, and paired comparisons (``name: value`` lines)."""
+def summarise(frame: pd.DataFrame, selection: pd.DataFrame, lr: float) -> list[str]:
+    """Per step mode and method: curves, finals, what the filter kept (``selection_rows``), and
+    paired comparisons (``name: value`` lines)."""
     lines = []
     runs = frame[(frame["phase"] == "eval") & np.isclose(frame["lr"], lr)]
+    kept = selection[np.isclose(selection["lr"].astype(float), lr)] if len(selection) else selection
     for mode, per_mode in runs.groupby("mode"):
         final = per_mode.loc[per_mode.groupby(["method", "seed"])["after_round"].idxmax()].set_index(["method", "seed"])
         methods = [m for m in METHODS if m in final.index.get_level_values(0)]
@@ -183,6 +216,15 @@ def summarise(frame: pd.DataFrame, lr: float) -> list[str]:
                       f"{mode}_gap_widening_{method}: {widening[0]:+.3f} [{widening[1]:+.3f}, {widening[2]:+.3f}]",
                       f"{mode}_cpu_per_round_{method}: {f['cpu_per_round'].mean():.1f}",
                       f"{mode}_kept_fraction_{method}: {f['kept_fraction'].mean():.2f}"]
+            chosen = kept[(kept["method"] == method) & (kept["mode"] == mode)].dropna() if len(kept) else kept
+            if len(chosen):
+                a_gold = bootstrap_mean(chosen["kept_minus_dropped_gold_advantage"].to_numpy(dtype=float))
+                lines += [f"{mode}_kept_minus_dropped_gold_advantage_{method}: {a_gold[0]:+.3f} "
+                          f"[{a_gold[1]:+.3f}, {a_gold[2]:+.3f}] ({len(chosen)} seeds)",
+                          f"{mode}_kept_minus_dropped_proxy_advantage_{method}: "
+                          f"{chosen['kept_minus_dropped_proxy_advantage'].mean():+.3f}",
+                          f"{mode}_agreement_with_advantage_sign_{method}: "
+                          f"{chosen['agreement_with_advantage_sign'].mean():.2f}"]
         pairs = [(m, "grpo") for m in methods if m != "grpo"]
         pairs += [("iif-gold", m) for m in methods if m not in ("grpo", "iif-gold") and "iif-gold" in methods]
         for method, reference in pairs:
@@ -267,14 +309,16 @@ def main() -> None:
     parser.add_argument("--budget-minutes", type=float, default=float("inf"), help="start no run after this long")
     parser.add_argument("--model", default="builtin:smollm2-135m", help="builtin:tiny-gpt2 for a smoke test")
     parser.add_argument("--results", default="docs/data/rlhf_gold_runs.csv")
+    parser.add_argument("--selection", default="docs/data/rlhf_gold_selection.csv",
+                        help="per filter run, what it kept judged by gold and proxy (selection_rows)")
     parser.add_argument("--png", help="write the curves of the evaluation phase to this PNG")
     parser.add_argument("--markdown", help="write the per-seed table and the summary lines to this file (the docs include it)")
     parser.add_argument("--scratch", default="bench_out/rlhf_gold", help="the run folders (report.html, completions), not committed")
     args = parser.parse_args()
     deadline = time.monotonic() + 60 * args.budget_minutes
-    results = Results(Path(args.results))
+    results, selection = Results(Path(args.results)), Results(Path(args.selection))
     run_all([dict(phase="tune", method="grpo", seed=args.tune_seed, lr=lr, mode="natural") for lr in args.lrs],
-            args, results, deadline)
+            args, results, selection, deadline)
     lr = chosen_lr(results.frame, args.lrs)
     if lr is None:
         print("tuning incomplete: no evaluation run started")
@@ -285,11 +329,16 @@ def main() -> None:
         print(f"evaluated at lr {lr:g}, not the tuned one")
     jobs = [dict(phase="eval", method=m, seed=s, lr=lr, mode="equal" if m == NO_FILTER else mode)
             for mode in args.modes for m in args.methods for s in args.seeds]
-    run_all(list({tuple(job.values()): job for job in jobs}.values()), args, results, deadline)
+    jobs = list({tuple(job.values()): job for job in jobs}.values())
+    run_all(jobs, args, results, selection, deadline)
+    for job in jobs:  # runs finished before the selection file existed, while their folders are here
+        if job["method"] != NO_FILTER and results.has(job) and not selection.has(job):
+            for run_dir in run_root(job, args).glob("rlhf-*"):
+                selection.add(selection_rows(job, run_dir))
     frame = with_reference_in_every_mode(results.frame)
     if args.png:
         plot(frame, lr, Path(args.png))
-    summary = summarise(frame, lr)
+    summary = summarise(frame, selection.frame, lr)
     if args.markdown:
         Path(args.markdown).write_text(f"{per_seed_table(frame, lr)}\n```\n" + "\n".join(summary) + "\n```\n")
     print("\n".join(summary))
