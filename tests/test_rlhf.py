@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,9 +37,10 @@ from rlinfluence.rlhf import (  # noqa: E402
 )
 from rlinfluence.rlhf.cli import rlhf_command  # noqa: E402
 from rlinfluence.rlhf.model import response_mask  # noqa: E402
-from rlinfluence.rlhf.report import load_completions  # noqa: E402
+from rlinfluence.rlhf.report import completions_path, load_completions  # noqa: E402
 from rlinfluence.rlhf.rollout import score_sequences  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["You are such a", "hi", "Shut up, you", "That referee is a", "ok then", "Why are you"]
 
 
@@ -527,3 +529,27 @@ def test_concatenated_rollouts_pad_prompts_left_and_responses_right(tiny_policy)
     assert torch.equal(merged.mask[4:, :5], b.mask) and not merged.mask[4:, 5:].any()
     assert torch.equal(merged.input_ids[4:, -r:-r + 5], b.input_ids[:, -5:])  # b's response, then padding
     assert torch.equal(merged.sequence_advantages, torch.cat([a.sequence_advantages, b.sequence_advantages]))
+
+
+def test_the_gold_benchmark_judges_what_a_filter_kept_within_each_group(tmp_path):
+    """benchmarks/rlhf_gold.py's selection_rows on hand-computed completions. Round 0: group 1 keeps
+    its two best-gold completions (A_gold 0.6, 0.2 kept; -0.2, -0.6 dropped), group 2 has equal
+    rewards (every A 0), so kept - dropped = 0.2 - (-0.2); agreement with A_proxy > 0 is 3 of 4 and
+    2 of 4. Round 1 keeps all: no difference, but its agreement (1 of 4) counts."""
+    import pandas as pd
+
+    spec = importlib.util.spec_from_file_location("rlhf_gold", ROOT / "benchmarks" / "rlhf_gold.py")
+    rlhf_gold = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rlhf_gold)
+    rounds = [dict(gold=[0.8, 0.4, 0.0, -0.4, 1.0, 1.0, 1.0, 1.0], reward=[0.1, 0.5, 0.3, 0.3, 0.0, 0.0, 0.0, 0.0],
+                   kept=[True, True, False, False, True, False, True, False]),
+              dict(gold=[0.0] * 4, reward=[1.0, 0.0, 0.0, 0.0], kept=[True] * 4)]
+    for index, columns in enumerate(rounds):
+        path = completions_path(tmp_path, index)
+        path.parent.mkdir(exist_ok=True)
+        pd.DataFrame({"round": index, "prompt": "p", "response": "r", "score": 0.0, **columns}).to_parquet(path)
+    job = dict(phase="eval", method="pods", seed=1, lr=2e-3, mode="equal")
+    (row,) = rlhf_gold.selection_rows(job, tmp_path).to_dict("records")
+    assert row["kept_minus_dropped_gold_advantage"] == pytest.approx(0.4)
+    assert row["kept_minus_dropped_proxy_advantage"] == pytest.approx(0.0)
+    assert row["agreement_with_advantage_sign"] == pytest.approx((5 / 8 + 1 / 4) / 2)
