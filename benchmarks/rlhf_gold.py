@@ -115,8 +115,8 @@ def selection_rows(job: dict, run_dir: Path) -> pd.DataFrame:
 
 
 class Results:
-    """A results CSV (``KEY`` columns first): appended to as runs finish, under a file lock and from the file as it is
-    then, so that two invocations (say, of different methods) can share it."""
+    """A results CSV (``KEY`` columns first): appended to as runs finish, under a file lock and
+    from the file as it is then, so that two invocations (say, of different methods) can share it."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -197,7 +197,7 @@ def summarise(frame: pd.DataFrame, selection: pd.DataFrame, lr: float) -> list[s
     paired comparisons (``name: value`` lines)."""
     lines = []
     runs = frame[(frame["phase"] == "eval") & np.isclose(frame["lr"], lr)]
-    kept = selection[np.isclose(selection["lr"].astype(float), lr)] if len(selection) else selection
+    kept = selection[np.isclose(selection["lr"].astype(float), lr)]
     for mode, per_mode in runs.groupby("mode"):
         final = per_mode.loc[per_mode.groupby(["method", "seed"])["after_round"].idxmax()].set_index(["method", "seed"])
         methods = [m for m in METHODS if m in final.index.get_level_values(0)]
@@ -216,7 +216,7 @@ def summarise(frame: pd.DataFrame, selection: pd.DataFrame, lr: float) -> list[s
                       f"{mode}_gap_widening_{method}: {widening[0]:+.3f} [{widening[1]:+.3f}, {widening[2]:+.3f}]",
                       f"{mode}_cpu_per_round_{method}: {f['cpu_per_round'].mean():.1f}",
                       f"{mode}_kept_fraction_{method}: {f['kept_fraction'].mean():.2f}"]
-            chosen = kept[(kept["method"] == method) & (kept["mode"] == mode)].dropna() if len(kept) else kept
+            chosen = kept[(kept["method"] == method) & (kept["mode"] == mode)].dropna()
             if len(chosen):
                 a_gold = bootstrap_mean(chosen["kept_minus_dropped_gold_advantage"].to_numpy(dtype=float))
                 lines += [f"{mode}_kept_minus_dropped_gold_advantage_{method}: {a_gold[0]:+.3f} "
