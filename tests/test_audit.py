@@ -40,17 +40,19 @@ def test_audit_flags_the_flipped_env_and_no_env_of_clean_runs(tmp_path, capsys):
     assert set(found["level"]) == {"record", "episode", "source"} and set(found["round"]) == set(range(6))
     assert list(sources.columns[:8]) == ["source", "records", "rounds", "mean_score", "ci_low", "ci_high", "p_value",
                                          "p_holm"]
-    # the default scorer is IIF's own influence; it is audited as any other, whatever it finds
+    # the default is the verdict over every family (4 sources x 6 rounds cannot reach alpha after Holm
+    # over sources x families: its structure is checked here, its power in test_hidden_faults)
     assert cli.main(["audit", str(flipped.run.path)]) == 0
     written = pd.read_csv(flipped.run.path / "audit" / "sources.csv")
-    assert list(written.columns[:3]) == ["source", "records", "rounds"] and (written["scorer"] == "influence").all()
+    assert list(written.columns[:5]) == ["source", "records", "rounds", "flagged", "signature"]
+    assert {"p_influence", "p_dynamics", "p_logp-gap", "p_reward-extremes"} <= set(written.columns)
     assert list(pd.read_csv(flipped.run.path / "audit" / "detection.csv").columns) == ["scorer", "level", "round",
                                                                                       "auroc", "precision"]
     assert (flipped.run.path / "audit" / "detection.csv").is_file() and (flipped.run.path / "audit" / "sources.png").is_file()
-    assert "flagged (Holm-adjusted p < 0.01)" in capsys.readouterr().out
+    assert "flagged (Holm-adjusted p < 0.01 across sources x families)" in capsys.readouterr().out
     assert cli.main(["report", str(flipped.run.path)]) == 0  # the audit is a section of the run's report
     html = next(flipped.run.path.glob("report*.html")).read_text()
-    assert "Audit: which training envs push the updates the wrong way" in html and "Detection against the ground truth" in html
+    assert "Audit: which worker is broken, and what kind of fault it is" in html and "Detection against the ground truth" in html
     for seed in (2, 3):
         clean = _run(tmp_path, seed)
         for scorer in ("influence", "negative-advantage"):

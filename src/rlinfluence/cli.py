@@ -585,20 +585,25 @@ def validate(a: ValidateArgs) -> int:
 
 @dataclass
 class AuditArgs:
-    """Which sources (training envs) of a run push its updates the wrong way? Every saved round is
-    scored; each source's mean harm (e.g. minus its influence on the return target) is tested
-    against the other sources with a permutation test within rounds, Holm-corrected: a flagged
-    source is more harmful than chance at family-wise error rate --alpha. A run trained with
-    --corrupt also gets the detection AUROC and precision of every scorer at record, episode and
-    source level. Runs of the Stable-Baselines3 adapter: train with its AuditCallback."""
+    """Which source (training env, worker) of a run is broken, and what kind of fault is it? Every
+    saved round is scored by every family (reward statistics, value, advantage, gradient
+    attribution, and consistency checks: logged log-probs and values against theta(k), observation
+    statistics, a one-step dynamics, reward and termination model); each source's mean per round is
+    tested against the other sources' with an exact permutation test within rounds, Holm-corrected
+    across sources x families, and a flagged source's signature is read as a likely fault class
+    (--scorer X: the test by one scorer alone). A run trained with --corrupt also gets the detection
+    AUROC and precision of every scorer at record, episode and source level. Runs of the
+    Stable-Baselines3 adapter: train with its AuditCallback."""
 
     run_dir: tyro.conf.Positional[str]
     """run directory trained with --save-buffers and --n-envs > 1 (or with the SB3 AuditCallback)"""
     rounds: Annotated[Rounds, StatedDefault] = ()
     """saved rounds to score (default: every saved round)"""
     scorer: str | None = None
-    """harm score of the sources test: influence (the default), influence-trusted (the default with
-    --trusted-envs), tracin, dtv, negative-advantage, abs-advantage, td-error, reward-extremes, random"""
+    """test one scorer alone instead of the verdict over every family: influence, influence-chunk,
+    influence-trusted (with --trusted-envs), tracin, dtv, negative-advantage, abs-advantage, td-error,
+    reward-extremes, random, or a check: logp-gap, value-gap, action-surprise, obs-shift, dynamics,
+    reward-model, termination"""
     by: Literal["source", "episode", "record"] = "source"
     """episode or record: also rank those items by harm (audit/ranked_<by>.csv, the 10 worst printed)"""
     alpha: float = 0.01
@@ -616,7 +621,14 @@ class AuditArgs:
 def audit(a: AuditArgs) -> int:
     """Audit a run; write RUN_DIR/audit/sources.csv (+ detection.csv with ground truth, ranked_<by>.csv),
     sources.png, and its section of the run's report."""
-    from rlinfluence.analysis.audit import audit_run, audit_section, detection_summary, ranked
+    from rlinfluence.analysis.audit import (
+        audit_run,
+        audit_section,
+        detection_summary,
+        is_verdict,
+        ranked,
+        ranking_scorer,
+    )
     from rlinfluence.analysis.report import ANALYSES_DIR, save_section
 
     _check_writes_into(a.run_dir)
@@ -628,9 +640,17 @@ def audit(a: AuditArgs) -> int:
     atomic_write(folder / "sources.csv", lambda p: sources.to_csv(p, index=False))
     atomic_write(folder / "sources.png", lambda p: p.write_bytes(section.figures["sources"][0]))
     save_section(Path(a.run_dir) / ANALYSES_DIR, section)  # `rlinfluence report` shows it
-    print(sources.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     flagged = sources[sources["flagged"]]["source"].tolist()
-    print(f"flagged (Holm-adjusted p < {a.alpha}): {', '.join(f'source {s}' for s in flagged) or 'none'}")
+    if is_verdict(sources):
+        print(sources[["source", "records", "rounds", "flagged", "signature", "signature_p", "fault_class"]]
+              .to_string(index=False))
+        print(f"flagged (Holm-adjusted p < {a.alpha} across sources x families): "
+              f"{', '.join(f'source {s}' for s in flagged) or 'none'}")
+        for row in sources[sources["flagged"]].itertuples():
+            print(f"source {row.source} ({row.fault_class}): {row.reading}")
+    else:
+        print(sources.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+        print(f"flagged (Holm-adjusted p < {a.alpha}): {', '.join(f'source {s}' for s in flagged) or 'none'}")
     written = ["sources.csv", "sources.png"]
     if len(found):
         atomic_write(folder / "detection.csv", lambda p: found.to_csv(p, index=False))
@@ -638,7 +658,7 @@ def audit(a: AuditArgs) -> int:
         print("detection against the ground truth, mean over rounds [95% interval] (AUROC 0.5 = chance):")
         print(detection_summary(found, a.seed).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
     if a.by != "source":
-        items = ranked(table, a.by, sources["scorer"].iloc[0])
+        items = ranked(table, a.by, ranking_scorer(sources))
         atomic_write(folder / f"ranked_{a.by}.csv", lambda p: items.to_csv(p, index=False))
         written.append(f"ranked_{a.by}.csv")
         print(f"the 10 most harmful {a.by}s:")

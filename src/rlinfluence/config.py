@@ -27,7 +27,8 @@ DEFAULT_ADVANTAGE_NORM: Final = "chunk"  # Final: typed Literal["chunk"], a defa
 in random chunks of batch_size records, as the update's minibatches do (spec 2.2)."""
 AUTO = "auto"
 """drop_pct ``auto``: IIF chooses p each round (``rlinfluence.filters``)."""
-FILTER_NAMES = ("none", "iif", "random", "advantage", "td-error", "reward-extremes", "dtv", "advantage-sign", "oracle")
+FILTER_NAMES = ("none", "iif", "random", "advantage", "td-error", "reward-extremes", "dtv", "advantage-sign", "oracle",
+                "quarantine")
 """The filters ``rlinfluence.filters.make_filter`` builds (``none`` = standard PPO)."""
 
 
@@ -101,12 +102,22 @@ class PPOConfig:
     target_kl: float | None = None
     """stop the round's update once approx_kl > 1.5 * target_kl (SB3); None = never"""
     filter: Literal["none", "iif", "iif-robust", "random", "advantage", "td-error", "reward-extremes",
-                    "dtv", "advantage-sign", "oracle"] = "none"
+                    "dtv", "advantage-sign", "oracle", "quarantine"] = "none"
     """records to drop before each update: none = standard PPO; iif = influence-based filtering
     (the paper's); iif-robust = iif with ROBUST_IIF's options (drop_pct auto; docs/results/variants.md);
     dtv = records whose policy gradient opposes the buffer's mean one (no target);
     advantage-sign = the most negative-advantage records (as many of the negatives as iif drops);
-    oracle = exactly the records a --corrupt corruption changed (the ceiling of any detector)"""
+    oracle = exactly the records a --corrupt corruption changed (the ceiling of any detector);
+    quarantine = every record of the sources (training envs) that the audit's test over the last
+    quarantine_window rounds flags, until they test clean again"""
+    quarantine_window: int = 6
+    """quarantine: the rounds its test looks back over (the smallest p with 7 sources is 7^-window)"""
+    quarantine_alpha: float = 0.01
+    """quarantine: the family-wise error rate of each round's test (the chance of a false quarantine
+    in a round of a clean run is at most this)"""
+    quarantine_attribution: bool = False
+    """quarantine: add the gradient families (influence, dtv) to the cheap ones (consistency checks,
+    reward, value and advantage statistics)"""
     drop_pct: float | Literal["auto"] = 50.0
     """p in (0, 100]: iif drops p% of the negative records (neg-bottom); baselines p% of records;
     auto (iif): choose p each round from 0, 6.25, 12.5, 25, 50, 100 by a cross-fitted lookahead"""
@@ -271,6 +282,13 @@ class PPOConfig:
         check_corruptions(self.corrupt, self.n_envs, self.trusted_envs)
         if self.filter == "oracle" and not self.corrupt:
             raise UserError("the oracle filter drops the records a corruption changed: it needs --corrupt")
+        if self.quarantine_window < 1:
+            raise UserError(f"quarantine_window must be >= 1, got {self.quarantine_window}")
+        if not 0 < self.quarantine_alpha < 1:
+            raise UserError(f"quarantine_alpha must be in (0, 1), got {self.quarantine_alpha}")
+        if self.filter == "quarantine" and self.n_envs - self.trusted_envs < 2:
+            raise UserError(f"the quarantine filter compares sources: it needs at least 2 untrusted envs "
+                            f"(n_envs {self.n_envs} - trusted_envs {self.trusted_envs})")
         if self.scoring_target == "trusted" and not self.trusted_envs:
             raise UserError("scoring_target trusted needs trusted_envs >= 1 (the envs its target is computed on)")
         if self.scoring_target == "trusted" and self.validation_steps:

@@ -8,12 +8,13 @@ their random state (``state_dict`` for resume) and report per-round statistics b
 numbers into ``context.stats`` (logged to metrics.csv and TensorBoard under ``filter/``).
 
 Filters here: ``none`` (standard PPO), ``iif`` (the paper's influence-based filtering, spec 5),
-and the baselines of spec 8.3: ``random``, ``advantage`` (H1/H2), ``td-error``,
-``reward-extremes``.
+the baselines of spec 8.3: ``random``, ``advantage`` (H1/H2), ``td-error``,
+``reward-extremes``; and ``quarantine``, which drops whole sources the audit's test flags.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -21,10 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import numpy as np
 import torch
 
 from rlinfluence.buffer import RolloutBuffer
 from rlinfluence.config import AUTO, FILTER_NAMES, check_drop_pct  # noqa: F401  (importable from here)
+from rlinfluence.consistency import TWO_SIDED, action_count, consistency_scores, statistic_scores
 from rlinfluence.errors import UserError
 from rlinfluence.influence import (
     DEFAULT_ADVANTAGE_NORM,
@@ -35,6 +38,7 @@ from rlinfluence.influence import (
     snapshot_influence,
     unchanged,
 )
+from rlinfluence.sources import verdict
 
 
 @dataclass
@@ -497,6 +501,59 @@ class OracleFilter(_Seeded):
 
 
 
+class QuarantineFilter:
+    """Drops every record of the sources (training envs) that the audit's test flags over the last
+    ``window`` rounds, until they test clean again: the verdict of ``rlinfluence.sources`` each round
+    on the per-source means of the cheap families (the consistency checks and the reward, value and
+    advantage statistics of ``rlinfluence.consistency``; with ``attribution``, influence and dtv
+    too), Holm-corrected across sources x families at ``alpha``. The last ``trusted_envs`` envs are
+    never tested nor quarantined. Logs ``quarantined`` (how many sources) and
+    ``quarantined_sources`` (their ids, space-separated)."""
+
+    name = "quarantine"
+
+    def __init__(self, window: int = 6, alpha: float = 0.01, attribution: bool = False, trusted_envs: int = 0):
+        self.window, self.alpha, self.attribution, self.trusted_envs = window, alpha, attribution, trusted_envs
+        self.history: list[dict[str, torch.Tensor]] = []  # per round: family -> [sources] mean score
+
+    def _round_means(self, buffer: RolloutBuffer, context: FilterContext, n_sources: int) -> dict[str, torch.Tensor]:
+        scores = {**statistic_scores(buffer, context.gamma),
+                  **consistency_scores(context.policy, buffer, action_count(context.policy))}
+        if self.attribution:
+            obs, actions, advantages = (buffer.flat(k) for k in ("obs", "actions", "advantages"))
+            influence = InfluenceScorer(advantage_norm="batch").scores(buffer, context)
+            if influence is not None:
+                scores["influence"] = -influence.double().numpy()
+            with contextlib.suppress(ZeroTargetGradient):
+                scores["dtv"] = -gradient_alignment(context.policy, obs, actions, advantages).double().numpy()
+        source = buffer.record_ids()[:, 1].numpy()
+        means = {}
+        for family, values in scores.items():
+            per_source = np.array([np.nanmean(values[source == s]) if np.isfinite(values[source == s]).any()
+                                   else np.nan for s in range(n_sources)])
+            fill = np.nanmean(per_source) if np.isfinite(per_source).any() else 0.0
+            means[family] = torch.from_numpy(np.where(np.isnan(per_source), fill, per_source))
+        return means
+
+    def __call__(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
+        n_sources = buffer.n_envs - self.trusted_envs
+        self.history = [*self.history, self._round_means(buffer, context, n_sources)][-self.window:]
+        families = [f for f in self.history[-1] if all(f in past for past in self.history)]
+        means = {f: torch.stack([past[f] for past in self.history]).numpy() for f in families}
+        flagged = verdict(means, range(n_sources), TWO_SIDED, self.alpha)
+        quarantined = [int(s) for s in flagged.loc[flagged["flagged"], "source"]]
+        context.stats["quarantined"] = float(len(quarantined))
+        context.stats["quarantined_sources"] = " ".join(map(str, quarantined))
+        keep = ~torch.isin(buffer.record_ids()[:, 1], torch.tensor(quarantined, dtype=torch.int64))
+        return guard_minibatch(keep, keep.float(), context)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": [dict(h) for h in self.history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = [dict(h) for h in state.get("history", [])]
+
+
 def make_filter(
     name: str,
     *,
@@ -509,8 +566,10 @@ def make_filter(
     gate: Literal["none", "split-half"] = "none",
     gate_threshold: float = 0.3,
     precondition: Literal["none", "adam"] = "none",
+    quarantine: tuple[int, float, bool, int] = (6, 0.01, False, 0),
 ) -> Filter:
-    """Build a filter by name (``none`` = standard PPO), passing each the options it uses."""
+    """Build a filter by name (``none`` = standard PPO), passing each the options it uses
+    (``quarantine``: the quarantine filter's window, alpha, attribution and trusted_envs)."""
     if name != "iif":
         check_drop_pct(drop_pct)  # auto is IIF's alone; a filter without p ignores a number
     if name == "none":
@@ -532,4 +591,6 @@ def make_filter(
         return AdvantageSignFilter(drop_pct, drop_mode, seed)
     if name == "oracle":
         return OracleFilter(seed)
+    if name == "quarantine":
+        return QuarantineFilter(*quarantine)
     raise UserError(f"unknown filter {name!r} (choose from {', '.join(FILTER_NAMES)})")

@@ -15,6 +15,7 @@ Every policy exposes the contract that attribution relies on:
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 
@@ -285,6 +286,20 @@ class NumpyActorCritic:
 
 def _relu(x: np.ndarray) -> np.ndarray:
     return np.maximum(x, 0)
+
+
+def tempered(policy: ActorCritic, temperature: float) -> ActorCritic:
+    """A copy of ``policy`` that samples at ``temperature``: logits / T (the action head's weights
+    and bias scaled by 1 / T), or a Gaussian's standard deviation x T (log_std + log T); its value
+    head is the policy's."""
+    out = copy.deepcopy(policy)
+    with torch.no_grad():
+        if out.continuous:
+            out.log_std += math.log(temperature)
+        else:
+            out.action_head.weight /= temperature
+            out.action_head.bias /= temperature
+    return out
 
 
 RolloutActor = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]

@@ -44,7 +44,7 @@ from rlinfluence.frames import FrameRecorder, save_frames
 from rlinfluence.influence import Records, TracInRecorder
 from rlinfluence.influence.tracin import clip_coefficient
 from rlinfluence.losses import PPOLoss, normalize_advantages, ppo_loss
-from rlinfluence.policies import ActorCritic, make_policy, rollout_actor
+from rlinfluence.policies import ActorCritic, make_policy, rollout_actor, tempered
 from rlinfluence.progress import progress_bar
 from rlinfluence.rundir import CheckpointError, RunDirectory
 from rlinfluence.seeding import derived_seed
@@ -97,6 +97,8 @@ class PPO:
             drop_mode=config.drop_mode, advantage_norm=config.advantage_norm,
             random_match=config.random_match, heuristic=config.heuristic,
             gate=config.gate, gate_threshold=config.gate_threshold, precondition=config.precondition,
+            quarantine=(config.quarantine_window, config.quarantine_alpha, config.quarantine_attribution,
+                        config.trusted_envs),
         )
 
         # Seeding: once, everything, before anything random is built (CleanRL).
@@ -111,10 +113,13 @@ class PPO:
         self.last_frames: FrameRecorder | None = None  # the last collection's frames (save_frames)
         self.env.action_space.seed(config.seed)
         discrete_obs = isinstance(self.env.envs[0].unwrapped.observation_space, gym.spaces.Discrete)
+        action_space = self.env.single_action_space
         self.corruptor = Corruptor(check_corruptions(config.corrupt, config.n_envs, config.trusted_envs, config.env,
-                                                     discrete_obs),
+                                                     discrete_obs, self.env.single_observation_space.shape[-1]),
                                    config.n_envs, derived_seed(config.seed, 0, 5), config.env, discrete_obs,
-                                   config.trusted_envs) if config.corrupt else None
+                                   config.trusted_envs,
+                                   int(action_space.n) if isinstance(action_space, gym.spaces.Discrete) else None,
+                                   ) if config.corrupt else None
         # the policies theta(k - L) .. theta(k) that a stale corruption's lagging actors use
         lag = self.corruptor.stale_lag if self.corruptor is not None else 0
         self.past_policies: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=lag + 1)
@@ -272,6 +277,9 @@ class PPO:
             stale_act = rollout_actor(old)
             stale_records = stale if self.round > 0 else np.zeros_like(stale)
         act = rollout_actor(self.policy)
+        hot = corruptor.temperatures != 1 if corruptor is not None else np.zeros(cfg.n_envs, dtype=bool)
+        # logp-mismatch: those workers sample at another temperature and log the trainer's log-probs
+        hot_act = rollout_actor(tempered(self.policy, float(corruptor.temperatures[hot][0]))) if hot.any() else None
         noise = self.policy.noise((n_steps, cfg.n_envs), stream.generator).numpy()
         stream.finished_returns = []
         obs = stream.obs
@@ -279,33 +287,49 @@ class PPO:
         for t in range(n_steps):
             if frames is not None:
                 frames.capture(t, stream.env)  # the frame of obs, before the step
-            actions, logp, values = act(obs, noise[t])
+            # the observations the workers act on and log (an obs-bug corruption misprocesses them)
+            seen = corruptor.observe(obs, stream.episode_ids) if corruptor is not None else obs
+            actions, logp, values = act(seen, noise[t])
+            if hot_act is not None:
+                hot_actions = hot_act(seen, noise[t])[0]
+                actions = np.where(hot.reshape((-1,) + (1,) * (actions.ndim - 1)), hot_actions, actions)
+                logp = self._log_probs(seen, actions, hot, logp)
             if stale_act is not None:
-                old_actions, old_logp, old_values = stale_act(obs, noise[t])
+                old_actions, old_logp, old_values = stale_act(seen, noise[t])
                 env_mask = stale.reshape((-1,) + (1,) * (actions.ndim - 1))
                 actions = np.where(env_mask, old_actions, actions)
                 logp, values = np.where(stale, old_logp, logp), np.where(stale, old_values, values)
-            env_actions = np.clip(actions, space.low, space.high) if continuous else actions
+            logged, executed = actions, actions
+            if corruptor is not None:  # action-mismatch: logged and executed actions part
+                logged, relogged = corruptor.logged_actions(actions)
+                logp = self._log_probs(seen, logged, relogged, logp)
+                executed = corruptor.executed_actions(actions)
+            env_actions = np.clip(executed, space.low, space.high) if continuous else executed
             next_obs, rewards, terminated, truncated, infos = stream.env.step(env_actions)
-            b_obs[t] = obs
-            b_act[t] = actions  # the sampled action, not the clipped one (SB3)
+            b_obs[t] = seen
+            b_act[t] = logged  # the sampled action, not the clipped one (SB3)
             b_logp[t] = logp
             b_val[t] = values
+            reported_terminated, reported_truncated = terminated, truncated
             if corruptor is not None:  # the learner sees the corrupted reward; the env's own is tracked
-                b_rew[t], b_corrupted[t] = corruptor.step(obs, actions, rewards, stream.episode_ids)
+                b_rew[t], b_corrupted[t] = corruptor.step(obs, actions, rewards, stream.episode_ids,
+                                                          terminated | truncated)
+                reported_terminated, reported_truncated = corruptor.flags(terminated, truncated)
                 if stale_act is not None:
                     b_corrupted[t] |= stale_records
             else:
                 b_rew[t] = rewards
-            b_term[t] = terminated
+            b_term[t] = reported_terminated
             # a time-limit end is bootstrapped with V(final obs); a true termination is not
-            time_limit = truncated & ~terminated
+            time_limit = reported_truncated & ~reported_terminated
             b_trunc[t] = time_limit
             b_ep[t] = stream.episode_ids
             if time_limit.any():
                 idx = np.flatnonzero(time_limit)
-                final_obs = torch.as_tensor(np.stack([infos["final_obs"][i] for i in idx]))
-                buf.final_values[t, torch.as_tensor(idx)] = self.policy.value(final_obs)
+                final_obs = np.stack([infos["final_obs"][i] for i in idx])
+                if corruptor is not None:
+                    final_obs = corruptor.observe_final(final_obs, idx)
+                buf.final_values[t, torch.as_tensor(idx)] = self.policy.value(torch.as_tensor(final_obs))
             stream.track(rewards, terminated | truncated)
             obs = next_obs
         stream.obs = obs
@@ -313,12 +337,21 @@ class PPO:
             self.last_frames = frames
         _check_finite(b_rew, "reward", self.round)
         _check_finite(b_obs, "observation", self.round)
-        buf.last_values = self.policy.value(torch.as_tensor(obs))
+        last_seen = corruptor.observe_final(obs, np.arange(cfg.n_envs)) if corruptor is not None else obs
+        buf.last_values = self.policy.value(torch.as_tensor(last_seen))
         if stream is self.stream:
             self.env_steps += len(buf)
         else:
             self.validation_env_steps += len(buf)
         return buf
+
+    def _log_probs(self, obs: np.ndarray, actions: np.ndarray, envs: np.ndarray, logp: np.ndarray) -> np.ndarray:
+        """``logp`` with the rows of ``envs`` replaced by log pi_theta(k)(actions | obs)."""
+        if not envs.any():
+            return logp
+        out = np.array(logp, copy=True)
+        out[envs] = self.policy.log_prob(torch.as_tensor(obs[envs]), torch.as_tensor(actions[envs])).numpy()
+        return out
 
     # -- 4. optimise --------------------------------------------------------------------
     def update(

@@ -14,7 +14,17 @@ Every scorer gives each record of a round a *harm* score (higher = more harmful)
     abs-advantage       |A_i|
     td-error            |delta_i|, delta_i = r_i + gamma V(s'_i) (1 - done_i) - V(s_i)
     reward-extremes     |r_i - mean_j r_j|, the distance of the reward from the round's mean
+    influence-chunk     the same with advantages normalised in random chunks of batch_size (the
+                        permutation seeded by the round): the normalisation IIF itself uses
     random              a uniform draw (the chance line), seeded by the round and the buffer
+
+and the consistency checks of ``rlinfluence.consistency`` (logp-gap, value-gap, action-surprise,
+obs-shift, dynamics, reward-model, termination), which ask whether a record agrees with the policy
+that collected it and with the other sources' data rather than how it moved the update.
+
+With no scorer named, an audit gives the *verdict* (``rlinfluence.sources.verdict``): every family
+(every scorer but random) tested per source, Holm-corrected across sources x families, and for each
+flagged source its signature (the families that flag it) read as a likely fault class.
 
 A round is scored into a *harm table*, one row per record: ``round``, ``source`` (the training env,
 or for a user's own records any id: worker, annotator), ``episode`` (unique within its source),
@@ -45,9 +55,19 @@ import torch
 from sklearn.metrics import roc_auc_score
 
 from rlinfluence.analysis.report import Section
+from rlinfluence.consistency import (
+    CHECKS,
+    STATISTICS,
+    TWO_SIDED,
+    action_count,
+    consistency_scores,
+    statistic_scores,
+)
 from rlinfluence.errors import UserError
 from rlinfluence.filters import FilterContext, InfluenceScorer
 from rlinfluence.influence import ReturnTarget, ZeroTargetGradient, gradient_alignment
+from rlinfluence.seeding import derived_seed
+from rlinfluence.sources import holm, source_test, verdict  # noqa: F401  (importable from here)
 
 if TYPE_CHECKING:
     from rlinfluence.checkpoint import SavedRound
@@ -64,12 +84,13 @@ def _trusted(saved: SavedRound) -> torch.Tensor:
     return env >= saved.buffer.n_envs - saved.trainer.config.trusted_envs
 
 
-def _influence(trusted_only: bool) -> Scorer:
+def _influence(trusted_only: bool, advantage_norm: Literal["batch", "chunk"] = "batch") -> Scorer:
     def harm(saved: SavedRound) -> np.ndarray:
         buffer = saved.buffer
         trusted = _trusted(saved) if trusted_only else None
         context = FilterContext(saved.trainer.policy, buffer.round, saved.trainer.config.batch_size, trusted=trusted)
-        scores = InfluenceScorer(advantage_norm="batch").scores(buffer, context)
+        scorer = InfluenceScorer(advantage_norm=advantage_norm, seed=derived_seed(buffer.round, 0, 7))
+        scores = scorer.scores(buffer, context)
         return -scores.double().numpy() if scores is not None else np.zeros(len(buffer))
     return harm
 
@@ -101,39 +122,38 @@ def _random(saved: SavedRound) -> np.ndarray:
     return np.random.default_rng([buffer.round, checksum]).random(len(buffer))
 
 
-def _reward_extremes(saved: SavedRound) -> np.ndarray:
-    rewards = saved.buffer.flat("rewards").double().numpy()
-    return np.abs(rewards - rewards.mean())
+def _statistic(name: str) -> Scorer:
+    return lambda saved: statistic_scores(saved.buffer, saved.trainer.config.gamma)[name]
 
 
 SCORERS: dict[str, Scorer] = {
     "influence": _influence(False),
     "influence-trusted": _influence(True),
+    "influence-chunk": _influence(False, "chunk"),
     "tracin": _tracin,
     "dtv": _dtv,
-    "negative-advantage": lambda saved: -saved.buffer.flat("advantages").double().numpy(),
-    "abs-advantage": lambda saved: saved.buffer.flat("advantages").abs().double().numpy(),
-    "td-error": lambda saved: saved.buffer.flatten(saved.buffer.td_errors(saved.trainer.config.gamma)).abs().double().numpy(),
-    "reward-extremes": _reward_extremes,
+    **{name: _statistic(name) for name in STATISTICS},
     "random": _random,
 }
 
 
 def scorers_of(trusted_envs: int) -> list[str]:
-    """The scorers a run can use (influence-trusted needs trusted envs)."""
-    return [s for s in SCORERS if trusted_envs or s != "influence-trusted"]
+    """The scorers a run can use (influence-trusted needs trusted envs), the consistency checks included."""
+    return [s for s in SCORERS if trusted_envs or s != "influence-trusted"] + list(CHECKS)
 
 
 def harm_table(saved: SavedRound, scorers: Sequence[str]) -> pd.DataFrame:
-    """One row per record of a saved round (module docstring), a harm column per scorer."""
+    """One row per record of a saved round (module docstring), a column per scorer or check."""
     buffer = saved.buffer
+    checks = consistency_scores(saved.trainer.policy, buffer, action_count(saved.trainer.policy)) \
+        if set(scorers) & set(CHECKS) else {}
     ids = buffer.record_ids().numpy()
     table = pd.DataFrame({"round": ids[:, 0], "source": ids[:, 1], "episode": buffer.flat("episode_ids").numpy(),
                           "step": ids[:, 2], "trusted": _trusted(saved).numpy()})
     if saved.trainer.config.corrupt:
         table["corrupted"] = buffer.flat("corrupted").numpy()
     for name in scorers:
-        table[name] = SCORERS[name](saved)
+        table[name] = checks[name] if name in checks else SCORERS[name](saved)
     return table
 
 
@@ -175,14 +195,19 @@ def items(table: pd.DataFrame, level: Level, scorers: Sequence[str]) -> pd.DataF
 
 
 def detection(table: pd.DataFrame, scorers: Sequence[str]) -> pd.DataFrame:
-    """One row per round, scorer and level: its AUROC and precision at the corrupted fraction."""
+    """One row per round, scorer and level: its AUROC and precision at the corrupted fraction (a
+    two-sided check judged by its distance from the round's median; an unscored record at the median)."""
     rows = []
     for level in LEVELS:
         grouped = items(table, level, scorers)
         for k, in_round in grouped.groupby("round", sort=True):
             truth = in_round["corrupted"].to_numpy(bool)
             for name in scorers:
-                harm = in_round[name].to_numpy()
+                harm = in_round[name].to_numpy(dtype=float)
+                centre = np.nanmedian(harm) if np.isfinite(harm).any() else 0.0
+                harm = np.where(np.isnan(harm), centre, harm)  # a record a check cannot score is neutral
+                if name in TWO_SIDED:  # a departure either way is the signal
+                    harm = np.abs(harm - centre)
                 rows.append({"scorer": name, "level": level, "round": int(k), "auroc": auroc(harm, truth),
                              "precision": precision_at_fraction(harm, truth)})
     return pd.DataFrame(rows, columns=["scorer", "level", "round", "auroc", "precision"])
@@ -191,41 +216,38 @@ def detection(table: pd.DataFrame, scorers: Sequence[str]) -> pd.DataFrame:
 # -- the sources test -------------------------------------------------------------------------------
 def source_means(table: pd.DataFrame, scorer: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(sources, rounds, h) with h [rounds, sources] = h_s,k, the mean harm of source s's untrusted
-    records in round k. Every source must have records in every round audited."""
-    h = table[~table["trusted"]].pivot_table(index="round", columns="source", values=scorer, aggfunc="mean")
-    missing = h.isna()
+    records in round k. Every source must have records in every round audited; a source whose
+    records a check could not score in a round (all NaN) gets the round's mean, a neutral value."""
+    judged = table[~table["trusted"]]
+    counts = judged.pivot_table(index="round", columns="source", values="step", aggfunc="size")
+    missing = counts.isna()
     if missing.to_numpy().any():
-        k, s = next((k, s) for k in h.index for s in h.columns if missing.loc[k, s])
+        k, s = next((k, s) for k in counts.index for s in counts.columns if missing.loc[k, s])
         raise UserError(f"source {s!r} has no records in round {k}: the test compares every source in every "
                         "round (audit the rounds where all sources are present with --rounds)")
-    return h.columns.to_numpy(), h.index.to_numpy(), h.to_numpy()
+    h = judged.groupby(["round", "source"])[scorer].mean().unstack("source").reindex(
+        index=counts.index, columns=counts.columns)
+    values = h.to_numpy(dtype=float)
+    row_means = np.nanmean(np.where(np.isnan(values).all(axis=1, keepdims=True), 0.0, values), axis=1, keepdims=True)
+    return h.columns.to_numpy(), h.index.to_numpy(), np.where(np.isnan(values), row_means, values)
 
 
-def source_test(h: np.ndarray, permutations: int = 2000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(T, p): per source s of ``h [rounds, sources]``, its statistic and a one-sided permutation
-    p-value of "s is more harmful than the other sources".
-
-    T_s = mean over rounds k of (h_s,k - mean_j h_j,k). Under the null that the sources are
-    exchangeable (no source is broken), the labels of the sources are a random permutation within
-    each round, whatever the correlations inside a source (its episodes); so the null draws
-    permute the h_.,k of every round independently, and p = (1 + #{T*_s >= T_s}) / (1 + permutations).
-    """
-    centred = h - h.mean(axis=1, keepdims=True)
-    observed = centred.mean(axis=0)
-    rng = np.random.default_rng(seed)
-    index = np.tile(np.arange(h.shape[1]), (len(h), 1))
-    null = np.stack([np.take_along_axis(centred, rng.permuted(index, axis=1), axis=1).mean(axis=0)
-                     for _ in range(permutations)])
-    return observed, (1 + (null >= observed).sum(axis=0)) / (1 + permutations)
+FAMILY_EXCLUDED = ("random",)
+"""Scorers that are not families of the verdict (random is the chance line of detection)."""
 
 
-def holm(p_values: np.ndarray) -> np.ndarray:
-    """Holm's step-down adjusted p-values (family-wise error rate across the sources)."""
-    p = np.asarray(p_values, float)
-    order = np.argsort(p)
-    adjusted = np.minimum(1.0, np.maximum.accumulate((len(p) - np.arange(len(p))) * p[order]))
-    out = np.empty_like(p)
-    out[order] = adjusted
+def verdict_table(table: pd.DataFrame, families: Sequence[str], alpha: float = 0.01, permutations: int = 2000,
+                  seed: int = 0) -> pd.DataFrame:
+    """``rlinfluence.sources.verdict`` of a harm table over ``families``, with each source's records."""
+    families = [f for f in families if f not in FAMILY_EXCLUDED]
+    means = {}
+    for family in families:
+        sources, rounds, means[family] = source_means(table, family)
+    if len(sources) < 2:
+        raise UserError(f"an audit compares sources: this run has {len(sources)} untrusted source(s)")
+    out = verdict(means, sources, TWO_SIDED, alpha, permutations, seed)
+    counts = table[~table["trusted"]].groupby("source").size()
+    out.insert(1, "records", [int(counts[s]) for s in sources])  # source, records, rounds, flagged, ...
     return out
 
 
@@ -239,7 +261,7 @@ def sources_table(table: pd.DataFrame, scorer: str, alpha: float = 0.01, permuta
     sources, rounds, h = source_means(table, scorer)
     if len(sources) < 2:
         raise UserError(f"an audit compares sources: this run has {len(sources)} untrusted source(s)")
-    _, p_values = source_test(h, permutations, seed)
+    _, p_values = source_test(h, permutations, seed, scorer in TWO_SIDED)
     intervals = [bootstrap_mean(h[:, i], seed=seed) for i in range(len(sources))]
     counts = table[~table["trusted"]].groupby("source").size()
     out = pd.DataFrame({"source": sources, "records": [int(counts[s]) for s in sources], "rounds": len(rounds),
@@ -275,9 +297,10 @@ def round_harm_table(run_dir: str | Path, round_index: int, scorers: Sequence[st
 
 
 def _scored_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None, workers: int,
-                   ray_address: str | None) -> tuple[pd.DataFrame, list[str], str]:
-    """A run trained with ``--save-buffers``: its saved rounds scored now, by every scorer where
-    the run has ground truth (for the detection table), else by the test's alone; one round per
+                   ray_address: str | None) -> tuple[pd.DataFrame, list[str], str | None]:
+    """A run trained with ``--save-buffers``: its saved rounds scored now, by every scorer and check
+    for the verdict (``scorer`` None) or where the run has ground truth (for the detection table),
+    else by the test's alone; one round per
     job, in ``workers`` local processes or as Ray tasks (``execution.run_calls``), concatenated
     in round order whichever ran them."""
     from rlinfluence.experiments.execution import run_calls
@@ -285,19 +308,19 @@ def _scored_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None, wor
 
     config = RunDirectory.open_existing(run_dir, tensorboard=False).read_config()
     available = scorers_of(int(config.get("trusted_envs", 0)))
-    scorer = scorer or ("influence-trusted" if "influence-trusted" in available else "influence")
-    if scorer not in available:
+    if scorer is not None and scorer not in available:
         raise UserError(f"unknown scorer {scorer!r} for this run (scorers: {', '.join(available)})")
     saved = _saved_rounds(run_dir)
     absent = sorted(set(rounds) - set(saved))
     if absent:
         raise UserError(f"round {absent[0]} of {str(run_dir)!r} is not saved (saved: {saved[0]}..{saved[-1]})")
-    scorers = available if config.get("corrupt") else [scorer]
+    scorers = available if config.get("corrupt") or scorer is None else [scorer]
     tables = run_calls(round_harm_table, [(run_dir, k, scorers) for k in rounds or saved], workers, ray_address)
     return pd.concat(tables, ignore_index=True), scorers, scorer
 
 
-def _written_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None) -> tuple[pd.DataFrame, list[str], str]:
+def _written_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None
+                    ) -> tuple[pd.DataFrame, list[str], str | None]:
     """Harm tables written during training (``SCORES_DIR``: the SB3 ``AuditCallback``, or a user's)."""
     files = sorted((run_dir / SCORES_DIR).glob("round_*.parquet"))
     if not files:
@@ -322,8 +345,7 @@ def _written_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None) ->
     if rounds:
         table = table[table["round"].isin(list(rounds))]
     held = [c for c in table.columns if c not in (*HARM_TABLE_COLUMNS, "corrupted")]
-    scorer = scorer or held[0]
-    if scorer not in held:
+    if scorer is not None and scorer not in held:
         raise UserError(f"unknown scorer {scorer!r}: the score tables of {str(run_dir)!r} hold {', '.join(held)}")
     return table, held, scorer
 
@@ -336,10 +358,10 @@ def audit_run(run_dir: str | Path, rounds: Sequence[int] = (), scorer: str | Non
     The harm table comes from the run's saved rounds (``--save-buffers``), scored one round per
     job in this process (``workers`` 1), in ``workers`` local processes or as Ray tasks on
     ``ray_address``, the same table whichever ran them; or from the tables written during
-    training (``SCORES_DIR``). sources: ``sources_table`` by ``scorer`` (default
-    influence-trusted for a run with trusted envs, else influence; for written tables, the first
-    they hold). detection: every scorer at every level per round (``detection``), where the run
-    has ground truth (``--corrupt``, or a ``corrupted`` column); else empty."""
+    training (``SCORES_DIR``). sources: the verdict over every family (``verdict_table``), or with
+    ``scorer`` named, ``sources_table`` by that scorer alone. detection: every scorer at every
+    level per round (``detection``), where the run has ground truth (``--corrupt``, or a
+    ``corrupted`` column); else empty."""
     from rlinfluence.experiments.execution import check_executor
 
     if not 0 < alpha < 1:
@@ -354,17 +376,43 @@ def audit_run(run_dir: str | Path, rounds: Sequence[int] = (), scorer: str | Non
         table, scorers, scorer = _written_rounds(run_dir, list(rounds), scorer)
     found = detection(table, scorers) if "corrupted" in table else \
         pd.DataFrame(columns=["scorer", "level", "round", "auroc", "precision"])
+    if scorer is None:
+        return verdict_table(table, scorers, alpha, permutations, seed), found, table
     return sources_table(table, scorer, alpha, permutations, seed), found, table
 
 
+def is_verdict(sources: pd.DataFrame) -> bool:
+    """Whether an audit's sources table is the verdict over families (else one scorer's test)."""
+    return "signature" in sources
+
+
+def ranking_scorer(sources: pd.DataFrame) -> str:
+    """The scorer an audit ranks episodes or records by: the single scorer, or in a verdict the
+    family that flags a source most strongly (the first of the verdict's families if none does)."""
+    if not is_verdict(sources):
+        return str(sources["scorer"].iloc[0])
+    flagged = sources[sources["flagged"]].sort_values("p_holm_min", kind="stable")
+    if len(flagged):
+        return str(flagged["signature"].iloc[0]).split(";")[0]
+    return next(c[2:] for c in sources.columns if c.startswith("p_") and c != "p_holm_min")
+
+
 def plot_sources(sources: pd.DataFrame, alpha: float) -> bytes:
-    """PNG: each source's mean harm with its 95% interval, flagged sources in red."""
+    """PNG: each source's mean harm with its 95% interval (or, for a verdict, -log10 of its smallest
+    Holm-adjusted p over the families against -log10 alpha), flagged sources in red."""
     from rlinfluence.analysis.report import figure_png, new_figure
 
     fig, axes = new_figure(max(4.0, 0.6 * len(sources) + 2), 3.2)
     ax = axes[0, 0]
     colors = ["C3" if f else "C0" for f in sources["flagged"]]
     x = np.arange(len(sources))
+    if is_verdict(sources):
+        ax.bar(x, -np.log10(sources["p_holm_min"].clip(lower=1e-300)), color=colors)
+        ax.axhline(-np.log10(alpha), color="k", lw=0.8, ls="--")
+        ax.set_xticks(x, [str(s) for s in sources["source"]])
+        ax.set(xlabel="source (training env)", ylabel="-log10 smallest Holm p",
+               title=f"red: flagged by some family; dashed: alpha {alpha}")
+        return figure_png(fig)
     mean = sources["mean_score"].to_numpy()
     ax.bar(x, mean, color=colors)
     ax.errorbar(x, mean, yerr=[mean - sources["ci_low"], sources["ci_high"] - mean], fmt="none", ecolor="k", capsize=3)
@@ -397,6 +445,25 @@ def audit_section(sources: pd.DataFrame, found: pd.DataFrame, alpha: float) -> S
     from rlinfluence.analysis.report import Table
 
     flagged = [str(s) for s in sources.loc[sources["flagged"], "source"]]
+    if is_verdict(sources):
+        families = [c[2:] for c in sources.columns if c.startswith("p_") and c != "p_holm_min"]
+        section = Section("audit", "Audit: which worker is broken, and what kind of fault it is", paragraphs=[
+            f"Each family ({', '.join(families)}) scores every record; each source's mean per round is tested "
+            "against the other sources' by an exact permutation test within rounds, and the p-values are "
+            f"Holm-corrected across sources x families: a run with no broken source has a flag with probability at "
+            f"most {alpha}. A flagged source's signature (the families that flag it) is read as the likely fault.",
+            f"Flagged sources: {', '.join(flagged) or 'none'}."])
+        section.tables.append(Table("Sources", ["source", "records", "rounds", "flagged", "signature (Holm p)",
+                                                "fault class", "reading"],
+                                    [[str(r.source), int(r.records), int(r.rounds), "yes" if r.flagged else "",
+                                      " ".join(f"{f} ({q})" for f, q in zip(str(r.signature).split(";"),
+                                                                             str(r.signature_p).split(";"),
+                                                                             strict=True)) if r.flagged else "",
+                                      r.fault_class if r.flagged else "", r.reading if r.flagged else ""]
+                                     for r in sources.itertuples()]))
+        section.figures["sources"] = (plot_sources(sources, alpha), "Smallest Holm-adjusted p per source.")
+        _detection_tables(section, found)
+        return section
     section = Section("audit", "Audit: which training envs push the updates the wrong way", paragraphs=[
         f"Harm = a record's score by {sources['scorer'].iloc[0]}, signed so that higher = more harmful (for "
         "influence: minus its influence on the return target). Each source's mean harm is tested against the "
@@ -409,6 +476,13 @@ def audit_section(sources: pd.DataFrame, found: pd.DataFrame, alpha: float) -> S
                                   f"[{r.ci_low:.4g}, {r.ci_high:.4g}]", f"{r.p_value:.3g}", f"{r.p_holm:.3g}",
                                   "yes" if r.flagged else ""] for r in sources.itertuples()]))
     section.figures["sources"] = (plot_sources(sources, alpha), "Mean harm per source with its 95% interval over rounds.")
+    _detection_tables(section, found)
+    return section
+
+
+def _detection_tables(section: Section, found: pd.DataFrame) -> None:
+    from rlinfluence.analysis.report import Table
+
     if len(found):
         summary = detection_summary(found)
         section.tables.append(Table(
@@ -417,4 +491,3 @@ def audit_section(sources: pd.DataFrame, found: pd.DataFrame, alpha: float) -> S
             ["scorer", "level", "rounds", "AUROC", "precision"],
             [[r.scorer, r.level, int(r.rounds), f"{r.auroc:.2f} [{r.auroc_lo:.2f}, {r.auroc_hi:.2f}]",
               f"{r.precision:.2f} [{r.precision_lo:.2f}, {r.precision_hi:.2f}]"] for r in summary.itertuples()]))
-    return section

@@ -1,0 +1,214 @@
+"""Faults that hide from the reward: does the audit's verdict find the broken worker, how soon, by
+which families, and does its reading name the fault?
+
+    python benchmarks/hidden_faults.py detect --seeds 5 --clean-seeds 10 --rounds 8 --out bench_out/hidden_faults
+    python benchmarks/hidden_faults.py summary --out bench_out/hidden_faults --data docs/data
+
+Per env, fault and seed, one run of plain PPO (8 envs x 256 steps a round, the last env trusted,
+PPO's learning rate tuned on clean data where ``studies/<env>.json`` has it, every round saved,
+TracIn recorded) with ``--corrupt <fault>``; and clean runs. After each round r the verdict
+(``rlinfluence.analysis.audit.verdict_table``: every family, exact permutation test within rounds,
+Holm over 7 sources x families, alpha 0.01) is computed on rounds 0..r. Per run, one row: the
+first round count at which the broken source is flagged by the verdict and by each family, the
+fault class read at that point, and every false flag (a clean source flagged at any check).
+Rows are appended to ``<out>/runs.csv`` as runs finish; a re-run skips finished runs, and jobs
+run in ``--workers`` processes, seed by seed, so a cut-off run still covers every env and fault.
+
+``summary`` writes ``<data>/hidden_faults_runs.csv`` (the per-run rows) and
+``<data>/hidden_faults_table.txt`` (the results page's table), and prints one line per
+figure: ``<env>/<fault>/flagged_within_5: k/n``, ``.../reading_right: k/m``,
+``<env>/clean/runs_with_a_false_flag: k/n [Clopper-Pearson 95%]``, and per fault the families
+that flag it within 5 rounds on most seeds.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ProcessPoolExecutor  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from filelock import FileLock  # noqa: E402
+from scipy.stats import beta  # noqa: E402
+
+STUDIES = Path(__file__).parent / "studies"
+ENVS = ("CartPole-v1", "Acrobot-v1", "LunarLander-v3", "MiniGrid-Empty-8x8-v0")
+FAULTS = ("action-mismatch:envs=1,mode=actuator", "action-mismatch:envs=1,mode=log", "reward-delay:envs=1,lag=10",
+          "done-flag:envs=1,mode=truncation-as-termination", "done-flag:envs=1,mode=termination-as-truncation",
+          "obs-bug:envs=1,mode=scale", "obs-bug:envs=1,mode=swap", "obs-bug:envs=1,mode=lag",
+          "logp-mismatch:envs=1,temperature=2", "action-mismatch:envs=2,mode=actuator", "obs-bug:envs=2,mode=lag")
+ALPHA = 0.01
+WITHIN = 5
+
+
+def _config(env: str, fault: str | None, seed: int, rounds: int, scratch: Path):
+    from rlinfluence.ppo import PPOConfig
+
+    study = STUDIES / f"{env}.json"
+    lr = {"learning_rate": json.loads(study.read_text())["chosen"]["ppo"]["learning_rate"]} if study.is_file() else {}
+    return PPOConfig.for_env(env, n_envs=8, n_steps=256, batch_size=64, **lr, seed=seed, total_timesteps=rounds * 2048,
+                             eval_episodes=0, corrupt=(fault,) if fault else (), trusted_envs=1, save_buffers=True,
+                             tracin=True, run_root=str(scratch), method=f"s{seed}", progress=False, tensorboard=False)
+
+
+def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path) -> dict:
+    """Train, score every round, and check the verdict after each round (module docstring)."""
+    from rlinfluence.analysis.audit import harm_table, scorers_of, verdict_table
+    from rlinfluence.checkpoint import load_round
+    from rlinfluence.ppo import PPO
+    from rlinfluence.sources import KIND_CLASS
+
+    scratch = out / "scratch" / f"{env}__{fault or 'clean'}__{seed}".replace(":", "_").replace(",", "_")
+    shutil.rmtree(scratch, ignore_errors=True)
+    cpu0 = time.process_time()
+    trainer = PPO(_config(env, fault, seed, rounds, scratch)).learn()
+    train_cpu = time.process_time() - cpu0
+    broken = set(np.flatnonzero(trainer.corruptor.broken_envs).tolist()) if fault else set()
+    families = [f for f in scorers_of(1) if f != "random"]
+    tables = []
+    row: dict = {"env": env, "fault": fault or "clean", "seed": seed, "rounds": rounds,
+                 "broken": " ".join(map(str, sorted(broken))), "verdict_round": np.nan, "reading": "",
+                 "reading_right": np.nan, "false_flags": "", "final_flagged": ""}
+    row |= {f"round_{f}": np.nan for f in families}
+    cpu1 = time.process_time()
+    for k in range(rounds):
+        tables.append(harm_table(load_round(trainer.run.path, k), families))
+        verdict = verdict_table(pd.concat(tables, ignore_index=True), families, ALPHA)
+        flagged = verdict[verdict["flagged"]]
+        found = flagged[flagged["source"].isin(broken)]
+        false = sorted(set(flagged["source"].astype(int)) - broken)
+        if false:
+            row["false_flags"] += f"{k + 1}:{','.join(map(str, false))} "
+        if len(found) and np.isnan(row["verdict_round"]):
+            row["verdict_round"] = k + 1
+            row["reading"] = found["fault_class"].iloc[0]
+            row["reading_right"] = float(row["reading"] == KIND_CLASS[fault.split(":")[0]])
+            row["signature"] = found["signature"].iloc[0]
+        for family in families:
+            if np.isnan(row[f"round_{family}"]) and any(family in str(s).split(";") for s in found["signature"]):
+                row[f"round_{family}"] = k + 1
+        if k == rounds - 1:
+            row["final_flagged"] = " ".join(map(str, flagged["source"].astype(int)))
+    row["train_cpu_s"], row["audit_cpu_s"] = train_cpu, time.process_time() - cpu1
+    shutil.rmtree(scratch, ignore_errors=True)
+    with FileLock(str(out / "runs.csv.lock")):
+        path = out / "runs.csv"
+        frame = pd.DataFrame([row])
+        frame.to_csv(path, mode="a", header=not path.is_file(), index=False)
+    return row
+
+
+def detect(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if (out / "runs.csv").is_file():
+        prior = pd.read_csv(out / "runs.csv")
+        done = set(zip(prior["env"], prior["fault"], prior["seed"], strict=True))
+    envs = args.envs.split(",")
+    jobs = []
+    for seed in range(1, max(args.seeds, args.clean_seeds) + 1):
+        for env in envs:
+            faults = (list(FAULTS) if seed <= args.seeds else []) + ([None] if seed <= args.clean_seeds else [])
+            for fault in faults:
+                if fault == "obs-bug:envs=1,mode=swap" and env == "FrozenLake-v1":
+                    continue
+                if (env, fault or "clean", seed) not in done:
+                    jobs.append((env, fault, seed, args.rounds, out))
+    print(f"{len(jobs)} runs to go", flush=True)
+    with ProcessPoolExecutor(args.workers) as pool:
+        for row in pool.map(run_one, *zip(*jobs, strict=True)) if jobs else []:
+            print(f"{row['env']} {row['fault']} seed {row['seed']}: verdict round {row['verdict_round']} "
+                  f"({row['reading']}) false {row['false_flags'].strip() or '-'}", flush=True)
+
+
+def clopper_pearson(k: int, n: int) -> tuple[float, float]:
+    """Exact 95% interval of a binomial rate k / n."""
+    low = 0.0 if k == 0 else float(beta.ppf(0.025, k, n - k + 1))
+    high = 1.0 if k == n else float(beta.ppf(0.975, k + 1, n - k))
+    return low, high
+
+
+def markdown_table(runs: pd.DataFrame, families: list[str]) -> str:
+    """One row per env and fault: seeds, flagged within WITHIN rounds, the rounds it took, the
+    reading's accuracy, runs with a false flag, and the families that flag it within WITHIN."""
+    lines = [f"| env | fault | seeds | flagged within {WITHIN} rounds | rounds to flag (each seed; - = not in "
+             f"{int(runs['rounds'].max())}) | reading right | runs with a false flag | families flagging it within "
+             f"{WITHIN} (seeds) |", "|---|---|---|---|---|---|---|---|"]
+    for (env, fault), group in runs.groupby(["env", "fault"], sort=False):
+        n = len(group)
+        false = int(group["false_flags"].fillna("").astype(str).str.strip().ne("").sum())
+        rounds = " ".join("-" if np.isnan(r) else str(int(r)) for r in group["verdict_round"])
+        if fault == "clean":
+            low, high = clopper_pearson(false, n)
+            lines.append(f"| {env} | clean | {n} | - | - | - | {false}/{n} [{low:.2f}, {high:.2f}] | - |")
+            continue
+        within = group["verdict_round"] <= WITHIN
+        finders = ", ".join(f"{f} {int((group[f'round_{f}'] <= WITHIN).sum())}" for f in families
+                            if (group[f"round_{f}"] <= WITHIN).sum() > 0) or "none"
+        lines.append(f"| {env} | {fault} | {n} | {int(within.sum())}/{n} | {rounds} | "
+                     f"{int(group.loc[within, 'reading_right'].sum())}/{int(within.sum())} | {false}/{n} | {finders} |")
+    return "\n".join(lines) + "\n"
+
+
+def summary(args: argparse.Namespace) -> None:
+    runs = pd.read_csv(Path(args.out) / "runs.csv").drop_duplicates(["env", "fault", "seed"], keep="last")
+    runs = runs.sort_values(["env", "fault", "seed"], kind="stable")
+    families = [c[6:] for c in runs.columns if c.startswith("round_")]
+    if args.data:
+        Path(args.data).mkdir(parents=True, exist_ok=True)
+        runs.to_csv(Path(args.data) / "hidden_faults_runs.csv", index=False)
+        (Path(args.data) / "hidden_faults_table.txt").write_text(markdown_table(runs, families))
+    for (env, fault), group in runs.groupby(["env", "fault"], sort=False):
+        n = len(group)
+        if fault == "clean":
+            k = int(group["false_flags"].fillna("").astype(str).str.strip().ne("").sum())
+            low, high = clopper_pearson(k, n)
+            print(f"{env}/clean/runs_with_a_false_flag: {k}/{n} [{low:.2f}, {high:.2f}]")
+            continue
+        within = group["verdict_round"] <= WITHIN
+        print(f"{env}/{fault}/flagged_within_{WITHIN}: {int(within.sum())}/{n}")
+        read = group.loc[within, "reading_right"]
+        print(f"{env}/{fault}/reading_right: {int(read.sum())}/{len(read)}")
+        false = int(group["false_flags"].fillna("").astype(str).str.strip().ne("").sum())
+        print(f"{env}/{fault}/runs_with_a_false_flag: {false}/{n}")
+        finders = [f"{f} {int((group[f'round_{f}'] <= WITHIN).sum())}/{n}" for f in families
+                   if (group[f"round_{f}"] <= WITHIN).sum() > 0]
+        print(f"{env}/{fault}/families_within_{WITHIN}: {', '.join(finders) or 'none'}")
+    faulty = runs[runs["fault"] != "clean"]
+    within = faulty["verdict_round"] <= WITHIN
+    print(f"all/faults/flagged_within_{WITHIN}: {int(within.sum())}/{len(faulty)}")
+    print(f"all/faults/reading_right: {int(faulty.loc[within, 'reading_right'].sum())}/{int(within.sum())}")
+    confusion = pd.crosstab(faulty.loc[within, "fault"].str.split(",").str[0] + "," +
+                            faulty.loc[within, "fault"].str.split(",").str[-1], faulty.loc[within, "reading"])
+    print(confusion.to_string())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("detect")
+    d.add_argument("--envs", default=",".join(ENVS))
+    d.add_argument("--seeds", type=int, default=10)
+    d.add_argument("--clean-seeds", type=int, default=30)
+    d.add_argument("--rounds", type=int, default=8)
+    d.add_argument("--workers", type=int, default=2)
+    d.add_argument("--out", default="bench_out/hidden_faults")
+    s = sub.add_parser("summary")
+    s.add_argument("--out", default="bench_out/hidden_faults")
+    s.add_argument("--data", default="")
+    args = parser.parse_args()
+    detect(args) if args.command == "detect" else summary(args)
+
+
+if __name__ == "__main__":
+    main()

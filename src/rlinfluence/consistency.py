@@ -1,0 +1,175 @@
+"""Consistency checks of a round's records: what a practitioner checks when one worker seems broken.
+
+Each check gives every record of a round a score, higher = less consistent with the rest of the
+data or with the policy theta(k) that collected it; an audit averages a score per source and
+round and tests the sources against each other (``rlinfluence.sources``). None reads the reward's
+sign or size as such; they ask whether the records agree with themselves:
+
+    logp-gap         |log pi_old(a|s) - log pi_theta(k)(a|s)|: the logged log-prob against the
+                     policy's own (0 for a worker that acts with theta(k) and logs what it did;
+                     gaps below GAP_TOLERANCE, float rounding between the rollout and the
+                     trainer, count as 0)
+    value-gap        |V_old(s) - V_theta(k)(s)|, the logged value against a recomputed one (the same
+                     tolerance, relative to 1 + |V|)
+    action-surprise  -log pi(a|s) - H(pi(.|s)): how much less likely the logged action is than a
+                     sample of pi(.|s) would be on average (mean 0 for actions sampled from pi;
+                     two-sided: a worker sampling colder than it logs scores below 0)
+    obs-shift        mean_d log(1 + z_d^2), z_d = (o_d - median_d) / scale_d, scale_d = 1.4826 MAD_d
+                     (the standard deviation where the MAD is 0), both over the pooled records of
+                     the round (the log keeps a clean source's rare extreme states from
+                     outweighing a broken source's steady shift)
+    dynamics         a one-step model o' - o ~ ridge(phi(o, a)), phi = [o, a, o (x) a] (a one-hot
+                     for Discrete), fit on the pooled records and cross-fitted over two folds of
+                     episodes: each record's mean squared standardised error on the fold it was
+                     not fit on (records whose next observation is in the buffer)
+    reward-model     the same cross-fitted ridge for the reward r ~ phi(o, a): squared standardised error
+    termination      cross-fitted logistic regression of the terminated flag on phi(o, a): the
+                     calibration residual terminated - P(terminated | o, a), mean 0 for a source
+                     whose flags follow the pooled ones (two-sided: flags missing or added)
+
+A record a check cannot score (no next observation in the buffer) is NaN; per-source means skip
+it. The fits are deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from sklearn.linear_model import LogisticRegression, Ridge
+from sklearn.preprocessing import StandardScaler
+
+from rlinfluence.buffer import RolloutBuffer
+
+MODEL_CHECKS = ("dynamics", "reward-model", "termination")
+POLICY_CHECKS = ("logp-gap", "value-gap", "action-surprise")
+CHECKS = (*POLICY_CHECKS, "obs-shift", *MODEL_CHECKS)
+STATISTICS = ("negative-advantage", "abs-advantage", "td-error", "reward-extremes")
+TWO_SIDED = frozenset({"action-surprise", "termination"})
+"""Checks whose per-source mean departs from the others' in either direction when a source is broken."""
+GAP_TOLERANCE = 1e-3
+
+
+@torch.no_grad()
+def policy_checks(policy: torch.nn.Module, buffer: RolloutBuffer) -> dict[str, np.ndarray]:
+    """``logp-gap``, ``value-gap`` and ``action-surprise`` of every record (flat order) at ``policy``."""
+    obs, actions = buffer.flat("obs"), buffer.flat("actions")
+    logp, entropy, values = policy.evaluate_actions(obs, actions)
+    logp, entropy, values = (x.double().numpy() for x in (logp, entropy, values))
+    logp_gap = np.abs(buffer.flat("logp").double().numpy() - logp)
+    value_gap = np.abs(buffer.flat("values").double().numpy() - values)
+    return {"logp-gap": np.where(logp_gap > GAP_TOLERANCE, logp_gap, 0.0),
+            "value-gap": np.where(value_gap > GAP_TOLERANCE * (1 + np.abs(values)), value_gap, 0.0),
+            "action-surprise": -logp - entropy}
+
+
+def obs_shift(buffer: RolloutBuffer) -> np.ndarray:
+    """``obs-shift`` of every record: log(1 + its squared robust z-score), averaged over the features."""
+    x = buffer.flat("obs").reshape(len(buffer), -1).double().numpy()
+    centre = np.median(x, axis=0)
+    scale = 1.4826 * np.median(np.abs(x - centre), axis=0)
+    scale = np.where(scale > 0, scale, x.std(axis=0))
+    varying = scale > 0
+    if not varying.any():
+        return np.zeros(len(buffer))
+    return np.log1p(((x[:, varying] - centre[varying]) / scale[varying]) ** 2).mean(axis=1)
+
+
+def _features(obs: np.ndarray, actions: np.ndarray, n_actions: int | None) -> np.ndarray:
+    """phi(o, a) = [o, a, o (x) a], a one-hot for Discrete."""
+    a = np.eye(n_actions)[actions.astype(np.int64)] if n_actions is not None else actions.reshape(len(actions), -1)
+    return np.concatenate([obs, a, (obs[:, :, None] * a[:, None, :]).reshape(len(obs), -1)], axis=1)
+
+
+def _folds(buffer: RolloutBuffer) -> np.ndarray:
+    """[N] 0/1: two folds of whole episodes (an episode id is unique within its source)."""
+    source = buffer.record_ids()[:, 1].numpy().astype(np.int64)
+    episode = buffer.flat("episode_ids").numpy().astype(np.int64)
+    return np.random.default_rng([int(buffer.round), 17]).permutation(2)[(source * 1_000_003 + episode) % 2]
+
+
+def _cross_fit(fit: Callable[[np.ndarray, np.ndarray], Callable[[np.ndarray], np.ndarray]],
+               phi: np.ndarray, y: np.ndarray, fold: np.ndarray, rows: np.ndarray,
+               predict_on: list[np.ndarray]) -> list[np.ndarray]:
+    """For each matrix of ``predict_on`` ([N, F] features), the prediction of every row from the model
+    fit on the other fold's ``rows`` (NaN outside ``rows``)."""
+    out = [np.full((len(phi),) + y.shape[1:], np.nan) for _ in predict_on]
+    for k in (0, 1):
+        train, test = rows & (fold != k), rows & (fold == k)
+        if not train.any() or not test.any():
+            continue
+        scaler = StandardScaler().fit(phi[train])
+        model = fit(scaler.transform(phi[train]), y[train])
+        for target, features in zip(out, predict_on, strict=True):
+            target[test] = model(scaler.transform(features[test]))
+    return out
+
+
+def _ridge(x: np.ndarray, y: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    return Ridge(alpha=1.0).fit(x, y).predict
+
+
+def _logistic(x: np.ndarray, y: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    if y.min() == y.max():  # one class in the fold: its (smoothed) rate
+        rate = (y.sum() + 0.5) / (len(y) + 1.0)
+        return lambda z: np.full(len(z), rate)
+    model = LogisticRegression(C=1.0, max_iter=500).fit(x, y)
+    return lambda z: model.predict_proba(z)[:, 1]
+
+
+def model_checks(buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.ndarray]:
+    """``dynamics``, ``reward-model`` and ``termination`` of every record (flat order).
+    ``n_actions``: the size of a Discrete action space (None for Box)."""
+    n, n_steps = len(buffer), buffer.n_steps
+    obs = buffer.flat("obs").reshape(n, -1).double().numpy()
+    actions = buffer.flat("actions").double().numpy()
+    step = buffer.record_ids()[:, 2].numpy()
+    done = buffer.flatten(buffer.dones).numpy()
+    has_next = (step < n_steps - 1) & ~done
+    nxt = np.roll(obs, -1, axis=0)  # flat order is env-major: i + 1 is the same env's next step
+    phi = _features(obs, actions, n_actions)
+    fold = _folds(buffer)
+
+    delta = nxt - obs
+    spread = delta[has_next].std(axis=0) if has_next.any() else np.zeros(obs.shape[1])
+    varying = spread > 1e-8
+    dynamics = np.full(n, np.nan)
+    if varying.any() and has_next.sum() > 10:
+        y = (delta[:, varying] - delta[has_next][:, varying].mean(axis=0)) / spread[varying]
+        (fitted,) = _cross_fit(_ridge, phi, y, fold, has_next, [phi])
+        dynamics = ((fitted - y) ** 2).mean(axis=1)
+
+    rewards = buffer.flat("rewards").double().numpy()
+    reward_spread = rewards.std()
+    reward_model = np.zeros(n)
+    if reward_spread > 0:
+        y = (rewards - rewards.mean()) / reward_spread
+        (fitted,) = _cross_fit(_ridge, phi, y, fold, np.ones(n, bool), [phi])
+        reward_model = np.where(np.isnan(fitted), np.nan, (fitted - y) ** 2)
+
+    terminated = buffer.flat("terminated").numpy().astype(np.float64)
+    (p,) = _cross_fit(_logistic, phi, terminated, fold, np.ones(n, bool), [phi])
+    return {"dynamics": dynamics, "reward-model": reward_model, "termination": terminated - p}
+
+
+def statistic_scores(buffer: RolloutBuffer, gamma: float) -> dict[str, np.ndarray]:
+    """The reward, value and advantage statistics of every record (flat order), higher = more
+    suspect: ``negative-advantage`` -A, ``abs-advantage`` |A|, ``td-error`` |delta| (delta = r +
+    gamma V(s') (1 - done) - V(s)) and ``reward-extremes`` |r - mean r|."""
+    advantages = buffer.flat("advantages").double().numpy()
+    rewards = buffer.flat("rewards").double().numpy()
+    return {"negative-advantage": -advantages, "abs-advantage": np.abs(advantages),
+            "td-error": np.abs(buffer.flatten(buffer.td_errors(gamma)).double().numpy()),
+            "reward-extremes": np.abs(rewards - rewards.mean())}
+
+
+def consistency_scores(policy: torch.nn.Module, buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.ndarray]:
+    """Every check of the module docstring for every record of ``buffer`` (flat order), at ``policy``
+    = theta(k), the policy that collected it."""
+    return {**policy_checks(policy, buffer), "obs-shift": obs_shift(buffer), **model_checks(buffer, n_actions)}
+
+
+def action_count(policy: torch.nn.Module) -> int | None:
+    """The number of Discrete actions of an ``ActorCritic`` (None for a Gaussian head)."""
+    return None if getattr(policy, "continuous", False) else int(policy.action_head.out_features)

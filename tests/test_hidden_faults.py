@@ -1,0 +1,253 @@
+"""Faults that hide from the reward: each kind changes exactly its envs and leaves rewards (or
+returns) as stated; the consistency checks equal a brute-force recomputation; the exact permutation
+test equals enumeration; the verdict flags a broken CartPole worker and nothing on a clean run;
+quarantine drops exactly the flagged sources; bad specs are one error line."""
+
+import itertools
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from sklearn.linear_model import Ridge
+from sklearn.preprocessing import StandardScaler
+
+from rlinfluence import cli
+from rlinfluence.analysis.audit import audit_run
+from rlinfluence.checkpoint import load_round
+from rlinfluence.consistency import _features, _folds, consistency_scores, model_checks
+from rlinfluence.ppo import PPO, PPOConfig
+from rlinfluence.sources import KIND_CLASS, reading, source_test
+
+
+def _round(corrupt=(), env="CartPole-v1", seed=3):
+    """Round 0 of a 4-env run: the policy and the action noise do not depend on the corruption."""
+    config = PPOConfig(env=env, n_envs=4, n_steps=64, batch_size=64, total_timesteps=256, eval_episodes=0,
+                       corrupt=tuple(corrupt), seed=seed, progress=False)
+    trainer = PPO(config, run_dir=False)
+    return trainer, trainer.collect()
+
+
+def _broken(trainer):
+    bad = trainer.corruptor.broken_envs
+    assert bad.sum() == 1
+    return bad
+
+
+def _same_outside(clean, faulty, bad, names=("obs", "actions", "logp", "values", "rewards", "terminated", "truncated")):
+    for name in names:
+        assert torch.equal(getattr(clean, name)[:, ~bad], getattr(faulty, name)[:, ~bad]), name
+    assert faulty.corrupted[:, bad].all() and not faulty.corrupted[:, ~bad].any()
+
+
+def test_action_mismatch_actuator_executes_the_mapped_action_and_logs_the_sampled_one():
+    _, clean = _round()
+    trainer, faulty = _round(["action-mismatch:envs=1,mode=actuator"])
+    bad = _broken(trainer)
+    _same_outside(clean, faulty, bad)
+    # the first step is taken from the same state with the same noise: same logged action, but the
+    # env executed the other one, so the next observation differs; CartPole pays 1 whatever happens
+    assert torch.equal(clean.actions[0, bad], faulty.actions[0, bad])
+    assert not torch.equal(clean.obs[1, bad], faulty.obs[1, bad])
+    assert (faulty.rewards == 1).all()
+
+
+def test_action_mismatch_log_executes_the_sampled_action_and_logs_the_mapped_one_with_its_log_prob():
+    _, clean = _round()
+    trainer, faulty = _round(["action-mismatch:envs=1,mode=log"])
+    bad = _broken(trainer)
+    _same_outside(clean, faulty, bad)
+    assert torch.equal(clean.obs[:, bad], faulty.obs[:, bad]) and torch.equal(clean.rewards, faulty.rewards)
+    assert torch.equal(faulty.actions[:, bad], (clean.actions[:, bad] + 1) % 2)
+    expected = trainer.policy.log_prob(faulty.obs[:, bad].reshape(64, -1), faulty.actions[:, bad].reshape(64))
+    assert torch.allclose(faulty.logp[:, bad].reshape(64), expected, atol=1e-6)
+
+
+def test_reward_delay_keeps_every_episodes_return_and_moves_its_rewards_later():
+    _, clean = _round()
+    trainer, faulty = _round(["reward-delay:envs=1,lag=3"])
+    bad = _broken(trainer)
+    _same_outside(clean, faulty, bad, names=("obs", "actions", "logp", "values", "terminated", "truncated"))
+    env = int(np.flatnonzero(bad)[0])
+    episodes, rewards, clean_rewards = faulty.episode_ids[:, env], faulty.rewards[:, env], clean.rewards[:, env]
+    dones = faulty.dones[:, env]
+    for episode in episodes.unique():
+        steps = episodes == episode
+        if dones[steps].any():  # a complete episode: the same return
+            assert float(rewards[steps].sum()) == pytest.approx(float(clean_rewards[steps].sum()))
+        first = int(steps.nonzero()[0])
+        if first == 0 or episodes[first - 1] != episode:  # its first three rewards are owed
+            assert (rewards[first:first + 3][~dones[first:first + 3]] == 0).all()
+    assert not torch.equal(rewards, clean_rewards)
+
+
+@pytest.mark.parametrize("mode", ["truncation-as-termination", "termination-as-truncation"])
+def test_done_flags_move_ends_between_terminated_and_truncated_and_nothing_else(mode):
+    env_id = "CartPole-v1" if mode == "termination-as-truncation" else "FrozenLake-v1"
+    _, clean = _round(env=env_id)
+    trainer, faulty = _round([f"done-flag:envs=1,mode={mode}"], env=env_id)
+    bad = _broken(trainer)
+    _same_outside(clean, faulty, bad, names=("obs", "actions", "logp", "values", "rewards"))
+    assert torch.equal(clean.dones, faulty.dones)
+    moved_from, moved_to = ("truncated", "terminated") if mode == "truncation-as-termination" else \
+        ("terminated", "truncated")
+    assert not getattr(faulty, moved_from)[:, bad].any()
+    assert torch.equal(getattr(faulty, moved_to)[:, bad], clean.dones[:, bad])
+
+
+def test_obs_bug_scale_swap_and_lag_change_the_logged_observations_as_stated():
+    _, clean = _round()
+    for mode in ("scale", "swap"):
+        trainer, faulty = _round([f"obs-bug:envs=1,mode={mode}"])
+        bad = _broken(trainer)
+        _same_outside(clean, faulty, bad)
+        env = int(np.flatnonzero(bad)[0])
+        first = faulty.obs[0, env]  # the first observation is the same state, misprocessed
+        if mode == "scale":
+            assert torch.allclose(first[0], 10 * clean.obs[0, env, 0]) and torch.equal(first[1:], clean.obs[0, env, 1:])
+        else:
+            assert torch.equal(first[:2], clean.obs[0, env, [1, 0]]) and torch.equal(first[2:], clean.obs[0, env, 2:])
+    trainer, faulty = _round(["obs-bug:envs=1,mode=lag"])
+    bad = _broken(trainer)
+    _same_outside(clean, faulty, bad)
+    env = int(np.flatnonzero(bad)[0])
+    # the worker acts on the previous observation: the env moves on; each logged observation is the
+    # one the env gave a step earlier (its own at an episode's first step)
+    assert torch.equal(faulty.obs[0, env], faulty.obs[1, env]) or faulty.dones[0, env]
+    episodes = faulty.episode_ids[:, env]
+    for t in range(2, 64):
+        if episodes[t] == episodes[t - 1] == episodes[t - 2]:
+            assert not torch.equal(faulty.obs[t, env], faulty.obs[t - 1, env])
+
+
+def test_logp_mismatch_samples_hotter_and_logs_the_trainers_log_prob():
+    _, clean = _round()
+    trainer, faulty = _round(["logp-mismatch:envs=1,temperature=50"])
+    bad = _broken(trainer)
+    _same_outside(clean, faulty, bad)
+    env = int(np.flatnonzero(bad)[0])
+    expected = trainer.policy.log_prob(faulty.obs[:, env], faulty.actions[:, env])
+    assert torch.allclose(faulty.logp[:, env], expected, atol=1e-6) and (faulty.rewards == 1).all()
+
+
+def test_the_policy_and_observation_checks_equal_a_brute_force_recomputation():
+    trainer, buffer = _round(["obs-bug:envs=1,mode=scale"])
+    buffer.compute_advantages(0.99, 0.95)
+    scores = consistency_scores(trainer.policy, buffer, 2)
+    obs, actions = buffer.flat("obs"), buffer.flat("actions")
+    for i in range(0, len(buffer), 37):
+        with torch.no_grad():
+            logits = trainer.policy.action_head(trainer.policy.actor(obs[i:i + 1]))[0]
+            logp = torch.log_softmax(logits, -1)
+            entropy = -(logp.exp() * logp).sum()
+        gap = abs(float(buffer.flat("logp")[i]) - float(logp[actions[i]]))
+        assert scores["logp-gap"][i] == pytest.approx(gap if gap > 1e-3 else 0.0, abs=1e-6)
+        assert scores["action-surprise"][i] == pytest.approx(float(-logp[actions[i]] - entropy), abs=1e-5)
+    x = obs.double().numpy()
+    centre = np.median(x, axis=0)
+    scale = 1.4826 * np.median(np.abs(x - centre), axis=0)
+    assert scores["obs-shift"] == pytest.approx(np.log1p(((x - centre) / scale) ** 2).mean(axis=1))
+
+
+def test_the_dynamics_check_is_cross_fitted_on_the_other_folds_episodes():
+    _, buffer = _round()
+    buffer.compute_advantages(0.99, 0.95)
+    dynamics = model_checks(buffer, 2)["dynamics"]
+    obs = buffer.flat("obs").double().numpy()
+    step, done = buffer.record_ids()[:, 2].numpy(), buffer.flatten(buffer.dones).numpy()
+    rows = (step < buffer.n_steps - 1) & ~done
+    delta = np.roll(obs, -1, axis=0) - obs
+    y = (delta - delta[rows].mean(axis=0)) / delta[rows].std(axis=0)
+    phi, fold = _features(obs, buffer.flat("actions").double().numpy(), 2), _folds(buffer)
+    train, test = rows & (fold == 1), rows & (fold == 0)
+    scaler = StandardScaler().fit(phi[train])
+    fitted = Ridge(alpha=1.0).fit(scaler.transform(phi[train]), y[train]).predict(scaler.transform(phi[test]))
+    assert dynamics[test] == pytest.approx(((fitted - y[test]) ** 2).mean(axis=1))
+    assert np.isnan(dynamics[~rows]).all()
+
+
+@pytest.mark.parametrize("two_sided", [False, True])
+def test_the_exact_permutation_test_equals_enumerating_every_labelling(two_sided):
+    h = np.random.default_rng(2).normal(size=(4, 3)) + np.array([0.0, 1.0, -1.0])
+    statistic, p = source_test(h, two_sided=two_sided)
+    centred = h - h.mean(axis=1, keepdims=True)
+    null = np.array([np.mean([centred[k, i] for k, i in enumerate(labels)])
+                     for labels in itertools.product(range(3), repeat=4)])
+    for t, p_s in zip(statistic, p, strict=True):
+        expected = (np.abs(null) >= abs(t) - 1e-12).mean() if two_sided else (null >= t - 1e-12).mean()
+        assert p_s == pytest.approx(expected)
+
+
+def test_a_signature_is_read_as_its_fault_class():
+    assert reading(["dtv", "dynamics", "action-surprise"])[0] == "action"
+    assert reading(["obs-shift", "dynamics"])[0] == "observation"
+    assert reading(["logp-gap"])[0] == "stale-policy"
+    assert reading(["action-surprise"])[0] == "sampling"
+    assert reading(["termination", "td-error"])[0] == "done-flags"
+    assert reading(["reward-model"])[0] == "reward"
+    assert reading(["influence", "dtv"])[0] == "unexplained"
+    assert reading([]) == ("", "")
+    assert set(KIND_CLASS.values()) <= {"stale-policy", "observation", "action", "sampling", "done-flags", "reward"}
+
+
+def _trained(tmp_path, corrupt, seed, filter="none", rounds=7):
+    config = PPOConfig(env="CartPole-v1", n_envs=8, n_steps=64, batch_size=64, total_timesteps=rounds * 512, seed=seed,
+                       eval_episodes=0, corrupt=tuple(corrupt), save_buffers=True, tracin=True, filter=filter,
+                       run_root=str(tmp_path), method=f"s{seed}{filter}{len(corrupt)}", progress=False,
+                       tensorboard=False)
+    return PPO(config).learn()
+
+
+def test_the_verdict_flags_an_action_mismatch_worker_and_nothing_on_a_clean_run(tmp_path):
+    broken = _trained(tmp_path, ["action-mismatch:envs=1,mode=log"], 1)
+    bad = int(np.flatnonzero(broken.corruptor.broken_envs)[0])
+    sources, _, _ = audit_run(broken.run.path)
+    assert sources["flagged"].tolist() == [s == bad for s in range(8)]
+    row = sources.set_index("source").loc[bad]
+    assert "dynamics" in row["signature"].split(";") and row["fault_class"] == "action"
+    clean = _trained(tmp_path, [], 2)
+    sources, _, _ = audit_run(clean.run.path)
+    assert not sources["flagged"].any()
+
+
+def test_quarantine_drops_exactly_the_flagged_sources_and_nothing_on_a_clean_run(tmp_path):
+    faulty = _trained(tmp_path, ["action-mismatch:envs=1,mode=log"], 1, filter="quarantine")
+    bad = int(np.flatnonzero(faulty.corruptor.broken_envs)[0])
+    rows = pd.read_csv(faulty.run.path / "metrics.csv", dtype={"quarantined_sources": str}, keep_default_na=False)
+    quarantined_rounds = 0
+    for row in rows.itertuples():
+        sources = [int(s) for s in str(row.quarantined_sources).split()] if row.quarantined else []
+        saved = load_round(faulty.run.path, int(row.round))
+        keep = saved.keep.numpy()
+        env = saved.buffer.record_ids()[:, 1].numpy()
+        assert (keep == ~np.isin(env, sources)).all()
+        quarantined_rounds += bad in sources
+        assert set(sources) <= {bad}
+    assert quarantined_rounds >= 1
+    clean = _trained(tmp_path, [], 4, filter="quarantine")
+    rows = pd.read_csv(clean.run.path / "metrics.csv")
+    assert (rows["quarantined"] == 0).all() and (rows["kept_fraction"] == 1).all()
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("action-mismatch:envs=1,mode=sideways", "mode must be one of actuator, log"),
+    ("obs-bug:envs=1,mode=swap", "has a Discrete (one-hot) observation"),
+    ("done-flag:envs=4,mode=truncation-as-termination", "envs must be < the 4 envs"),
+    ("reward-delay:envs=1,lag=0", "lag must be >= 1"),
+    ("logp-mismatch:envs=1,temperature=1", "temperature must be > 0 and not 1"),
+    ("obs-bug:envs=1,mode=scale,mode=lag", "mode is given twice"),
+    ("trigger:frac=0.5,bonus=0", "bonus must be finite and not 0"),
+])
+def test_a_bad_fault_spec_is_one_error_line_and_writes_nothing(tmp_path, capsys, spec, message):
+    args = ["train", "--env", "FrozenLake-v1", "--n-envs", "4", "--run-root", str(tmp_path / "runs"), "--corrupt", spec]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_a_kind_given_twice_is_refused(tmp_path, capsys):
+    args = ["train", "--env", "FrozenLake-v1", "--n-envs", "4", "--run-root", str(tmp_path / "runs"),
+            "--corrupt", "reward-flip:envs=1", "reward-flip:envs=2"]
+    assert cli.main(args) == 2
+    assert "reward-flip is given 2 times" in capsys.readouterr().err
