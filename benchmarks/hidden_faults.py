@@ -50,14 +50,16 @@ ALPHA = 0.01
 WITHIN = 5
 
 
-def _config(env: str, fault: str | None, seed: int, rounds: int, scratch: Path):
+def _config(env: str, fault: str | None, seed: int, rounds: int, scratch: Path, **overrides):
     from rlinfluence.ppo import PPOConfig
 
     study = STUDIES / f"{env}.json"
     lr = {"learning_rate": json.loads(study.read_text())["chosen"]["ppo"]["learning_rate"]} if study.is_file() else {}
-    return PPOConfig.for_env(env, n_envs=8, n_steps=256, batch_size=64, **lr, seed=seed, total_timesteps=rounds * 2048,
-                             eval_episodes=0, corrupt=(fault,) if fault else (), trusted_envs=1, save_buffers=True,
-                             tracin=True, run_root=str(scratch), method=f"s{seed}", progress=False, tensorboard=False)
+    settings = {"n_envs": 8, "n_steps": 256, "batch_size": 64, **lr, "seed": seed, "total_timesteps": rounds * 2048,
+                "eval_episodes": 0, "corrupt": (fault,) if fault else (), "trusted_envs": 1, "save_buffers": True,
+                "tracin": True, "run_root": str(scratch), "method": f"s{seed}", "progress": False,
+                "tensorboard": False}
+    return PPOConfig.for_env(env, **{**settings, **overrides})
 
 
 def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path) -> dict:
@@ -129,6 +131,107 @@ def detect(args: argparse.Namespace) -> None:
         for row in pool.map(run_one, *zip(*jobs, strict=True)) if jobs else []:
             print(f"{row['env']} {row['fault']} seed {row['seed']}: verdict round {row['verdict_round']} "
                   f"({row['reading']}) false {row['false_flags'].strip() or '-'}", flush=True)
+
+
+LEARN_ARMS = {"ppo": {"filter": "none"}, "oracle": {"filter": "oracle"}, "quarantine": {"filter": "quarantine"},
+              "iif": {"filter": "iif"}, "random": {"filter": "random", "drop_pct": 12.5, "random_match": "pct"}}
+
+
+class Recording:
+    """Wraps a filter and keeps, per round, how many records it dropped and how many of those were corrupted."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.dropped, self.dropped_corrupted = inner, inner.name, [], []
+
+    def __call__(self, buffer, context):
+        keep = self.inner(buffer, context)
+        self.dropped.append(int((~keep).sum()))
+        self.dropped_corrupted.append(int((~keep & buffer.flat("corrupted")).sum()))
+        return keep
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)
+
+
+def learn_one(env: str, fault: str, arm: str, seed: int, rounds: int, out: Path) -> dict:
+    """One training run of ``arm`` under ``fault``: the evaluation return per round, CPU and what it dropped."""
+    from rlinfluence.filters import make_filter
+    from rlinfluence.ppo import PPO
+    from rlinfluence.seeding import derived_seed
+
+    config = _config(env, None if fault == "clean" else fault, seed, rounds, out / "scratch", save_buffers=False, tracin=False, eval_episodes=20,
+                     eval_envs=10, **LEARN_ARMS[arm])
+    inner = make_filter(config.filter, drop_pct=config.drop_pct, seed=derived_seed(config.seed, 0, 2),
+                        random_match=config.random_match,
+                        quarantine=(config.quarantine_window, config.quarantine_alpha, False, config.trusted_envs))
+    trainer = PPO(config, filter=Recording(inner), run_dir=False)
+    recording = trainer.filter
+    returns: list[float] = []
+    trainer.learn(callback=lambda _, metrics: returns.append(metrics["eval_return_mean"]))
+    broken_envs = int(fault.split("envs=")[1].split(",")[0]) if fault != "clean" else 0
+    dropped = sum(recording.dropped)
+    row = {"env": env, "fault": fault, "arm": arm, "seed": seed, "rounds": rounds,
+           "auc": float(np.mean(returns)), "final": float(np.mean(returns[-3:])),
+           "train_cpu_s": trainer.train_cpu_seconds, "dropped": dropped,
+           "selectivity": sum(recording.dropped_corrupted) / dropped if dropped else np.nan,
+           "base_rate": broken_envs / 8, "returns": " ".join(f"{r:.4g}" for r in returns)}
+    with FileLock(str(out / "learn.csv.lock")):
+        path = out / "learn.csv"
+        pd.DataFrame([row]).to_csv(path, mode="a", header=not path.is_file(), index=False)
+    return row
+
+
+def learn(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if (out / "learn.csv").is_file():
+        prior = pd.read_csv(out / "learn.csv")
+        done = set(zip(prior["env"], prior["fault"], prior["arm"], prior["seed"], strict=True))
+    settings = [tuple(s.split("/")) for s in args.settings.split(";")]
+    jobs = [(env, fault, arm, seed, args.rounds, out) for seed in range(1, args.seeds + 1) for env, fault in settings
+            for arm in LEARN_ARMS if (env, fault, arm, seed) not in done]
+    print(f"{len(jobs)} runs to go", flush=True)
+    with ProcessPoolExecutor(args.workers) as pool:
+        for row in pool.map(learn_one, *zip(*jobs, strict=True)) if jobs else []:
+            print(f"{row['env']} {row['fault']} {row['arm']} seed {row['seed']}: auc {row['auc']:.4g} "
+                  f"selectivity {row['selectivity']:.3f}", flush=True)
+
+
+def learn_summary(args: argparse.Namespace) -> None:
+    """Paired differences of auc to PPO and to the oracle (t intervals), selectivity and CPU per arm."""
+    from scipy.stats import t as student
+
+    runs = pd.read_csv(Path(args.out) / "learn.csv").drop_duplicates(["env", "fault", "arm", "seed"], keep="last")
+    if args.data:
+        runs.to_csv(Path(args.data) / "hidden_faults_learn.csv", index=False)
+    lines = ["| env | fault | arm | seeds | auc | auc - ppo's, paired [95% t] | auc - oracle's, paired [95% t] | "
+             "selectivity (base rate) | CPU / PPO's |", "|---|---|---|---|---|---|---|---|---|"]
+    for (env, fault), group in runs.groupby(["env", "fault"], sort=False):
+        by_arm = {arm: g.set_index("seed") for arm, g in group.groupby("arm")}
+        for arm, g in by_arm.items():
+            cells = []
+            for reference in ("ppo", "oracle"):
+                seeds = g.index.intersection(by_arm[reference].index) if reference in by_arm else []
+                diff = (g.loc[seeds, "auc"] - by_arm[reference].loc[seeds, "auc"]).to_numpy() if len(seeds) else []
+                if len(diff) >= 2 and arm != reference:
+                    half = student.ppf(0.975, len(diff) - 1) * diff.std(ddof=1) / np.sqrt(len(diff))
+                    cells.append(f"{diff.mean():+.1f} [{diff.mean() - half:+.1f}, {diff.mean() + half:+.1f}]")
+                    print(f"{env}/{fault}/{arm}/auc_minus_{reference}: {diff.mean():+.2f} "
+                          f"[{diff.mean() - half:+.2f}, {diff.mean() + half:+.2f}] (n={len(diff)})")
+                else:
+                    cells.append("-")
+            cpu = g["train_cpu_s"].mean() / by_arm["ppo"]["train_cpu_s"].mean() if "ppo" in by_arm else np.nan
+            selectivity = g["selectivity"].mean()
+            lines.append(f"| {env} | {fault} | {arm} | {len(g)} | {g['auc'].mean():.1f} | {cells[0]} | {cells[1]} | "
+                         f"{'-' if np.isnan(selectivity) else f'{selectivity:.2f}'} ({g['base_rate'].iloc[0]:.3f}) | "
+                         f"{cpu:.2f} |")
+    if args.data:
+        (Path(args.data) / "hidden_faults_learn_table.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def clopper_pearson(k: int, n: int) -> tuple[float, float]:
@@ -206,8 +309,19 @@ def main() -> None:
     s = sub.add_parser("summary")
     s.add_argument("--out", default="bench_out/hidden_faults")
     s.add_argument("--data", default="")
+    lr = sub.add_parser("learn")
+    lr.add_argument("--settings", default="CartPole-v1/action-mismatch:envs=1,mode=actuator;"
+                    "CartPole-v1/obs-bug:envs=1,mode=scale;CartPole-v1/reward-delay:envs=1,lag=10;"
+                    "Acrobot-v1/obs-bug:envs=1,mode=swap;CartPole-v1/clean")
+    lr.add_argument("--seeds", type=int, default=5)
+    lr.add_argument("--rounds", type=int, default=20)
+    lr.add_argument("--workers", type=int, default=1)
+    lr.add_argument("--out", default="bench_out/hidden_faults")
+    ls = sub.add_parser("learn-summary")
+    ls.add_argument("--out", default="bench_out/hidden_faults")
+    ls.add_argument("--data", default="")
     args = parser.parse_args()
-    detect(args) if args.command == "detect" else summary(args)
+    {"detect": detect, "summary": summary, "learn": learn, "learn-summary": learn_summary}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,8 @@ def test_the_policy_and_observation_checks_equal_a_brute_force_recomputation():
 def test_the_dynamics_check_is_cross_fitted_on_the_other_folds_episodes():
     _, buffer = _round()
     buffer.compute_advantages(0.99, 0.95)
-    dynamics = model_checks(buffer, 2)["dynamics"]
+    checks = model_checks(buffer, 2)
+    dynamics = checks["dynamics"]
     obs = buffer.flat("obs").double().numpy()
     step, done = buffer.record_ids()[:, 2].numpy(), buffer.flatten(buffer.dones).numpy()
     rows = (step < buffer.n_steps - 1) & ~done
@@ -161,9 +162,14 @@ def test_the_dynamics_check_is_cross_fitted_on_the_other_folds_episodes():
     phi, fold = _features(obs, buffer.flat("actions").double().numpy(), 2), _folds(buffer)
     train, test = rows & (fold == 1), rows & (fold == 0)
     scaler = StandardScaler().fit(phi[train])
-    fitted = Ridge(alpha=1.0).fit(scaler.transform(phi[train]), y[train]).predict(scaler.transform(phi[test]))
+    model = Ridge(alpha=1.0).fit(scaler.transform(phi[train]), y[train])
+    fitted = model.predict(scaler.transform(phi[test]))
     assert dynamics[test] == pytest.approx(((fitted - y[test]) ** 2).mean(axis=1))
     assert np.isnan(dynamics[~rows]).all()
+    # action-fit: the error with the logged action minus its mean over both actions, same model
+    alternatives = [((model.predict(scaler.transform(_features(obs, np.full(len(obs), a), 2)[test])) - y[test]) ** 2)
+                    .mean(axis=1) for a in (0.0, 1.0)]
+    assert checks["action-fit"][test] == pytest.approx(dynamics[test] - np.mean(alternatives, axis=0))
 
 
 @pytest.mark.parametrize("two_sided", [False, True])

@@ -22,6 +22,11 @@ sign or size as such; they ask whether the records agree with themselves:
                      for Discrete), fit on the pooled records and cross-fitted over two folds of
                      episodes: each record's mean squared standardised error on the fold it was
                      not fit on (records whose next observation is in the buffer)
+    action-fit       the dynamics error with the logged action minus its mean over the other
+                     actions the record could have carried (every action of a Discrete space; for
+                     Box, the actions of four seeded shuffles of the round's records): how much the
+                     logged action fails to explain the transition, within the same state (a state
+                     that is hard to predict raises both terms alike)
     reward-model     the same cross-fitted ridge for the reward r ~ phi(o, a): squared standardised error
     termination      cross-fitted logistic regression of the terminated flag on phi(o, a): the
                      calibration residual terminated - P(terminated | o, a), mean 0 for a source
@@ -42,7 +47,7 @@ from sklearn.preprocessing import StandardScaler
 
 from rlinfluence.buffer import RolloutBuffer
 
-MODEL_CHECKS = ("dynamics", "reward-model", "termination")
+MODEL_CHECKS = ("dynamics", "action-fit", "reward-model", "termination")
 POLICY_CHECKS = ("logp-gap", "value-gap", "action-surprise")
 CHECKS = (*POLICY_CHECKS, "obs-shift", *MODEL_CHECKS)
 STATISTICS = ("negative-advantage", "abs-advantage", "td-error", "reward-extremes")
@@ -119,7 +124,7 @@ def _logistic(x: np.ndarray, y: np.ndarray) -> Callable[[np.ndarray], np.ndarray
 
 
 def model_checks(buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.ndarray]:
-    """``dynamics``, ``reward-model`` and ``termination`` of every record (flat order).
+    """``dynamics``, ``action-fit``, ``reward-model`` and ``termination`` of every record (flat order).
     ``n_actions``: the size of a Discrete action space (None for Box)."""
     n, n_steps = len(buffer), buffer.n_steps
     obs = buffer.flat("obs").reshape(n, -1).double().numpy()
@@ -134,11 +139,18 @@ def model_checks(buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.n
     delta = nxt - obs
     spread = delta[has_next].std(axis=0) if has_next.any() else np.zeros(obs.shape[1])
     varying = spread > 1e-8
-    dynamics = np.full(n, np.nan)
+    dynamics, action_fit = np.full(n, np.nan), np.full(n, np.nan)
     if varying.any() and has_next.sum() > 10:
         y = (delta[:, varying] - delta[has_next][:, varying].mean(axis=0)) / spread[varying]
-        (fitted,) = _cross_fit(_ridge, phi, y, fold, has_next, [phi])
+        if n_actions is not None:
+            alternatives = [np.full(n, float(a)) for a in range(n_actions)]
+        else:
+            shuffle = np.random.default_rng([int(buffer.round), 23])
+            alternatives = [actions[shuffle.permutation(n)] for _ in range(4)]
+        fitted, *others = _cross_fit(_ridge, phi, y, fold, has_next,
+                                     [phi] + [_features(obs, a, n_actions) for a in alternatives])
         dynamics = ((fitted - y) ** 2).mean(axis=1)
+        action_fit = dynamics - np.mean([((other - y) ** 2).mean(axis=1) for other in others], axis=0)
 
     rewards = buffer.flat("rewards").double().numpy()
     reward_spread = rewards.std()
@@ -150,7 +162,8 @@ def model_checks(buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.n
 
     terminated = buffer.flat("terminated").numpy().astype(np.float64)
     (p,) = _cross_fit(_logistic, phi, terminated, fold, np.ones(n, bool), [phi])
-    return {"dynamics": dynamics, "reward-model": reward_model, "termination": terminated - p}
+    return {"dynamics": dynamics, "action-fit": action_fit, "reward-model": reward_model,
+            "termination": terminated - p}
 
 
 def statistic_scores(buffer: RolloutBuffer, gamma: float) -> dict[str, np.ndarray]:

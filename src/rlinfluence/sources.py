@@ -109,7 +109,7 @@ def reading(signature: Sequence[str]) -> tuple[str, str]:
     if "obs-shift" in flagged:
         return "observation", ("its observations are distributed unlike the other workers': check its observation "
                                "preprocessing (scaling, feature order)")
-    if "dynamics" in flagged:
+    if flagged & {"dynamics", "action-fit"}:
         if "action-surprise" in flagged:
             return "action", ("its transitions do not follow from its logged actions, and those actions are unlikely "
                               "under the policy: the logged actions are not the executed ones (an action-mapping or "
