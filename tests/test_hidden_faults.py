@@ -257,3 +257,41 @@ def test_a_kind_given_twice_is_refused(tmp_path, capsys):
             "--corrupt", "reward-flip:envs=1", "reward-flip:envs=2"]
     assert cli.main(args) == 2
     assert "reward-flip is given 2 times" in capsys.readouterr().err
+
+
+def test_the_sb3_quarantine_callback_drops_exactly_the_flagged_env_and_nothing_on_clean_envs(monkeypatch):
+    gym = pytest.importorskip("gymnasium")
+    sb3 = pytest.importorskip("stable_baselines3")
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from rlinfluence.integrations.sb3 import FilteredRolloutBuffer, QuarantineCallback
+
+    class Scaled(gym.ObservationWrapper):  # an observation bug in one worker: the cart position x10
+        def observation(self, observation):
+            return observation * np.array([10, 1, 1, 1], dtype=np.float32)
+
+    masks = []
+    original = FilteredRolloutBuffer.set_keep_mask
+
+    def record(buffer, keep):
+        masks.append(np.asarray(keep).copy())
+        original(buffer, keep)
+
+    monkeypatch.setattr(FilteredRolloutBuffer, "set_keep_mask", record)
+
+    def make(i, broken):
+        return lambda: Scaled(gym.make("CartPole-v1")) if i == broken else gym.make("CartPole-v1")
+
+    env_of = np.repeat(np.arange(8), 64)  # SB3's flat order is env-major
+    for broken in (2, None):
+        masks.clear()
+        model = sb3.PPO("MlpPolicy", DummyVecEnv([make(i, broken) for i in range(8)]), n_steps=64, batch_size=64,
+                        n_epochs=2, seed=0, rollout_buffer_class=FilteredRolloutBuffer)
+        callback = QuarantineCallback(window=6)
+        model.learn(8 * 512, callback=callback)
+        for quarantined, keep in zip(callback.history, masks, strict=True):
+            assert (keep == ~np.isin(env_of, quarantined)).all()
+        if broken is None:
+            assert not any(callback.history)
+        else:
+            assert any(callback.history) and all(set(q) <= {broken} for q in callback.history)

@@ -184,5 +184,8 @@ def consistency_scores(policy: torch.nn.Module, buffer: RolloutBuffer, n_actions
 
 
 def action_count(policy: torch.nn.Module) -> int | None:
-    """The number of Discrete actions of an ``ActorCritic`` (None for a Gaussian head)."""
+    """The number of Discrete actions of a policy (None for a continuous one): its ``n_actions``
+    where it has one (the SB3 adapter), else an ``ActorCritic``'s action head."""
+    if hasattr(policy, "n_actions"):
+        return policy.n_actions
     return None if getattr(policy, "continuous", False) else int(policy.action_head.out_features)

@@ -63,13 +63,21 @@ try:
     from stable_baselines3.common.buffers import RolloutBuffer
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.policies import ActorCriticPolicy
+    from stable_baselines3.common.utils import obs_as_tensor
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "rlinfluence.integrations.sb3 needs stable-baselines3 (an optional dependency): "
         'pip install "rlinfluence[sb3]"'
     ) from exc
 
-from rlinfluence.filters import FilterContext, drop_lowest, guard_minibatch, iif_drop_count
+from rlinfluence.buffer import RolloutBuffer as OurRolloutBuffer
+from rlinfluence.filters import (
+    FilterContext,
+    QuarantineFilter,
+    drop_lowest,
+    guard_minibatch,
+    iif_drop_count,
+)
 from rlinfluence.influence import (
     DEFAULT_ADVANTAGE_NORM,
     ReturnTarget,
@@ -80,7 +88,8 @@ from rlinfluence.influence import (
 )
 from rlinfluence.rundir import atomic_write
 
-__all__ = ["AuditCallback", "FilteredRolloutBuffer", "InfluenceFilterCallback", "SB3PolicyAdapter", "attribute",
+__all__ = ["AuditCallback", "FilteredRolloutBuffer", "InfluenceFilterCallback", "QuarantineCallback", "SB3PolicyAdapter",
+           "as_rollout_buffer", "attribute",
            "next_permutation"]
 
 ADVANTAGE_NORMS = ("auto", "chunk", "batch", "none")
@@ -109,6 +118,7 @@ class SB3PolicyAdapter(nn.Module):
             raise ValueError("Dict observation spaces are not supported by rlinfluence's SB3 adapter")
         self.policy = policy
         self.discrete = isinstance(policy.action_space, spaces.Discrete)
+        self.n_actions = int(policy.action_space.n) if self.discrete else None
 
     def _actions(self, actions: torch.Tensor) -> torch.Tensor:
         if self.discrete:
@@ -423,6 +433,86 @@ class InfluenceFilterCallback(BaseCallback):
         if self.verbose >= 1:
             print(f"influence: kept {stats['kept_fraction']:.3f} of {n} records "
                   f"({int(stats['n_negative'])} negative) in {stats['seconds']:.3f} s")
+
+
+# -- quarantine -----------------------------------------------------------------------------------
+def as_rollout_buffer(model: Any, buffer: RolloutBuffer, round_index: int, episode_offsets: np.ndarray
+                      ) -> OurRolloutBuffer:
+    """SB3's rollout buffer (after GAE) as rlinfluence's ``RolloutBuffer`` of round ``round_index``:
+    the same records in ``[n_steps, n_envs]`` layout; an episode ends where the next step starts one
+    (SB3 does not keep termination apart from truncation, whose bootstrap it adds to the reward, so
+    every end is ``terminated``); episode ids count from ``episode_offsets`` [n_envs];
+    ``last_values`` are V of the model's last observations."""
+    n_steps, n_envs = buffer.buffer_size, buffer.n_envs
+
+    def layout(name: str, per_record: bool = False) -> torch.Tensor:
+        """``[n_steps, n_envs, ...]`` (``per_record``: one number per record, ``[n_steps, n_envs]``)."""
+        flat = _flat(buffer, name)
+        out = torch.as_tensor(flat.reshape(n_envs, n_steps, *flat.shape[1:]).swapaxes(0, 1).copy())
+        return out.reshape(n_steps, n_envs) if per_record else out
+
+    starts = layout("episode_starts", True).bool()
+    ends = torch.cat([starts[1:], torch.as_tensor(np.asarray(model._last_episode_starts), dtype=torch.bool)[None]])
+    discrete = isinstance(model.action_space, spaces.Discrete)
+    actions = layout("actions", discrete).long() if discrete else layout("actions")
+    with torch.no_grad():
+        last_obs = obs_as_tensor(model._last_obs, model.policy.device)
+        last_values = model.policy.predict_values(last_obs).flatten().cpu().float()
+    episode_ids = torch.as_tensor(episode_offsets)[None] + torch.cumsum(starts.long(), dim=0) - starts[0].long()[None]
+    out = OurRolloutBuffer(round=round_index, obs=layout("observations"), actions=actions,
+                           rewards=layout("rewards", True).float(), terminated=ends,
+                           truncated=torch.zeros_like(ends), logp=layout("log_probs", True).float(),
+                           values=layout("values", True).float(),
+                           final_values=torch.zeros(n_steps, n_envs), episode_ids=episode_ids.long(),
+                           last_values=last_values)
+    out.advantages = layout("advantages", True).float()
+    out.returns = layout("returns", True).float()
+    return out
+
+
+class QuarantineCallback(BaseCallback):
+    """``--filter quarantine`` for SB3's PPO: before every ``train()``, drop every record of the vec
+    envs that the sources test flags over the last ``window`` rollouts (``rlinfluence.filters.
+    QuarantineFilter``: the consistency checks and the reward, value and advantage statistics,
+    Holm-corrected across envs x families at ``alpha``; the last ``trusted_envs`` envs are never
+    tested), on SB3's stored observations. Needs ``PPO(..., rollout_buffer_class=FilteredRolloutBuffer)``.
+    Logs ``quarantine/quarantined`` per rollout; ``history`` keeps each rollout's quarantined envs."""
+
+    def __init__(self, window: int = 6, alpha: float = 0.01, trusted_envs: int = 0, verbose: int = 0):
+        super().__init__(verbose)
+        if window < 1 or not 0 < alpha < 1 or trusted_envs < 0:
+            raise ValueError(f"window must be >= 1, alpha in (0, 1), trusted_envs >= 0; got {window}, {alpha}, "
+                             f"{trusted_envs}")
+        self.filter = QuarantineFilter(window, alpha, False, trusted_envs)
+        self.history: list[list[int]] = []
+        self._episodes: np.ndarray | None = None
+
+    def _init_callback(self) -> None:
+        if not isinstance(self.model.rollout_buffer, FilteredRolloutBuffer):
+            raise TypeError("QuarantineCallback needs the model built with rollout_buffer_class=FilteredRolloutBuffer "
+                            f"(from rlinfluence.integrations.sb3), got {type(self.model.rollout_buffer).__name__}")
+        if self.model.n_envs - self.filter.trusted_envs < 2:
+            raise ValueError(f"QuarantineCallback compares envs: it needs at least 2 untrusted envs, got "
+                             f"{self.model.n_envs} - {self.filter.trusted_envs}")
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_rollout_end(self) -> None:
+        model, buffer = self.model, self.model.rollout_buffer
+        if self._episodes is None:
+            self._episodes = np.zeros(buffer.n_envs, dtype=np.int64)
+        ours = as_rollout_buffer(model, buffer, len(self.history), self._episodes)
+        self._episodes = ours.episode_ids[-1].numpy() + 1
+        context = FilterContext(SB3PolicyAdapter(model.policy), len(self.history), model.batch_size, model.gamma)
+        with _global_rng_untouched(model.policy.device):
+            keep = self.filter(ours, context)
+        buffer.set_keep_mask(keep.numpy())
+        quarantined = [int(s) for s in str(context.stats["quarantined_sources"]).split()]
+        self.history.append(quarantined)
+        self.logger.record("quarantine/quarantined", float(len(quarantined)))
+        if self.verbose >= 1:
+            print(f"quarantine: envs {quarantined or 'none'}")
 
 
 # -- audits ---------------------------------------------------------------------------------------
