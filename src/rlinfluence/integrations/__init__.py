@@ -1,7 +1,9 @@
 """Integrations with other RL libraries (each an optional extra, imported only when used).
 
 - ``rlinfluence.integrations.sb3``: Stable-Baselines3's PPO -- ``attribute`` (snapshot scores of
-  SB3's rollout buffer), ``FilteredRolloutBuffer`` and ``InfluenceFilterCallback`` (IIF).
+  SB3's rollout buffer), ``FilteredRolloutBuffer`` and ``InfluenceFilterCallback`` (IIF),
+  ``AuditCallback`` (harm tables for ``rlinfluence audit``), ``QuarantineCallback`` (drops the
+  envs the sources test flags).
 - ``rlinfluence.integrations.trl``: TRL's ``GRPOTrainer`` -- ``IIFGRPOTrainer`` and
   ``IIFGRPOConfig`` (IIF on each generation batch's completions), ``completion_influence``.
 """
@@ -10,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-_SB3_NAMES = ("FilteredRolloutBuffer", "InfluenceFilterCallback", "SB3PolicyAdapter", "attribute")
+_SB3_NAMES = ("AuditCallback", "FilteredRolloutBuffer", "InfluenceFilterCallback", "QuarantineCallback",
+              "SB3PolicyAdapter", "attribute")
 _TRL_NAMES = ("IIFGRPOConfig", "IIFGRPOTrainer", "completion_influence")
 
 __all__ = [*_SB3_NAMES, *_TRL_NAMES]
