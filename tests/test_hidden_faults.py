@@ -191,6 +191,9 @@ def test_a_signature_is_read_as_its_fault_class():
     assert reading(["action-surprise"])[0] == "sampling"
     assert reading(["termination", "td-error"])[0] == "done-flags"
     assert reading(["reward-model"])[0] == "reward"
+    # a family that does not flag on its own decides between readings of the ones that do
+    assert reading(["dynamics"], {"obs-shift": 0.01, "action-surprise": 0.5})[0] == "observation"
+    assert reading(["dynamics"], {"obs-shift": 0.5})[0] == "action"
     assert reading(["influence", "dtv"])[0] == "unexplained"
     assert reading([]) == ("", "")
     assert set(KIND_CLASS.values()) <= {"stale-policy", "observation", "action", "sampling", "done-flags", "reward"}

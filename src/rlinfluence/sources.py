@@ -88,8 +88,17 @@ KIND_CLASS = {"stale": "stale-policy", "obs-bug": "observation", "action-mismatc
               "reward-flip": "reward", "reward-noise": "reward", "trigger": "reward"}
 """The fault class each corruption kind belongs to (``rlinfluence.corruptions``): the truth a reading is judged by."""
 
-def reading(signature: Sequence[str]) -> tuple[str, str]:
+SUPPORT = 0.05
+"""A family supports a reading without flagging the source when its unadjusted p-value is below this."""
+
+
+def reading(signature: Sequence[str], p_values: Mapping[str, float] | None = None) -> tuple[str, str]:
     """(fault class, a plain-language reading) of the families that flag a source.
+
+    ``p_values`` (family -> the source's unadjusted p-value) lets a family that does not flag the
+    source on its own still decide between two readings of the families that do (p < ``SUPPORT``):
+    a model-family signature with observation statistics that lean away from the others' reads as
+    an observation bug, with unlikely actions as a logged-action bug.
 
     The rules go from the most specific evidence to the least: a logged log-prob or value that
     theta(k) does not give (the worker's policy is not the trainer's), observations distributed
@@ -103,14 +112,16 @@ def reading(signature: Sequence[str]) -> tuple[str, str]:
     flagged = set(signature)
     if not flagged:
         return "", ""
+    supported = flagged | {f for f, p in (p_values or {}).items() if p < SUPPORT}
+    model_family = bool(flagged & {"dynamics", "action-fit"})
     if flagged & {"logp-gap", "value-gap"}:
         return "stale-policy", ("its logged log-probs or values are not the current policy's: a stale or lagging "
                                 "worker, or one that logs another policy's numbers")
-    if "obs-shift" in flagged:
+    if "obs-shift" in flagged or (model_family and "obs-shift" in supported):
         return "observation", ("its observations are distributed unlike the other workers': check its observation "
                                "preprocessing (scaling, feature order)")
-    if flagged & {"dynamics", "action-fit"}:
-        if "action-surprise" in flagged:
+    if model_family:
+        if "action-surprise" in supported:
             return "action", ("its transitions do not follow from its logged actions, and those actions are unlikely "
                               "under the policy: the logged actions are not the executed ones (an action-mapping or "
                               "logging bug)")
@@ -149,7 +160,7 @@ def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Seque
     signatures = [[families[j] for j in np.argsort(adjusted[i]) if flags[i, j]] for i in range(len(sources))]
     out["signature"] = [";".join(s) for s in signatures]
     out["signature_p"] = [";".join(f"{adjusted[i, families.index(f)]:.2g}" for f in s) for i, s in enumerate(signatures)]
-    readings = [reading(s) for s in signatures]
+    readings = [reading(s, dict(zip(families, raw[i], strict=True))) for i, s in enumerate(signatures)]
     out["fault_class"] = [r[0] for r in readings]
     out["reading"] = [r[1] for r in readings]
     out["rounds"] = len(next(iter(means.values()))) if families else 0
