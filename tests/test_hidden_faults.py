@@ -298,3 +298,25 @@ def test_the_sb3_quarantine_callback_drops_exactly_the_flagged_env_and_nothing_o
             assert not any(callback.history)
         else:
             assert any(callback.history) and all(set(q) <= {broken} for q in callback.history)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda t: t.assign(my_score=t["my_score"].where(t["source"] != "bob", np.nan)), "not finite numbers"),
+    (lambda t: t.assign(my_score=t["my_score"].where(t.index != 3, np.inf)), "(first: inf)"),
+    (lambda t: pd.concat([t, t.iloc[:1]]), "times or more: each record once"),
+    (lambda t: t.assign(source=t["source"].where(t.index != 0, None)), "row(s) without a source id"),
+    (lambda t: t.assign(round=0), "round 0 is held by both"),
+])
+def test_a_written_harm_table_the_test_would_misread_is_one_error_line(tmp_path, capsys, change, message):
+    """A NaN source, a single inf, a duplicated row, a missing source id or two files of one round
+    would each change the flags silently: refused, naming the file."""
+    scores = tmp_path / "run" / "audit" / "scores"
+    scores.mkdir(parents=True)
+    workers = np.repeat(["ann", "bob", "cyd"], 4)
+    for k in range(2):
+        table = pd.DataFrame({"round": k, "source": workers, "episode": 0, "step": np.tile(np.arange(4), 3),
+                              "trusted": False, "my_score": np.arange(12.0)})
+        (change(table) if k == 1 else table).to_parquet(scores / f"round_{k:06d}.parquet")
+    assert cli.main(["audit", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err

@@ -319,6 +319,29 @@ def _scored_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None, wor
     return pd.concat(tables, ignore_index=True), scorers, scorer
 
 
+def _check_written(table: pd.DataFrame, path: Path, owner: dict[int, Path]) -> None:
+    """``UserError`` for a written harm table the test would misread: a missing source id, a record
+    given twice, a score that is not a finite number, or a round another file holds too (``owner``:
+    round -> the file that held it first, updated)."""
+    if table["source"].isna().any():
+        raise UserError(f"{path} has {int(table['source'].isna().sum())} row(s) without a source id")
+    keys = list(HARM_TABLE_COLUMNS[:4])
+    duplicated = table.duplicated(keys)
+    if duplicated.any():
+        row = table.loc[duplicated, keys].iloc[0].to_dict()
+        raise UserError(f"{path} holds the record {row} {int(duplicated.sum()) + 1} times or more: each record once")
+    for column in table.columns.difference([*HARM_TABLE_COLUMNS, "corrupted"]):
+        values = pd.to_numeric(table[column], errors="coerce")
+        bad = values.isna() | ~np.isfinite(values.to_numpy(dtype=float, na_value=np.nan))
+        if bad.any():
+            raise UserError(f"{path}: score column {column!r} has {int(bad.sum())} value(s) that are not finite "
+                            f"numbers (first: {table.loc[bad, column].iloc[0]})")
+    for k in pd.unique(table["round"]):
+        if int(k) in owner:
+            raise UserError(f"round {int(k)} is held by both {owner[int(k)]} and {path}: one file per round")
+        owner[int(k)] = path
+
+
 def _written_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None
                     ) -> tuple[pd.DataFrame, list[str], str | None]:
     """Harm tables written during training (``SCORES_DIR``: the SB3 ``AuditCallback``, or a user's)."""
@@ -326,7 +349,7 @@ def _written_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None
     if not files:
         raise UserError(f"{str(run_dir)!r} has no saved rounds: train with --save-buffers (or, with "
                         "Stable-Baselines3, rlinfluence.integrations.sb3.AuditCallback)")
-    tables = []
+    tables, owner = [], {}
     for path in files:
         try:
             tables.append(pd.read_parquet(path))
@@ -335,6 +358,7 @@ def _written_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None
         missing = sorted(set(HARM_TABLE_COLUMNS) - set(tables[-1].columns))
         if missing:
             raise UserError(f"{path} has no column {missing[0]!r} (a harm table has {', '.join(HARM_TABLE_COLUMNS)})")
+        _check_written(tables[-1], path, owner)
     table = pd.concat(tables, ignore_index=True)
     for column in ("trusted", "corrupted"):
         if column in table and table[column].dtype != bool:
