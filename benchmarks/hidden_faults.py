@@ -48,6 +48,7 @@ FAULTS = ("action-mismatch:envs=1,mode=actuator", "action-mismatch:envs=1,mode=l
           "logp-mismatch:envs=1,temperature=2", "action-mismatch:envs=2,mode=actuator", "obs-bug:envs=2,mode=lag")
 ALPHA = 0.01
 WITHIN = 5
+GRADIENT_FAMILIES = ("influence", "influence-trusted", "influence-chunk", "tracin", "dtv")
 
 
 def _config(env: str, fault: str | None, seed: int, rounds: int, scratch: Path, **overrides):
@@ -178,6 +179,7 @@ def learn_one(env: str, fault: str, arm: str, seed: int, rounds: int, out: Path)
     row = {"env": env, "fault": fault, "arm": arm, "seed": seed, "rounds": rounds,
            "auc": float(np.mean(returns)), "final": float(np.mean(returns[-3:])),
            "train_cpu_s": trainer.train_cpu_seconds, "dropped": dropped,
+           "rounds_dropping": sum(d > 0 for d in recording.dropped),
            "selectivity": sum(recording.dropped_corrupted) / dropped if dropped else np.nan,
            "base_rate": broken_envs / 8, "returns": " ".join(f"{r:.4g}" for r in returns)}
     with FileLock(str(out / "learn.csv.lock")):
@@ -194,8 +196,9 @@ def learn(args: argparse.Namespace) -> None:
         prior = pd.read_csv(out / "learn.csv")
         done = set(zip(prior["env"], prior["fault"], prior["arm"], prior["seed"], strict=True))
     settings = [tuple(s.split("/")) for s in args.settings.split(";")]
-    jobs = [(env, fault, arm, seed, args.rounds, out) for seed in range(1, args.seeds + 1) for env, fault in settings
-            for arm in LEARN_ARMS if (env, fault, arm, seed) not in done
+    arms = args.arms.split(",") if args.arms else list(LEARN_ARMS)
+    jobs = [(env, fault, arm, seed, args.rounds, out) for seed in range(args.first_seed, args.seeds + 1)
+            for env, fault in settings for arm in arms if (env, fault, arm, seed) not in done
             and not (fault == "clean" and arm == "oracle")]  # on clean data the oracle is PPO
     print(f"{len(jobs)} runs to go", flush=True)
     with ProcessPoolExecutor(args.workers) as pool:
@@ -232,6 +235,12 @@ def learn_summary(args: argparse.Namespace) -> None:
             lines.append(f"| {env} | {fault} | {arm} | {len(g)} | {g['auc'].mean():.1f} | {cells[0]} | {cells[1]} | "
                          f"{'-' if np.isnan(selectivity) else f'{selectivity:.2f}'} ({g['base_rate'].iloc[0]:.3f}) | "
                          f"{cpu:.2f} |")
+    clean = runs[(runs["fault"] == "clean") & (runs["arm"] == "quarantine")]
+    for env, group in clean.groupby("env"):
+        rounds, k = int(group["rounds"].sum()), int(group["rounds_dropping"].sum())
+        low, high = clopper_pearson(k, rounds)
+        print(f"{env}/clean/quarantine_false_rounds: {k}/{rounds} [{low:.3f}, {high:.3f}] "
+              f"(runs with any: {int((group['rounds_dropping'] > 0).sum())}/{len(group)})")
     if args.data:
         (Path(args.data) / "hidden_faults_learn_table.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -293,6 +302,17 @@ def summary(args: argparse.Namespace) -> None:
     faulty = runs[runs["fault"] != "clean"]
     within = faulty["verdict_round"] <= WITHIN
     print(f"all/faults/flagged_within_{WITHIN}: {int(within.sum())}/{len(faulty)}")
+    print(f"all/faults/flagged_within_{int(runs['rounds'].max())}: {int(faulty['verdict_round'].notna().sum())}/{len(faulty)}")
+    gradient = faulty[[f"round_{f}" for f in families if f in GRADIENT_FAMILIES]].min(axis=1)
+    other = faulty[[f"round_{f}" for f in families if f not in GRADIENT_FAMILIES]].min(axis=1)
+    print(f"all/faults/found_only_by_gradient_families: {int((gradient.notna() & other.isna()).sum())}/"
+          f"{int(faulty['verdict_round'].notna().sum())}")
+    print(f"all/faults/gradient_families_first: {int((gradient < other).sum())}, other_families_first: "
+          f"{int((other < gradient).sum())}, same_round: {int((other == gradient).sum())}")
+    clean = runs[runs["fault"] == "clean"]
+    k = int(clean["false_flags"].fillna("").astype(str).str.strip().ne("").sum())
+    low, high = clopper_pearson(k, len(clean))
+    print(f"all/clean/runs_with_a_false_flag: {k}/{len(clean)} [{low:.2f}, {high:.2f}]")
     print(f"all/faults/reading_right: {int(faulty.loc[within, 'reading_right'].sum())}/{int(within.sum())}")
     confusion = pd.crosstab(faulty.loc[within, "fault"].str.split(",").str[0] + "," +
                             faulty.loc[within, "fault"].str.split(",").str[-1], faulty.loc[within, "reading"])
@@ -315,8 +335,10 @@ def main() -> None:
     lr = sub.add_parser("learn")
     lr.add_argument("--settings", default="CartPole-v1/action-mismatch:envs=1,mode=actuator;"
                     "CartPole-v1/obs-bug:envs=1,mode=scale;CartPole-v1/reward-delay:envs=1,lag=10;"
-                    "Acrobot-v1/obs-bug:envs=1,mode=swap;CartPole-v1/clean")
-    lr.add_argument("--seeds", type=int, default=5)
+                    "Acrobot-v1/obs-bug:envs=1,mode=swap;CartPole-v1/clean;Acrobot-v1/clean")
+    lr.add_argument("--seeds", type=int, default=5, help="the last seed")
+    lr.add_argument("--first-seed", type=int, default=1)
+    lr.add_argument("--arms", default="", help="comma-separated subset of the arms (default: all)")
     lr.add_argument("--rounds", type=int, default=20)
     lr.add_argument("--workers", type=int, default=1)
     lr.add_argument("--out", default="bench_out/hidden_faults")

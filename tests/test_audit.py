@@ -182,7 +182,7 @@ def test_audit_reads_a_users_own_harm_tables_with_any_source_ids(tmp_path, capsy
     workers = np.repeat(["ann", "bob", "cyd", "dee", "eve"], 30)
     for k in range(6):
         harm = rng.normal(size=len(workers)) + 2.0 * (workers == "cyd")
-        pd.DataFrame({"round": k, "source": workers, "episode": np.tile(np.arange(3).repeat(10), 5),
+        pd.DataFrame({"round": k, "source": workers, "episode": 3 * k + np.tile(np.arange(3).repeat(10), 5),
                       "step": np.tile(np.arange(10), 15), "trusted": False, "my_score": harm,
                       "corrupted": workers == "cyd"}).to_parquet(scores / f"round_{k:06d}.parquet")
     assert cli.main(["audit", str(tmp_path / "run"), "--by", "record"]) == 0

@@ -14,7 +14,6 @@ the baselines of spec 8.3: ``random``, ``advantage`` (H1/H2), ``td-error``,
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 import warnings
@@ -27,7 +26,14 @@ import torch
 
 from rlinfluence.buffer import RolloutBuffer
 from rlinfluence.config import AUTO, FILTER_NAMES, check_drop_pct  # noqa: F401  (importable from here)
-from rlinfluence.consistency import TWO_SIDED, action_count, consistency_scores, statistic_scores
+from rlinfluence.consistency import (
+    CHECKS,
+    STATISTICS,
+    TWO_SIDED,
+    action_count,
+    consistency_scores,
+    statistic_scores,
+)
 from rlinfluence.errors import UserError
 from rlinfluence.influence import (
     DEFAULT_ADVANTAGE_NORM,
@@ -38,7 +44,7 @@ from rlinfluence.influence import (
     snapshot_influence,
     unchanged,
 )
-from rlinfluence.sources import verdict
+from rlinfluence.sources import episode_starts, unit_means, verdict
 
 
 @dataclass
@@ -504,54 +510,73 @@ class OracleFilter(_Seeded):
 class QuarantineFilter:
     """Drops every record of the sources (training envs) that the audit's test flags over the last
     ``window`` rounds, until they test clean again: the verdict of ``rlinfluence.sources`` each round
-    on the per-source means of the cheap families (the consistency checks and the reward, value and
-    advantage statistics of ``rlinfluence.consistency``; with ``attribution``, influence and dtv
-    too), Holm-corrected across sources x families at ``alpha``. The last ``trusted_envs`` envs are
-    never tested nor quarantined. Logs ``quarantined`` (how many sources) and
-    ``quarantined_sources`` (their ids, space-separated)."""
+    on the cheap families (the consistency checks and the reward, value and advantage statistics of
+    ``rlinfluence.consistency``; with ``attribution``, influence and dtv too), each source's unit
+    of round k the mean of its records whose episode started in round k (``unit_means``),
+    Holm-corrected across sources x families at ``alpha``. The last ``trusted_envs`` envs are never
+    tested nor quarantined. Logs ``quarantined`` (how many sources) and ``quarantined_sources``
+    (their ids, space-separated)."""
 
     name = "quarantine"
+    CHEAP = (*STATISTICS, *CHECKS)
+    ATTRIBUTION = ("influence", "dtv")
 
     def __init__(self, window: int = 6, alpha: float = 0.01, attribution: bool = False, trusted_envs: int = 0):
         self.window, self.alpha, self.attribution, self.trusted_envs = window, alpha, attribution, trusted_envs
-        self.history: list[dict[str, torch.Tensor]] = []  # per round: family -> [sources] mean score
+        self.families = [*self.CHEAP, *(self.ATTRIBUTION if attribution else ())]
+        # the records of the last rounds (round -> source, start round, scores [N, families]) and the
+        # round each running episode started in
+        self.records: dict[int, dict[str, torch.Tensor]] = {}
+        self.first_seen: dict[tuple[int, int], int] = {}
 
-    def _round_means(self, buffer: RolloutBuffer, context: FilterContext, n_sources: int) -> dict[str, torch.Tensor]:
+    def _scores(self, buffer: RolloutBuffer, context: FilterContext) -> np.ndarray:
         scores = {**statistic_scores(buffer, context.gamma),
                   **consistency_scores(context.policy, buffer, action_count(context.policy))}
         if self.attribution:
             obs, actions, advantages = (buffer.flat(k) for k in ("obs", "actions", "advantages"))
             influence = InfluenceScorer(advantage_norm="batch").scores(buffer, context)
-            if influence is not None:
-                scores["influence"] = -influence.double().numpy()
-            with contextlib.suppress(ZeroTargetGradient):
+            scores["influence"] = -influence.double().numpy() if influence is not None else np.full(len(buffer), np.nan)
+            try:
                 scores["dtv"] = -gradient_alignment(context.policy, obs, actions, advantages).double().numpy()
-        source = buffer.record_ids()[:, 1].numpy()
-        means = {}
-        for family, values in scores.items():
-            per_source = np.array([np.nanmean(values[source == s]) if np.isfinite(values[source == s]).any()
-                                   else np.nan for s in range(n_sources)])
-            fill = np.nanmean(per_source) if np.isfinite(per_source).any() else 0.0
-            means[family] = torch.from_numpy(np.where(np.isnan(per_source), fill, per_source))
-        return means
+            except ZeroTargetGradient:
+                scores["dtv"] = np.full(len(buffer), np.nan)
+        return np.column_stack([scores[f] for f in self.families])
 
     def __call__(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:
         n_sources = buffer.n_envs - self.trusted_envs
-        self.history = [*self.history, self._round_means(buffer, context, n_sources)][-self.window:]
-        families = [f for f in self.history[-1] if all(f in past for past in self.history)]
-        means = {f: torch.stack([past[f] for past in self.history]).numpy() for f in families}
+        ids = buffer.record_ids()
+        source, episode = ids[:, 1].numpy(), buffer.flat("episode_ids").numpy()
+        running = set(zip(source.tolist(), episode.tolist(), strict=True))
+        self.first_seen = {key: k for key, k in self.first_seen.items() if key in running}  # ended episodes
+        start = episode_starts(np.full(len(source), buffer.round), source, episode, self.first_seen)
+        untrusted = source < n_sources
+        self.records[buffer.round] = {"source": torch.from_numpy(source[untrusted]),
+                                      "start": torch.from_numpy(start[untrusted]),
+                                      "scores": torch.from_numpy(self._scores(buffer, context)[untrusted])}
+        oldest = buffer.round - self.window + 1
+        self.records = {k: r for k, r in self.records.items() if k >= oldest}
+        kept = list(self.records.values())
+        starts = torch.cat([r["start"] for r in kept]).numpy()
+        sources = torch.cat([r["source"] for r in kept]).numpy()
+        scores = torch.cat([r["scores"] for r in kept]).numpy()
+        in_window = starts >= oldest
+        means = {family: unit_means(starts[in_window], sources[in_window], scores[in_window, j], range(n_sources))[1]
+                 for j, family in enumerate(self.families)}
         flagged = verdict(means, range(n_sources), TWO_SIDED, self.alpha)
         quarantined = [int(s) for s in flagged.loc[flagged["flagged"], "source"]]
         context.stats["quarantined"] = float(len(quarantined))
         context.stats["quarantined_sources"] = " ".join(map(str, quarantined))
-        keep = ~torch.isin(buffer.record_ids()[:, 1], torch.tensor(quarantined, dtype=torch.int64))
+        keep = ~torch.isin(ids[:, 1], torch.tensor(quarantined, dtype=torch.int64))
         return guard_minibatch(keep, keep.float(), context)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": [dict(h) for h in self.history]}
+        seen = torch.tensor([[s, e, k] for (s, e), k in self.first_seen.items()], dtype=torch.int64).reshape(-1, 3)
+        return {"records": {int(k): dict(r) for k, r in self.records.items()}, "first_seen": seen}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.history = [dict(h) for h in state.get("history", [])]
+        self.records = {int(k): dict(r) for k, r in state.get("records", {}).items()}
+        seen = state.get("first_seen", torch.zeros(0, 3, dtype=torch.int64))
+        self.first_seen = {(int(s), int(e)): int(k) for s, e, k in seen.tolist()}
 
 
 def make_filter(

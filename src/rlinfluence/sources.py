@@ -5,7 +5,12 @@ Below both the audit (``rlinfluence.analysis.audit``) and the quarantine filter
 (``rlinfluence.filters``), so that training never depends on the analyses. No torch.
 
 A *family* is a per-record score (a harm score, or a consistency check of
-``rlinfluence.consistency``); h_s,k is the mean of source s's records in round k.
+``rlinfluence.consistency``); h_s,k is the mean of source s's records whose *episode started in
+round k* (``unit_means``). Grouping by the round an episode started in, not the round a record
+was collected in, keeps the units of different rounds independent when episodes run across
+rounds: an episode longer than a round would otherwise put the same trajectory into several
+rounds' units of one source, which the within-round permutation treats as independent draws
+(measured: 4 false quarantines in 100 rounds of clean CartPole at alpha 0.01 before the change).
 """
 
 from __future__ import annotations
@@ -68,6 +73,30 @@ def source_test(h: np.ndarray, permutations: int = 2000, seed: int = 0, two_side
     else:
         observed_cmp = observed
     return observed, (1 + (null >= observed_cmp - tolerance / n_rounds).sum(axis=0)) / (1 + permutations)
+
+
+def episode_starts(rounds: np.ndarray, sources: np.ndarray, episodes: np.ndarray,
+                   first_seen: dict | None = None) -> np.ndarray:
+    """[N] the round each record's episode started in: the first round in which its (source,
+    episode) appears, in these records or in ``first_seen`` ((source, episode) -> round, updated)."""
+    first_seen = {} if first_seen is None else first_seen
+    keys = list(zip(sources.tolist(), episodes.tolist(), strict=True))
+    for key, k in zip(keys, rounds.tolist(), strict=True):
+        if key not in first_seen or k < first_seen[key]:
+            first_seen[key] = k
+    return np.array([first_seen[key] for key in keys], dtype=np.int64)
+
+
+def unit_means(starts: np.ndarray, sources: np.ndarray, values: np.ndarray, columns: Sequence
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(rounds, h): h [rounds, len(columns)] = the mean of ``values`` over the records of each
+    (start round, source); a source without a scored record in a start round gets that round's mean
+    over the other sources (a neutral value: centred, 0)."""
+    frame = pd.DataFrame({"start": starts, "source": sources, "value": values})
+    h = frame.groupby(["start", "source"])["value"].mean().unstack("source").reindex(columns=list(columns))
+    out = h.to_numpy(dtype=float)
+    row_means = np.nanmean(np.where(np.isnan(out).all(axis=1, keepdims=True), 0.0, out), axis=1, keepdims=True)
+    return h.index.to_numpy(), np.where(np.isnan(out), row_means, out)
 
 
 def holm(p_values: np.ndarray) -> np.ndarray:

@@ -67,7 +67,7 @@ from rlinfluence.errors import UserError
 from rlinfluence.filters import FilterContext, InfluenceScorer
 from rlinfluence.influence import ReturnTarget, ZeroTargetGradient, gradient_alignment
 from rlinfluence.seeding import derived_seed
-from rlinfluence.sources import holm, source_test, verdict  # noqa: F401  (importable from here)
+from rlinfluence.sources import episode_starts, holm, source_test, unit_means, verdict  # noqa: F401
 
 if TYPE_CHECKING:
     from rlinfluence.checkpoint import SavedRound
@@ -216,8 +216,10 @@ def detection(table: pd.DataFrame, scorers: Sequence[str]) -> pd.DataFrame:
 # -- the sources test -------------------------------------------------------------------------------
 def source_means(table: pd.DataFrame, scorer: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(sources, rounds, h) with h [rounds, sources] = h_s,k, the mean harm of source s's untrusted
-    records in round k. Every source must have records in every round audited; a source whose
-    records a check could not score in a round (all NaN) gets the round's mean, a neutral value."""
+    records whose episode started in round k (``rlinfluence.sources.unit_means``: independent units
+    when episodes run across rounds). Every source must have records in every round audited; a
+    source with no scored record of an episode started in round k gets the round's mean, a neutral
+    value."""
     judged = table[~table["trusted"]]
     counts = judged.pivot_table(index="round", columns="source", values="step", aggfunc="size")
     missing = counts.isna()
@@ -225,11 +227,10 @@ def source_means(table: pd.DataFrame, scorer: str) -> tuple[np.ndarray, np.ndarr
         k, s = next((k, s) for k in counts.index for s in counts.columns if missing.loc[k, s])
         raise UserError(f"source {s!r} has no records in round {k}: the test compares every source in every "
                         "round (audit the rounds where all sources are present with --rounds)")
-    h = judged.groupby(["round", "source"])[scorer].mean().unstack("source").reindex(
-        index=counts.index, columns=counts.columns)
-    values = h.to_numpy(dtype=float)
-    row_means = np.nanmean(np.where(np.isnan(values).all(axis=1, keepdims=True), 0.0, values), axis=1, keepdims=True)
-    return h.columns.to_numpy(), h.index.to_numpy(), np.where(np.isnan(values), row_means, values)
+    source, episode = judged["source"].to_numpy(), judged["episode"].to_numpy()
+    starts = episode_starts(judged["round"].to_numpy(), source, episode)
+    rounds, h = unit_means(starts, source, judged[scorer].to_numpy(dtype=float), counts.columns)
+    return counts.columns.to_numpy(), rounds, h
 
 
 FAMILY_EXCLUDED = ("random",)
