@@ -588,9 +588,9 @@ class AuditArgs:
     """Which source (training env, worker) of a run is broken, and what kind of fault is it? Every
     saved round is scored by every family (reward statistics, value, advantage, gradient
     attribution, and consistency checks: logged log-probs and values against theta(k), observation
-    statistics, a one-step dynamics, reward and termination model); each source's mean per round is
-    tested against the other sources' with an exact permutation test within rounds, Holm-corrected
-    across sources x families, and a flagged source's signature is read as a likely fault class
+    statistics, a one-step dynamics, reward and termination model); each source's mean per round
+    (over its episodes that started in that round) is tested against the other sources' with an
+    exact permutation test within rounds, Holm-corrected across sources x families, and a flagged source's signature is read as a likely fault class
     (--scorer X: the test by one scorer alone). A run trained with --corrupt also gets the detection
     AUROC and precision of every scorer at record, episode and source level. Runs of the
     Stable-Baselines3 adapter: train with its AuditCallback."""

@@ -473,7 +473,7 @@ def audit_section(sources: pd.DataFrame, found: pd.DataFrame, alpha: float) -> S
     if is_verdict(sources):
         families = [c[2:] for c in sources.columns if c.startswith("p_") and c != "p_holm_min"]
         section = Section("audit", "Audit: which worker is broken, and what kind of fault it is", paragraphs=[
-            f"Each family ({', '.join(families)}) scores every record; each source's mean per round is tested "
+            f"Each family ({', '.join(families)}) scores every record; each source's mean per round (over its episodes that started in the round) is tested "
             "against the other sources' by an exact permutation test within rounds, and the p-values are "
             f"Holm-corrected across sources x families: a run with no broken source has a flag with probability at "
             f"most {alpha}. A flagged source's signature (the families that flag it) is read as the likely fault.",
