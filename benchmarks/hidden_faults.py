@@ -275,6 +275,34 @@ def markdown_table(runs: pd.DataFrame, families: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def rounds_figure(runs: pd.DataFrame, path: Path) -> None:
+    """PNG: per fault (rows) and env (colours), each seed's rounds until the verdict flags the
+    broken source (past the last round: not flagged)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    faulty = runs[runs["fault"] != "clean"]
+    faults, envs = list(dict.fromkeys(faulty["fault"])), list(dict.fromkeys(faulty["env"]))
+    never = int(runs["rounds"].max()) + 1
+    fig, ax = plt.subplots(figsize=(8, 0.42 * len(faults) + 1.4))
+    for j, env in enumerate(envs):
+        for i, fault in enumerate(faults):
+            values = faulty.loc[(faulty["env"] == env) & (faulty["fault"] == fault), "verdict_round"].fillna(never)
+            jitter = (np.arange(len(values)) - len(values) / 2) * 0.04
+            ax.scatter(values.to_numpy() + jitter, np.full(len(values), i) + (j - len(envs) / 2) * 0.18,
+                       s=14, color=f"C{j}", label=env if i == 0 else None)
+    ax.axvline(WITHIN + 0.5, color="k", lw=0.8, ls="--")
+    ax.set_yticks(range(len(faults)), faults, fontsize=7)
+    ax.set_xticks(range(1, never + 1), [*map(str, range(1, never)), "not\nflagged"])
+    ax.set(xlabel="rounds until the verdict flags the broken source (each dot a seed)")
+    ax.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(envs), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def summary(args: argparse.Namespace) -> None:
     runs = pd.read_csv(Path(args.out) / "runs.csv").drop_duplicates(["env", "fault", "seed"], keep="last")
     runs = runs.sort_values(["env", "fault", "seed"], kind="stable")
@@ -283,6 +311,7 @@ def summary(args: argparse.Namespace) -> None:
         Path(args.data).mkdir(parents=True, exist_ok=True)
         runs.to_csv(Path(args.data) / "hidden_faults_runs.csv", index=False)
         (Path(args.data) / "hidden_faults_table.txt").write_text(markdown_table(runs, families))
+        rounds_figure(runs, Path(args.data).parent / "hidden_faults_rounds.png")
     for (env, fault), group in runs.groupby(["env", "fault"], sort=False):
         n = len(group)
         if fault == "clean":
