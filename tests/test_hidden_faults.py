@@ -320,3 +320,20 @@ def test_a_written_harm_table_the_test_would_misread_is_one_error_line(tmp_path,
     assert cli.main(["audit", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_a_quarantine_run_resumes_with_its_window(tmp_path):
+    """The filter's window (its records and the episodes' start rounds) is saved with each checkpoint
+    (loaded with weights_only) and restored on resume."""
+    from rlinfluence import checkpoint
+
+    cut = _trained(tmp_path, ["obs-bug:envs=1,mode=scale"], 5, filter="quarantine", rounds=4)
+    resumed = checkpoint.resume(cut.run.path)
+    before, after = cut.filter, resumed.filter
+    assert before.first_seen and after.first_seen == before.first_seen
+    assert sorted(after.records) == sorted(before.records) == [0, 1, 2, 3]
+    for k, record in before.records.items():
+        for name, tensor in record.items():
+            assert torch.equal(after.records[k][name].nan_to_num(7.0), tensor.nan_to_num(7.0)), (k, name)
+    resumed.learn(total_timesteps=6 * 512)
+    assert sorted(resumed.filter.records) == [0, 1, 2, 3, 4, 5]
