@@ -297,7 +297,7 @@ def rounds_figure(runs: pd.DataFrame, path: Path) -> None:
     ax.set_yticks(range(len(faults)), faults, fontsize=7)
     ax.set_xticks(range(1, never + 1), [*map(str, range(1, never)), "not\nflagged"])
     ax.set(xlabel="rounds until the verdict flags the broken source (each dot a seed)")
-    ax.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(envs), frameon=False)
+    ax.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
