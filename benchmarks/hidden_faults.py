@@ -63,6 +63,20 @@ def _config(env: str, fault: str | None, seed: int, rounds: int, scratch: Path, 
     return PPOConfig.for_env(env, **{**settings, **overrides})
 
 
+def append_row(path: Path, row: dict) -> None:
+    """Append one result row to ``path`` under a file lock (workers share it; a re-run resumes from it)."""
+    with FileLock(str(path) + ".lock"):
+        pd.DataFrame([row]).to_csv(path, mode="a", header=not path.is_file(), index=False)
+
+
+def finished(path: Path, keys: list[str]) -> set[tuple]:
+    """The ``keys`` of the rows already in ``path`` (none if it does not exist)."""
+    if not path.is_file():
+        return set()
+    prior = pd.read_csv(path)
+    return set(zip(*(prior[k] for k in keys), strict=True))
+
+
 def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path) -> dict:
     """Train, score every round, and check the verdict after each round (module docstring)."""
     from rlinfluence.analysis.audit import harm_table, scorers_of, verdict_table
@@ -105,20 +119,14 @@ def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path) -> d
             row["final_flagged"] = " ".join(map(str, flagged["source"].astype(int)))
     row["train_cpu_s"], row["audit_cpu_s"] = train_cpu, time.process_time() - cpu1
     shutil.rmtree(scratch, ignore_errors=True)
-    with FileLock(str(out / "runs.csv.lock")):
-        path = out / "runs.csv"
-        frame = pd.DataFrame([row])
-        frame.to_csv(path, mode="a", header=not path.is_file(), index=False)
+    append_row(out / "runs.csv", row)
     return row
 
 
 def detect(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    done = set()
-    if (out / "runs.csv").is_file():
-        prior = pd.read_csv(out / "runs.csv")
-        done = set(zip(prior["env"], prior["fault"], prior["seed"], strict=True))
+    done = finished(out / "runs.csv", ["env", "fault", "seed"])
     envs = args.envs.split(",")
     jobs = []
     for seed in range(1, max(args.seeds, args.clean_seeds) + 1):
@@ -182,19 +190,14 @@ def learn_one(env: str, fault: str, arm: str, seed: int, rounds: int, out: Path)
            "rounds_dropping": sum(d > 0 for d in recording.dropped),
            "selectivity": sum(recording.dropped_corrupted) / dropped if dropped else np.nan,
            "base_rate": broken_envs / 8, "returns": " ".join(f"{r:.4g}" for r in returns)}
-    with FileLock(str(out / "learn.csv.lock")):
-        path = out / "learn.csv"
-        pd.DataFrame([row]).to_csv(path, mode="a", header=not path.is_file(), index=False)
+    append_row(out / "learn.csv", row)
     return row
 
 
 def learn(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    done = set()
-    if (out / "learn.csv").is_file():
-        prior = pd.read_csv(out / "learn.csv")
-        done = set(zip(prior["env"], prior["fault"], prior["arm"], prior["seed"], strict=True))
+    done = finished(out / "learn.csv", ["env", "fault", "arm", "seed"])
     settings = [tuple(s.split("/")) for s in args.settings.split(";")]
     arms = args.arms.split(",") if args.arms else list(LEARN_ARMS)
     jobs = [(env, fault, arm, seed, args.rounds, out) for seed in range(args.first_seed, args.seeds + 1)

@@ -590,10 +590,11 @@ class AuditArgs:
     attribution, and consistency checks: logged log-probs and values against theta(k), observation
     statistics, a one-step dynamics, reward and termination model); each source's mean per round
     (over its episodes that started in that round) is tested against the other sources' with an
-    exact permutation test within rounds, Holm-corrected across sources x families, and a flagged source's signature is read as a likely fault class
-    (--scorer X: the test by one scorer alone). A run trained with --corrupt also gets the detection
-    AUROC and precision of every scorer at record, episode and source level. Runs of the
-    Stable-Baselines3 adapter: train with its AuditCallback."""
+    exact permutation test within rounds, Holm-corrected across sources x families, and a flagged
+    source's signature is read as a likely fault class (--scorer X: the test by one scorer alone).
+    A run trained with --corrupt also gets the detection AUROC and precision of every scorer at
+    record, episode and source level. Runs of the Stable-Baselines3 adapter: train with its
+    AuditCallback."""
 
     run_dir: tyro.conf.Positional[str]
     """run directory trained with --save-buffers and --n-envs > 1 (or with the SB3 AuditCallback)"""
@@ -603,7 +604,7 @@ class AuditArgs:
     """test one scorer alone instead of the verdict over every family: influence, influence-chunk,
     influence-trusted (with --trusted-envs), tracin, dtv, negative-advantage, abs-advantage, td-error,
     reward-extremes, random, or a check: logp-gap, value-gap, action-surprise, obs-shift, dynamics,
-    reward-model, termination"""
+    action-fit, reward-model, termination"""
     by: Literal["source", "episode", "record"] = "source"
     """episode or record: also rank those items by harm (audit/ranked_<by>.csv, the 10 worst printed)"""
     alpha: float = 0.01
