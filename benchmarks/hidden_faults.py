@@ -7,8 +7,9 @@ which families, and does its reading name the fault?
 Per env, fault and seed, one run of plain PPO (8 envs x 256 steps a round, the last env trusted,
 PPO's learning rate tuned on clean data where ``studies/<env>.json`` has it, every round saved,
 TracIn recorded) with ``--corrupt <fault>``; and clean runs. After each round r the verdict
-(``rlinfluence.analysis.audit.verdict_table``: every family, exact permutation test within rounds,
-Holm over 7 sources x families, alpha 0.01) is computed on rounds 0..r. Per run, one row: the
+(``rlinfluence.analysis.audit.verdict_table``: every family, each source's mean normal score
+against the other sources' by ``rlinfluence.sources.outlier_test``, Holm over 7 sources x
+families, alpha 0.01) is computed on rounds 0..r. Per run, one row: the
 first round count at which the broken source is flagged by the verdict and by each family, the
 fault class read at that point, and every false flag (a clean source flagged at any check).
 Rows are appended to ``<out>/runs.csv`` as runs finish; a re-run skips finished runs, and jobs
@@ -94,7 +95,7 @@ def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path) -> d
     tables = []
     row: dict = {"env": env, "fault": fault or "clean", "seed": seed, "rounds": rounds,
                  "broken": " ".join(map(str, sorted(broken))), "verdict_round": np.nan, "reading": "",
-                 "reading_right": np.nan, "false_flags": "", "final_flagged": ""}
+                 "reading_right": np.nan, "false_flags": "", "final_flagged": "", "signature": "", "p_at_flag": ""}
     row |= {f"round_{f}": np.nan for f in families}
     cpu1 = time.process_time()
     for k in range(rounds):

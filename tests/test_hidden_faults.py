@@ -1,6 +1,6 @@
 """Faults that hide from the reward: each kind changes exactly its envs and leaves rewards (or
 returns) as stated; the consistency checks equal a brute-force recomputation; the exact permutation
-test equals enumeration; the verdict flags a broken CartPole worker and nothing on a clean run;
+test equals enumeration; the verdict's outlier test is calibrated and unmasks two broken sources; the verdict flags a broken CartPole worker and nothing on a clean run;
 quarantine drops exactly the flagged sources; bad specs are one error line."""
 
 import itertools
@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from scipy import stats as scipy_stats
 from sklearn.linear_model import Ridge
 from sklearn.preprocessing import StandardScaler
 
@@ -17,7 +18,14 @@ from rlinfluence.analysis.audit import audit_run
 from rlinfluence.checkpoint import load_round
 from rlinfluence.consistency import _features, _folds, consistency_scores, model_checks
 from rlinfluence.ppo import PPO, PPOConfig
-from rlinfluence.sources import KIND_CLASS, reading, source_test
+from rlinfluence.sources import (
+    KIND_CLASS,
+    normal_scores,
+    outlier_test,
+    reading,
+    source_test,
+    verdict,
+)
 
 
 def _round(corrupt=(), env="CartPole-v1", seed=3):
@@ -184,6 +192,61 @@ def test_the_exact_permutation_test_equals_enumerating_every_labelling(two_sided
         assert p_s == pytest.approx(expected)
 
 
+def test_the_outlier_test_is_the_t_statistic_of_a_source_against_the_others():
+    h = np.random.default_rng(3).normal(size=(5, 6))
+    t, p = outlier_test(h)
+    means = h.mean(axis=0)
+    others = np.delete(means, 2)
+    expected = (means[2] - others.mean()) / (others.std(ddof=1) * np.sqrt(1 + 1 / 5))
+    assert t[2] == pytest.approx(expected) and p[2] == pytest.approx(scipy_stats.t.sf(expected, 4))
+    _, p_two = outlier_test(h, two_sided=True)
+    assert p_two[2] == pytest.approx(2 * scipy_stats.t.sf(abs(expected), 4))
+    # reference means that are all equal are no yardstick
+    flat = np.zeros((3, 5))
+    flat[:, 0] = 1.0
+    assert outlier_test(flat)[1][0] == 1.0
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+def test_the_outlier_test_holds_its_level_when_sources_are_alike(skewed):
+    """7 exchangeable sources whose records are correlated within a source and heavy-tailed: after
+    normal scores, P(p < 0.05) and P(p < 0.01) stay at or below their level, and the test is not
+    idle (4000 simulated audits)."""
+    rng = np.random.default_rng(4)
+    p_values = []
+    for _ in range(4000):
+        rounds, sources = np.repeat(np.arange(3), 7 * 40), np.tile(np.repeat(np.arange(7), 40), 3)
+        shared = rng.normal(size=(3, 7))[rounds, sources]  # an episode's common part, per round and source
+        noise = rng.lognormal(size=len(rounds)) if skewed else rng.normal(size=len(rounds))
+        z = normal_scores(rounds, shared + noise)
+        h = pd.DataFrame({"r": rounds, "s": sources, "z": z}).groupby(["r", "s"])["z"].mean().unstack().to_numpy()
+        p_values.append(outlier_test(h)[1][0])
+    p_values = np.array(p_values)
+    assert 0.025 < (p_values < 0.05).mean() < 0.062 and (p_values < 0.01).mean() < 0.016
+
+
+def test_normal_scores_rank_within_rounds_so_one_extreme_record_counts_as_the_largest():
+    rounds = np.array([0, 0, 0, 1, 1, 1, 1])
+    values = np.array([1.0, np.inf, -3.0, 5.0, np.nan, 5.0, 7.0])
+    z = normal_scores(rounds, values)
+    assert z[:3] == pytest.approx(scipy_stats.norm.ppf([1.5 / 3, 2.5 / 3, 0.5 / 3]))
+    assert np.isnan(z[4]) and z[3] == z[5] == pytest.approx(scipy_stats.norm.ppf(1 / 3))
+
+
+def test_the_verdict_weighs_the_exact_test_and_the_outlier_test():
+    """p = min(p_exact / 0.8, p_outlier / 0.2): a source far above the others in two rounds is
+    flagged by the outlier test (the exact test cannot go below 7^-2); without the outlier
+    means (too few episodes) it is not."""
+    h = np.random.default_rng(5).normal(scale=0.05, size=(2, 7))
+    h[:, 3] += 3.0
+    both = verdict({"dynamics": h}, range(7), outlier_means={"dynamics": h})
+    exact = source_test(h)[1][3]
+    assert both.loc[3, "p_dynamics"] == pytest.approx(min(exact / 0.8, outlier_test(h)[1][3] / 0.2))
+    assert both["flagged"].tolist() == [s == 3 for s in range(7)] and both.loc[0, "test"] == "exact+outlier"
+    alone = verdict({"dynamics": h}, range(7))
+    assert not alone["flagged"].any() and alone.loc[3, "p_dynamics"] == pytest.approx(exact)
+
+
 def test_a_signature_is_read_as_its_fault_class():
     assert reading(["dtv", "dynamics", "action-surprise"])[0] == "action"
     assert reading(["obs-shift", "dynamics"])[0] == "observation"
@@ -194,6 +257,8 @@ def test_a_signature_is_read_as_its_fault_class():
     # a family that does not flag on its own decides between readings of the ones that do
     assert reading(["dynamics"], {"obs-shift": 0.01, "action-surprise": 0.5})[0] == "observation"
     assert reading(["dynamics"], {"obs-shift": 0.5})[0] == "action"
+    assert reading(["action-surprise"], {"dynamics": 0.01})[0] == "action"
+    assert reading(["action-surprise"], {"dynamics": 0.5})[0] == "sampling"
     assert reading(["influence", "dtv"])[0] == "unexplained"
     assert reading([]) == ("", "")
     assert set(KIND_CLASS.values()) <= {"stale-policy", "observation", "action", "sampling", "done-flags", "reward"}
@@ -213,7 +278,8 @@ def test_the_verdict_flags_an_action_mismatch_worker_and_nothing_on_a_clean_run(
     sources, _, _ = audit_run(broken.run.path)
     assert sources["flagged"].tolist() == [s == bad for s in range(8)]
     row = sources.set_index("source").loc[bad]
-    assert "dynamics" in row["signature"].split(";") and row["fault_class"] == "action"
+    assert set(row["signature"].split(";")) & {"dynamics", "action-fit", "action-surprise"}
+    assert row["fault_class"] == "action"
     clean = _trained(tmp_path, [], 2)
     sources, _, _ = audit_run(clean.run.path)
     assert not sources["flagged"].any()

@@ -610,9 +610,9 @@ class AuditArgs:
     alpha: float = 0.01
     """family-wise error rate of the flags across the sources"""
     permutations: int = 2000
-    """permutation draws of the test"""
+    """permutation draws of the --scorer test where it is not exact (the verdict's test has none)"""
     seed: int = 0
-    """seed of the permutations and bootstrap intervals"""
+    """seed of the --scorer test's permutations and bootstrap intervals"""
     workers: int = 1
     """local worker processes, each scoring one saved round at a time (the same tables as 1)"""
     ray_address: str | None = None

@@ -44,7 +44,7 @@ from rlinfluence.influence import (
     snapshot_influence,
     unchanged,
 )
-from rlinfluence.sources import episode_starts, unit_means, verdict
+from rlinfluence.sources import MIN_EPISODES, episode_starts, group_means, normal_scores, verdict
 
 
 @dataclass
@@ -511,9 +511,10 @@ class QuarantineFilter:
     """Drops every record of the sources (training envs) that the audit's test flags over the last
     ``window`` rounds, until they test clean again: the verdict of ``rlinfluence.sources`` each round
     on the cheap families (the consistency checks and the reward, value and advantage statistics of
-    ``rlinfluence.consistency``; with ``attribution``, influence and dtv too), each source's unit
-    of round k the mean of its records whose episode started in round k (``unit_means``),
-    Holm-corrected across sources x families at ``alpha``. The last ``trusted_envs`` envs are never
+    ``rlinfluence.consistency``; with ``attribution``, influence and dtv too): the exact test of
+    each source's units (the mean of its records whose episode started in round k), and once every
+    source has ``MIN_EPISODES`` episodes in the window the outlier test of its mean normal scores
+    beside it, Holm-corrected across sources x families at ``alpha``. The last ``trusted_envs`` envs are never
     tested nor quarantined. Logs ``quarantined`` (how many sources) and ``quarantined_sources``
     (their ids, space-separated)."""
 
@@ -524,8 +525,8 @@ class QuarantineFilter:
     def __init__(self, window: int = 6, alpha: float = 0.01, attribution: bool = False, trusted_envs: int = 0):
         self.window, self.alpha, self.attribution, self.trusted_envs = window, alpha, attribution, trusted_envs
         self.families = [*self.CHEAP, *(self.ATTRIBUTION if attribution else ())]
-        # the records of the last rounds (round -> source, start round, scores [N, families]) and the
-        # round each running episode started in
+        # the records of the last rounds (round -> source, episode, start round, scores [N, families])
+        # and the round each running episode started in
         self.records: dict[int, dict[str, torch.Tensor]] = {}
         self.first_seen: dict[tuple[int, int], int] = {}
 
@@ -551,6 +552,7 @@ class QuarantineFilter:
         start = episode_starts(np.full(len(source), buffer.round), source, episode, self.first_seen)
         untrusted = source < n_sources
         self.records[buffer.round] = {"source": torch.from_numpy(source[untrusted]),
+                                      "episode": torch.from_numpy(episode[untrusted]),
                                       "start": torch.from_numpy(start[untrusted]),
                                       "scores": torch.from_numpy(self._scores(buffer, context)[untrusted])}
         oldest = buffer.round - self.window + 1
@@ -560,9 +562,16 @@ class QuarantineFilter:
         sources = torch.cat([r["source"] for r in kept]).numpy()
         scores = torch.cat([r["scores"] for r in kept]).numpy()
         in_window = starts >= oldest
-        means = {family: unit_means(starts[in_window], sources[in_window], scores[in_window, j], range(n_sources))[1]
+        means = {family: group_means(starts[in_window], sources[in_window], scores[in_window, j], range(n_sources))[1]
                  for j, family in enumerate(self.families)}
-        flagged = verdict(means, range(n_sources), TWO_SIDED, self.alpha)
+        episodes = np.unique(np.stack([sources, torch.cat([r["episode"] for r in kept]).numpy()]), axis=1)[0]
+        outlier_means = None
+        if (np.bincount(episodes, minlength=n_sources)[:n_sources] >= MIN_EPISODES).all():
+            outlier_means = {family: np.stack([group_means(np.zeros(len(r["source"])), r["source"].numpy(),
+                                                           normal_scores(np.zeros(len(r["source"])), r["scores"][:, j].numpy()),
+                                                           range(n_sources))[1][0] for r in kept])
+                             for j, family in enumerate(self.families)}
+        flagged = verdict(means, range(n_sources), TWO_SIDED, self.alpha, outlier_means)
         quarantined = [int(s) for s in flagged.loc[flagged["flagged"], "source"]]
         context.stats["quarantined"] = float(len(quarantined))
         context.stats["quarantined_sources"] = " ".join(map(str, quarantined))

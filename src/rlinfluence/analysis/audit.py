@@ -67,7 +67,15 @@ from rlinfluence.errors import UserError
 from rlinfluence.filters import FilterContext, InfluenceScorer
 from rlinfluence.influence import ReturnTarget, ZeroTargetGradient, gradient_alignment
 from rlinfluence.seeding import derived_seed
-from rlinfluence.sources import episode_starts, holm, source_test, unit_means, verdict  # noqa: F401
+from rlinfluence.sources import (  # noqa: F401
+    MIN_EPISODES,
+    episode_starts,
+    group_means,
+    holm,
+    normal_scores,
+    source_test,
+    verdict,
+)
 
 if TYPE_CHECKING:
     from rlinfluence.checkpoint import SavedRound
@@ -214,12 +222,8 @@ def detection(table: pd.DataFrame, scorers: Sequence[str]) -> pd.DataFrame:
 
 
 # -- the sources test -------------------------------------------------------------------------------
-def source_means(table: pd.DataFrame, scorer: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(sources, rounds, h) with h [rounds, sources] = h_s,k, the mean harm of source s's untrusted
-    records whose episode started in round k (``rlinfluence.sources.unit_means``: independent units
-    when episodes run across rounds). Every source must have records in every round audited; a
-    source with no scored record of an episode started in round k gets the round's mean, a neutral
-    value."""
+def _judged(table: pd.DataFrame) -> tuple[pd.DataFrame, np.ndarray]:
+    """(the untrusted records, the sources): every source must have records in every round audited."""
     judged = table[~table["trusted"]]
     counts = judged.pivot_table(index="round", columns="source", values="step", aggfunc="size")
     missing = counts.isna()
@@ -227,26 +231,48 @@ def source_means(table: pd.DataFrame, scorer: str) -> tuple[np.ndarray, np.ndarr
         k, s = next((k, s) for k in counts.index for s in counts.columns if missing.loc[k, s])
         raise UserError(f"source {s!r} has no records in round {k}: the test compares every source in every "
                         "round (audit the rounds where all sources are present with --rounds)")
+    return judged, counts.columns.to_numpy()
+
+
+def source_means(table: pd.DataFrame, scorer: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sources, rounds, h) with h [rounds, sources] = h_s,k, the mean harm of source s's untrusted
+    records whose episode started in round k (``rlinfluence.sources.group_means`` of
+    ``episode_starts``: independent units for the exact test when episodes run across rounds); a
+    source with no scored record of an episode started in round k gets the round's mean, a neutral
+    value."""
+    judged, sources = _judged(table)
     source, episode = judged["source"].to_numpy(), judged["episode"].to_numpy()
     starts = episode_starts(judged["round"].to_numpy(), source, episode)
-    rounds, h = unit_means(starts, source, judged[scorer].to_numpy(dtype=float), counts.columns)
-    return counts.columns.to_numpy(), rounds, h
+    rounds, h = group_means(starts, source, judged[scorer].to_numpy(dtype=float), sources)
+    return sources, rounds, h
+
+
+def family_means(table: pd.DataFrame, family: str) -> tuple[np.ndarray, np.ndarray]:
+    """(sources, h) with h [rounds, sources] the mean normal score (``normal_scores``, within each
+    round) of source s's untrusted records collected in round k: the verdict's units."""
+    judged, sources = _judged(table)
+    rounds = judged["round"].to_numpy()
+    z = normal_scores(rounds, judged[family].to_numpy(dtype=float))
+    return sources, group_means(rounds, judged["source"].to_numpy(), z, sources)[1]
 
 
 FAMILY_EXCLUDED = ("random",)
 """Scorers that are not families of the verdict (random is the chance line of detection)."""
 
 
-def verdict_table(table: pd.DataFrame, families: Sequence[str], alpha: float = 0.01, permutations: int = 2000,
-                  seed: int = 0) -> pd.DataFrame:
-    """``rlinfluence.sources.verdict`` of a harm table over ``families``, with each source's records."""
+def verdict_table(table: pd.DataFrame, families: Sequence[str], alpha: float = 0.01) -> pd.DataFrame:
+    """``rlinfluence.sources.verdict`` of a harm table over ``families``, with each source's records:
+    the exact test on ``source_means``, and once every source has ``MIN_EPISODES`` episodes in the
+    table, the outlier test on ``family_means`` beside it."""
     families = [f for f in families if f not in FAMILY_EXCLUDED]
-    means = {}
-    for family in families:
-        sources, rounds, means[family] = source_means(table, family)
-    if len(sources) < 2:
-        raise UserError(f"an audit compares sources: this run has {len(sources)} untrusted source(s)")
-    out = verdict(means, sources, TWO_SIDED, alpha, permutations, seed)
+    judged, sources = _judged(table)
+    if len(sources) < 3:
+        raise UserError(f"the verdict compares each source with 2 or more others: this run has {len(sources)} "
+                        "untrusted source(s) (test them with one --scorer, which needs 2)")
+    enough = judged.groupby("source")["episode"].nunique().min() >= MIN_EPISODES
+    means = {family: source_means(table, family)[2] for family in families}
+    outlier_means = {family: family_means(table, family)[1] for family in families} if enough else None
+    out = verdict(means, sources, TWO_SIDED, alpha, outlier_means)
     counts = table[~table["trusted"]].groupby("source").size()
     out.insert(1, "records", [int(counts[s]) for s in sources])  # source, records, rounds, flagged, ...
     return out
@@ -402,7 +428,7 @@ def audit_run(run_dir: str | Path, rounds: Sequence[int] = (), scorer: str | Non
     found = detection(table, scorers) if "corrupted" in table else \
         pd.DataFrame(columns=["scorer", "level", "round", "auroc", "precision"])
     if scorer is None:
-        return verdict_table(table, scorers, alpha, permutations, seed), found, table
+        return verdict_table(table, scorers, alpha), found, table
     return sources_table(table, scorer, alpha, permutations, seed), found, table
 
 
