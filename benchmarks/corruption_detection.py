@@ -33,7 +33,7 @@ from corruption import BONUS, CONDITIONS  # noqa: E402  (benchmarks/corruption.p
 
 from rlinfluence.analysis.audit import SCORERS, detection, harm_table  # noqa: E402
 from rlinfluence.checkpoint import load_round  # noqa: E402
-from rlinfluence.experiments.statistics import bootstrap_mean  # noqa: E402
+from rlinfluence.experiments.statistics import ci95  # noqa: E402
 from rlinfluence.ppo import PPO, PPOConfig  # noqa: E402
 
 STUDIES = Path(__file__).parent / "studies"
@@ -103,7 +103,7 @@ def main() -> None:
             per_seed = group.groupby("seed")[stat].mean().dropna()
             if per_seed.empty:
                 continue
-            mean, lo, hi = bootstrap_mean(per_seed.to_numpy(), seed=0)
+            mean, lo, hi = ci95(per_seed.to_numpy(), bounds=(0.0, 1.0))
             print(f"{condition}/{env}/{scorer}/{level}/{stat}: {mean:.2f} [{lo:.2f}, {hi:.2f}] "
                   f"({len(group)} rounds x seeds)")
 

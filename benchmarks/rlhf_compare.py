@@ -22,12 +22,11 @@ and ends at the trailing mean of the last rounds, which lags the policy by about
 A pair whose standard run gained nothing has no level; a pair whose IIF run never reaches the
 level has no reduction: both are counted and printed, and the reduction's interval is over the
 pairs where both runs reached it only (a censored pair is IIF's worst case, so that mean is
-optimistic for IIF). Across seeds: means with 95% percentile bootstrap intervals
-(``scipy.stats.bootstrap`` via ``rlinfluence.experiments.statistics.bootstrap_mean``); the
+optimistic for IIF). Across seeds: means with 95% t intervals
+(``rlinfluence.experiments.statistics.ci95``); the
 paired difference iif - std of the final test reward and of its mean over the evaluations, with
 the number of seeds where IIF is higher; and, unpaired, rliable's probability of improvement
-P(iif > std) (every IIF seed against every standard seed). With 3 seeds these intervals are wide
-and the bootstrap's coverage is poor: read them as a spread, not as a test.
+P(iif > std) (every IIF seed against every standard seed). With 3 seeds these intervals are wide.
 
 Paired runs must agree on every setting but the filter (an error names the first that
 differs); the newest run (by the time stamp in its name) of each (algo, filter, seed) is used.
@@ -46,7 +45,7 @@ import numpy as np
 import pandas as pd
 
 from rlinfluence.experiments.metrics import first_reach, smooth
-from rlinfluence.experiments.statistics import bootstrap_mean, probability_of_improvement
+from rlinfluence.experiments.statistics import ci95, probability_of_improvement
 
 FRACTION = 0.8
 UNPAIRED_SETTINGS = ("filter", "run_root", "method", "drop_pct", "drop_mode", "target", "target_source",
@@ -127,7 +126,7 @@ def pair_figures(std: Run, iif: Run) -> dict[str, float | None]:
 
 
 def interval(values: Sequence[float], fmt: str = ".3f") -> str:
-    point, low, high = bootstrap_mean(values)
+    point, low, high = ci95(values)
     return f"{point:{fmt}} [{low:{fmt}}, {high:{fmt}}]" if len(values) > 1 else f"{point:{fmt}} (n=1)"
 
 

@@ -42,7 +42,7 @@ import numpy as np
 import pandas as pd
 from filelock import FileLock
 
-from rlinfluence.experiments.statistics import bootstrap_mean, probability_of_improvement
+from rlinfluence.experiments.statistics import ci95, probability_of_improvement
 from rlinfluence.rlhf.report import load_completions, saved_rounds
 
 METHODS: dict[str, list[str]] = {
@@ -207,9 +207,9 @@ def summarise(frame: pd.DataFrame, selection: pd.DataFrame, lr: float) -> list[s
             f = final.loc[method]
             print(f"[{mode}] {method} ({len(f)} seeds) after rounds {' '.join(map(str, curve.index))}:\n"
                   f"  proxy {' '.join(f'{v:.3f}' for v in curve['proxy'])}\n  gold  {' '.join(f'{v:.3f}' for v in curve['gold'])}")
-            gold, lo, hi = bootstrap_mean(f["gold"].to_numpy())
+            gold, lo, hi = ci95(f["gold"].to_numpy())
             start = rows[rows["after_round"] == 0].set_index("seed").loc[f.index]
-            widening = bootstrap_mean(((f["proxy"] - f["gold"]) - (start["proxy"] - start["gold"])).to_numpy())
+            widening = ci95(((f["proxy"] - f["gold"]) - (start["proxy"] - start["gold"])).to_numpy())
             lines += [f"{mode}_final_gold_{method}: {gold:.3f} [{lo:.3f}, {hi:.3f}] ({len(f)} seeds)",
                       f"{mode}_final_proxy_{method}: {f['proxy'].mean():.3f}",
                       f"{mode}_proxy_gold_gap_{method}: {(f['proxy'] - f['gold']).mean():.3f}",
@@ -218,7 +218,7 @@ def summarise(frame: pd.DataFrame, selection: pd.DataFrame, lr: float) -> list[s
                       f"{mode}_kept_fraction_{method}: {f['kept_fraction'].mean():.2f}"]
             chosen = kept[(kept["method"] == method) & (kept["mode"] == mode)].dropna()
             if len(chosen):
-                a_gold = bootstrap_mean(chosen["kept_minus_dropped_gold_advantage"].to_numpy(dtype=float))
+                a_gold = ci95(chosen["kept_minus_dropped_gold_advantage"].to_numpy(dtype=float))
                 lines += [f"{mode}_kept_minus_dropped_gold_advantage_{method}: {a_gold[0]:+.3f} "
                           f"[{a_gold[1]:+.3f}, {a_gold[2]:+.3f}] ({len(chosen)} seeds)",
                           f"{mode}_kept_minus_dropped_proxy_advantage_{method}: "
@@ -234,11 +234,11 @@ def summarise(frame: pd.DataFrame, selection: pd.DataFrame, lr: float) -> list[s
             if len(seeds) < 2:
                 continue
             x, y = final.loc[method].loc[seeds], final.loc[reference].loc[seeds]
-            diff = bootstrap_mean((x["gold"] - y["gold"]).to_numpy())
+            diff = ci95((x["gold"] - y["gold"]).to_numpy())
             p = probability_of_improvement(x[["gold"]].to_numpy(), y[["gold"]].to_numpy(), paired=True)
             cpu = (x["cpu_per_round"] / y["cpu_per_round"]).mean()
             # gold at equal proxy: a smaller proxy - gold gap than the reference's, seed for seed
-            gap = bootstrap_mean(((x["proxy"] - x["gold"]) - (y["proxy"] - y["gold"])).to_numpy())
+            gap = ci95(((x["proxy"] - x["gold"]) - (y["proxy"] - y["gold"])).to_numpy())
             lines += [f"{mode}_gold_minus_{reference}_{method}: {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}] "
                       f"({len(seeds)} paired seeds)",
                       f"{mode}_gap_minus_{reference}_{method}: {gap[0]:+.3f} [{gap[1]:+.3f}, {gap[2]:+.3f}]",

@@ -247,6 +247,20 @@ def test_the_verdict_weighs_the_exact_test_and_the_outlier_test():
     assert not alone["flagged"].any() and alone.loc[3, "p_dynamics"] == pytest.approx(exact)
 
 
+def test_an_audit_that_could_not_flag_anything_says_so():
+    """3 rounds of 4 sources by the exact test: the smallest p is 4^-3, Holm over 4 x 2 tests needs
+    p < 0.01 / 8, so 5 rounds; the note says it, and says nothing where a flag was reachable."""
+    from rlinfluence.analysis.audit import unreachable_note
+    from rlinfluence.sources import exact_rounds_needed
+
+    assert exact_rounds_needed(4, 8, 0.01) == 5 and 4.0 ** -5 < 0.01 / 8 < 4.0 ** -4
+    assert exact_rounds_needed(7, 7 * 17, 0.01, share=0.8) == 5
+    h = np.random.default_rng(0).normal(size=(3, 4))
+    sources = verdict({"dynamics": h, "obs-shift": h}, range(4))
+    assert "needs 5 rounds (this audit has 3)" in unreachable_note(sources, 0.01)
+    assert unreachable_note(verdict({"dynamics": h}, range(4), outlier_means={"dynamics": h}), 0.01) == ""
+
+
 def test_a_signature_is_read_as_its_fault_class():
     assert reading(["dtv", "dynamics", "action-surprise"])[0] == "action"
     assert reading(["obs-shift", "dynamics"])[0] == "observation"

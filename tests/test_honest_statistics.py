@@ -22,7 +22,6 @@ from rlinfluence.experiments.comparison import episode_seeds, speed_verdict
 from rlinfluence.experiments.metrics import paired_speed, time_to_level
 from rlinfluence.experiments.published import collect, fill, headline_table
 from rlinfluence.experiments.statistics import (
-    bootstrap_mean,
     interval_estimates,
     probability_of_improvement,
 )
@@ -83,7 +82,7 @@ def test_pairing_changes_the_answer_where_seeds_differ_more_than_methods():
     x, y = seed_effect + 0.1, seed_effect
     paired = probability_of_improvement(x, y, reps=500, seed=0, paired=True)
     unpaired = probability_of_improvement(x, y, reps=500, seed=0, paired=False)
-    assert paired == (1.0, 1.0, 1.0)  # better on every seed
+    assert paired == pytest.approx((1.0, 0.6915, 1.0), abs=1e-4)  # better on all 10 seeds: exact [0.69, 1]
     assert 0.5 < unpaired[0] < 0.6 and unpaired[1] < 0.5  # run against run, the seed spread swamps it
 
 
@@ -94,7 +93,6 @@ def test_the_same_seed_gives_the_same_interval_and_another_seed_another():
     assert interval_estimates({"x": x}, 300, seed=5) != interval_estimates({"x": x}, 300, seed=6)
     for paired in (True, False):
         assert probability_of_improvement(x, y, 300, 5, paired) == probability_of_improvement(x, y, 300, 5, paired)
-    assert bootstrap_mean(x[:, 0], 300, 1) == bootstrap_mean(x[:, 0], 300, 1) != bootstrap_mean(x[:, 0], 300, 2)
 
 
 def test_a_failed_runs_penalty_does_not_depend_on_the_other_methods_in_the_folder(tmp_path):

@@ -629,6 +629,7 @@ def audit(a: AuditArgs) -> int:
         is_verdict,
         ranked,
         ranking_scorer,
+        unreachable_note,
     )
     from rlinfluence.analysis.report import ANALYSES_DIR, save_section
 
@@ -649,6 +650,7 @@ def audit(a: AuditArgs) -> int:
               f"{', '.join(f'source {s}' for s in flagged) or 'none'}")
         for row in sources[sources["flagged"]].itertuples():
             print(f"source {row.source} ({row.fault_class}): {row.reading}")
+        print(unreachable_note(sources, a.alpha) if not flagged else "", end="")
     else:
         print(sources.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
         print(f"flagged (Holm-adjusted p < {a.alpha}): {', '.join(f'source {s}' for s in flagged) or 'none'}")
@@ -657,7 +659,7 @@ def audit(a: AuditArgs) -> int:
         atomic_write(folder / "detection.csv", lambda p: found.to_csv(p, index=False))
         written.append("detection.csv")
         print("detection against the ground truth, mean over rounds [95% interval] (AUROC 0.5 = chance):")
-        print(detection_summary(found, a.seed).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
+        print(detection_summary(found).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
     if a.by != "source":
         items = ranked(table, a.by, ranking_scorer(sources))
         atomic_write(folder / f"ranked_{a.by}.csv", lambda p: items.to_csv(p, index=False))

@@ -25,6 +25,7 @@ The verdict uses both (a weighted Bonferroni, ``EXACT_SHARE``) where the outlier
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -237,6 +238,13 @@ EXACT_SHARE = 0.8
 p-value after 5 rounds (7^-5) still passes Holm at 0.01."""
 
 
+def exact_rounds_needed(n_sources: int, n_tests: int, alpha: float, share: float = 1.0) -> int:
+    """The fewest rounds R at which the exact test's smallest p-value, n_sources^-R, divided by its
+    ``share`` of alpha, passes Holm's first step over ``n_tests`` tests (alpha / n_tests): before
+    that, the exact test alone cannot flag any source, however broken."""
+    return math.floor(math.log(n_tests / (alpha * share)) / math.log(n_sources)) + 1
+
+
 def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Sequence[str] = (),
             alpha: float = 0.01, outlier_means: Mapping[str, np.ndarray] | None = None) -> pd.DataFrame:
     """One row per source: the p-value of every family, Holm-adjusted across sources x families,
@@ -276,5 +284,5 @@ def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Seque
     out["reading"] = [r[1] for r in readings]
     out["rounds"] = len(next(iter(means.values()))) if families else 0
     out["test"] = "exact" if outlier_means is None else "exact+outlier"
-    first = ["source", "rounds", "test", "flagged", "signature", "signature_p", "fault_class", "reading", "p_holm_min"]
+    first = ["source", "rounds", "flagged", "signature", "signature_p", "fault_class", "reading", "p_holm_min", "test"]
     return out[first + [c for c in out.columns if c not in first]]

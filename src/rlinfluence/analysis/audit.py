@@ -70,6 +70,7 @@ from rlinfluence.seeding import derived_seed
 from rlinfluence.sources import (  # noqa: F401
     MIN_EPISODES,
     episode_starts,
+    exact_rounds_needed,
     group_means,
     holm,
     normal_scores,
@@ -280,16 +281,16 @@ def verdict_table(table: pd.DataFrame, families: Sequence[str], alpha: float = 0
 
 def sources_table(table: pd.DataFrame, scorer: str, alpha: float = 0.01, permutations: int = 2000, seed: int = 0
                   ) -> pd.DataFrame:
-    """One row per untrusted source: records, rounds, mean harm with a 95% bootstrap interval
+    """One row per untrusted source: records, rounds, mean harm with a 95% t interval
     over rounds, the permutation p-value (``source_test``), its Holm-adjusted value across the
     sources and ``flagged`` = adjusted p < ``alpha``."""
-    from rlinfluence.experiments.statistics import bootstrap_mean
+    from rlinfluence.experiments.statistics import ci95
 
     sources, rounds, h = source_means(table, scorer)
     if len(sources) < 2:
         raise UserError(f"an audit compares sources: this run has {len(sources)} untrusted source(s)")
     _, p_values = source_test(h, permutations, seed, scorer in TWO_SIDED)
-    intervals = [bootstrap_mean(h[:, i], seed=seed) for i in range(len(sources))]
+    intervals = [ci95(h[:, i]) for i in range(len(sources))]
     counts = table[~table["trusted"]].groupby("source").size()
     out = pd.DataFrame({"source": sources, "records": [int(counts[s]) for s in sources], "rounds": len(rounds),
                         "mean_score": h.mean(axis=0), "ci_low": [lo for _, lo, _ in intervals],
@@ -432,6 +433,17 @@ def audit_run(run_dir: str | Path, rounds: Sequence[int] = (), scorer: str | Non
     return sources_table(table, scorer, alpha, permutations, seed), found, table
 
 
+def unreachable_note(sources: pd.DataFrame, alpha: float) -> str:
+    """A verdict that flagged nothing: whether any flag was reachable ("" when it was)."""
+    n_sources, rounds = len(sources), int(sources["rounds"].iloc[0])
+    n_tests = n_sources * sum(c.startswith("p_") and c != "p_holm_min" for c in sources.columns)
+    needed = exact_rounds_needed(n_sources, n_tests, alpha)
+    if sources["test"].iloc[0] != "exact" or rounds >= needed:
+        return ""
+    return (f"no flag was reachable: with {n_sources} sources and {n_tests} tests the exact test needs {needed} "
+            f"rounds (this audit has {rounds}), and the outlier test needs {MIN_EPISODES} episodes per source\n")
+
+
 def is_verdict(sources: pd.DataFrame) -> bool:
     """Whether an audit's sources table is the verdict over families (else one scorer's test)."""
     return "signature" in sources
@@ -474,17 +486,17 @@ def plot_sources(sources: pd.DataFrame, alpha: float) -> bytes:
     return figure_png(fig)
 
 
-def detection_summary(found: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
-    """Per scorer and level: the mean AUROC and precision over rounds, each with a seeded 95%
-    bootstrap interval over rounds."""
-    from rlinfluence.experiments.statistics import bootstrap_mean
+def detection_summary(found: pd.DataFrame) -> pd.DataFrame:
+    """Per scorer and level: the mean AUROC and precision over rounds, each with a 95% t interval
+    over rounds clipped to [0, 1]."""
+    from rlinfluence.experiments.statistics import ci95
 
     rows = []
     for (name, level), group in found.groupby(["scorer", "level"], sort=False):
         row = {"scorer": name, "level": level, "rounds": int(group["auroc"].notna().sum())}
         for stat in ("auroc", "precision"):
             values = group[stat].dropna().to_numpy()
-            mean, lo, hi = bootstrap_mean(values, seed=seed) if len(values) else (np.nan,) * 3
+            mean, lo, hi = ci95(values, bounds=(0.0, 1.0)) if len(values) else (np.nan,) * 3
             row |= {stat: mean, f"{stat}_lo": lo, f"{stat}_hi": hi}
         rows.append(row)
     return pd.DataFrame(rows)

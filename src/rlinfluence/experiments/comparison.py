@@ -62,7 +62,6 @@ from rlinfluence.experiments.specs import (  # noqa: F401  (CompareConfig, episo
     split_specs,
 )
 from rlinfluence.experiments.statistics import (
-    bootstrap_mean,
     ci95,
     interval_estimates,
     mean_se,
@@ -424,15 +423,14 @@ def _summary_row(method: str, curves: dict[tuple[str, int], Curve], reference: s
         row[f"{key}_n"] = len(values)
         row[f"{key}_mean"], row[f"{key}_se"] = mean_se(values) if values else (None, None)
         if key in _BOOTSTRAPPED:
-            row[f"{key}_lo"], row[f"{key}_hi"] = bootstrap_mean(values, reps, seed)[1:] if values else (None, None)
+            row[f"{key}_lo"], row[f"{key}_hi"] = ci95(values)[1:] if values else (None, None)
     speed = [paired_speed(curves[reference, s].returns, curves[method, s].returns,
                           level_of(curves[reference, s], SPEED_FRACTION)) for s in seeds]
     row["reached80_n"] = int(sum(p["reached"] for p in speed))
     row["reference_reached80_n"] = int(sum(p["reference_reached"] for p in speed))
-    row["rounds80_mean"], row["rounds80_lo"], row["rounds80_hi"] = bootstrap_mean([p["rounds"] for p in speed],
-                                                                                  reps, seed)
-    row["log_ratio80"], row["log_ratio80_lo"], row["log_ratio80_hi"] = bootstrap_mean(
-        [p["log_ratio"] for p in speed], reps, seed)
+    row["rounds80_mean"], row["rounds80_lo"], row["rounds80_hi"] = ci95([p["rounds"] for p in speed])
+    row["log_ratio80"], row["log_ratio80_lo"], row["log_ratio80_hi"] = ci95(
+        [p["log_ratio"] for p in speed])
     row["verdict80"] = speed_verdict(row) if finite else "undefined: the reference did not improve"
     finals = [float(curves[method, s].returns[-1]) for s in seeds]
     gains = [f - float(curves[reference, s].returns[-1]) for f, s in zip(finals, seeds, strict=True)]
@@ -445,7 +443,7 @@ def _summary_row(method: str, curves: dict[tuple[str, int], Curve], reference: s
         p = probability_of_improvement(raw[kind][method], raw[kind][reference], reps, seed, paired=True)
         if finite:
             x, y = matrices[kind][method], matrices[kind][reference]
-            diff = bootstrap_mean((x - y)[:, 0], reps, seed)
+            diff = ci95((x - y)[:, 0])
         else:
             diff = (math.nan,) * 3
         row[f"poi_{kind}"], row[f"poi_{kind}_lo"], row[f"poi_{kind}_hi"] = p

@@ -183,12 +183,12 @@ def _conditions(rows: pd.DataFrame) -> pd.DataFrame:
         rows.assign(condition="flip1of8")
 
 
-def detection_table(rows: pd.DataFrame, reps: int = 2000, seed: int = 0, condition: str = "flip1of8") -> list[str]:
+def detection_table(rows: pd.DataFrame, condition: str = "flip1of8") -> list[str]:
     """Per env and scorer, for one corruption ``condition``: the mean detection AUROC at each level
     (record, episode, source) and the precision at the corrupted fraction (episode, source), each
-    a mean over seeds of the seed's mean over rounds, with a seeded 95% bootstrap interval over
-    seeds ("undefined" where a level has no corrupted item, e.g. an env for episode corruptions)."""
-    from rlinfluence.experiments.statistics import bootstrap_mean
+    a mean over seeds of the seed's mean over rounds, with a 95% t interval over seeds clipped to
+    [0, 1] ("undefined" where a level has no corrupted item, e.g. an env for episode corruptions)."""
+    from rlinfluence.experiments.statistics import ci95
 
     rows = _conditions(rows)
     body = []
@@ -202,7 +202,7 @@ def detection_table(rows: pd.DataFrame, reps: int = 2000, seed: int = 0, conditi
             if not len(per_seed):
                 cells.append("undefined")
                 continue
-            mean, lo, hi = bootstrap_mean(per_seed, reps, seed)
+            mean, lo, hi = ci95(per_seed, bounds=(0.0, 1.0))
             cells.append(f"{mean:.2f}" + (f" [{lo:.2f}, {hi:.2f}]" if not math.isnan(lo) else ""))
         n_rounds, n_seeds = group["round"].nunique(), group["seed"].nunique()
         body.append([env, scorer, *cells, f"{n_rounds} x {n_seeds}"])

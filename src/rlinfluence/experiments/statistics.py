@@ -14,10 +14,13 @@ and ``final`` (its normalised plateau). Over runs (x tasks):
                  paired (run i of X and of Y share seed i): mean over tasks of
                  1/n sum_i [x_i > y_i] + 1/2 [x_i = y_i]
 
-95% percentile intervals come from a stratified bootstrap written here rather than rliable's
-(whose generator ignores the seed passed in): runs are resampled within each task, with one
-set of indices for both sides of a paired statistic and separate sets for an unpaired one,
-from ``numpy.random.default_rng(seed)``, so the same seed gives the same interval.
+Intervals that cover at the few seeds used: a t interval for every mean over seeds and every
+paired difference (``ci95``); the exact Clopper-Pearson interval for a paired P(X > Y) on one
+task (a fraction of seeds); and, for IQM and statistics over several tasks, 95% percentile
+intervals of a stratified bootstrap written here rather than rliable's (whose generator ignores
+the seed passed in): runs are resampled within each task, with one set of indices for both
+sides of a paired statistic and separate sets for an unpaired one, from
+``numpy.random.default_rng(seed)``, so the same seed gives the same interval.
 """
 
 from __future__ import annotations
@@ -39,11 +42,16 @@ def mean_se(values: Sequence[float]) -> tuple[float, float]:
     return float(x.mean()), float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else 0.0
 
 
-def ci95(values: Sequence[float]) -> Interval:
-    """(mean, low, high) of a 95% t-interval: mean +/- t_{0.975, n-1} s.e. (2.776 for 5 seeds)."""
+def ci95(values: Sequence[float], bounds: tuple[float, float] = (-math.inf, math.inf)) -> Interval:
+    """(mean, low, high) of a 95% t-interval: mean +/- t_{0.975, n-1} s.e. (2.776 for 5 seeds),
+    clipped to the quantity's ``bounds`` (an AUROC or a fraction: (0, 1); clipping where the truth
+    cannot be loses no coverage); a single value has no interval (NaN bounds). The interval of
+    every per-seed mean and paired difference: it covers at 3-10 seeds (0.95 on normal data, 0.93
+    at skewness 1; a percentile bootstrap covers 0.74 at 3 seeds), tested in
+    tests/test_statistics_coverage.py."""
     mean, se = mean_se(values)
     t = stats.t.ppf(0.975, len(values) - 1) if len(values) > 1 else math.nan
-    return mean, mean - t * se, mean + t * se
+    return mean, float(np.clip(mean - t * se, *bounds)), float(np.clip(mean + t * se, *bounds))
 
 
 def normalise(returns: np.ndarray, start: float, plateau: float) -> np.ndarray:
@@ -101,19 +109,26 @@ def _poi(x: np.ndarray, y: np.ndarray, paired: bool) -> float:
     return float(per_task.mean())
 
 
+def clopper_pearson(wins: float, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Exact binomial interval of a proportion from ``wins`` of ``n`` (a tie counted as half a win:
+    the lower bound from the wins rounded down, the upper from them rounded up): 5 of 5 gives
+    [0.48, 1.00], never [1, 1]."""
+    tail = (1 - level) / 2
+    low_k, high_k = math.floor(wins), math.ceil(wins)
+    low = float(stats.beta.ppf(tail, low_k, n - low_k + 1)) if low_k > 0 else 0.0
+    high = float(stats.beta.ppf(1 - tail, high_k + 1, n - high_k)) if high_k < n else 1.0
+    return low, high
+
+
 def probability_of_improvement(
     x: np.ndarray, y: np.ndarray, reps: int = DEFAULT_REPS, seed: int = 0, paired: bool = False
 ) -> Interval:
     """P(X > Y) of two [runs, tasks] score matrices as (point, low, high): ``paired`` when run i of
     x and of y share a seed (the chance that on a seed X beats Y), unpaired otherwise (the chance
-    that a run of X beats a run of Y)."""
+    that a run of X beats a run of Y). Paired on one task, the point is a fraction of seeds and its
+    interval the exact ``clopper_pearson`` one; otherwise the stratified bootstrap's."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if paired and x.ndim == 2 and x.shape[1] == 1 and x.shape == y.shape:
+        point = _poi(x, y, paired=True)
+        return (point, *clopper_pearson(point * len(x), len(x)))
     return stratified_bootstrap([x, y], lambda a, b: _poi(a, b, paired), reps, seed, paired)
-
-
-def bootstrap_mean(values: Sequence[float], reps: int = DEFAULT_REPS, seed: int = 0) -> Interval:
-    """Mean of per-seed values (e.g. paired differences) with a 95% percentile bootstrap interval;
-    a single value has no interval (NaN bounds)."""
-    x = np.asarray(values, float)
-    if len(x) < 2:
-        return float(x.mean()), math.nan, math.nan
-    return stratified_bootstrap([x[:, None]], lambda a: float(a.mean()), reps, seed)
