@@ -87,9 +87,11 @@ class SavedRound:
     tracin: torch.Tensor | None = None
     """full local TracIn of the records as recorded in training (``PPOConfig.tracin``), or None"""
 
-    def retrain(self, keep: torch.Tensor | None = None, lr_scale: float = 1.0) -> dict[str, float]:
+    def retrain(self, keep: torch.Tensor | None = None, lr_scale: float = 1.0, n_epochs: int | None = None
+                ) -> dict[str, float]:
         """Redo round k's update from theta(k) on the records ``keep`` (default: all) with the
-        learning rate scaled by ``lr_scale``; the trainer is left at the retrained theta.
+        learning rate scaled by ``lr_scale`` for ``n_epochs`` epochs (default: the configured
+        ones); the trainer is left at the retrained theta.
 
         The trainer is first restored to theta(k) with its optimiser state and minibatch
         generator, and the generator is advanced past the round's collection draw, as in
@@ -101,7 +103,7 @@ class SavedRound:
         trainer.policy.noise((cfg.n_steps, cfg.n_envs), trainer.generator)
         if keep is None:
             keep = torch.ones(len(self.buffer), dtype=torch.bool)
-        return trainer.update(self.buffer, keep, lr_scale=lr_scale)
+        return trainer.update(self.buffer, keep, lr_scale=lr_scale, n_epochs=n_epochs)
 
 
 def load_round(run_dir: str | Path, round_index: int) -> SavedRound:

@@ -41,6 +41,48 @@ class PPOLoss:
     clip_fraction: float
 
 
+@dataclass
+class PPOTerms:
+    """A minibatch's per-record PPO terms, as tensors (no host sync: a batched re-run maps over them)."""
+
+    per_record: torch.Tensor
+    pg: torch.Tensor
+    vf: torch.Tensor
+    entropy: torch.Tensor
+    ratio: torch.Tensor
+    log_ratio: torch.Tensor
+
+    def approx_kl(self) -> torch.Tensor:
+        """SB3's estimator of KL(old || new): E[(rho - 1) - log rho]."""
+        return ((self.ratio - 1) - self.log_ratio).mean()
+
+
+def ppo_terms(
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    values: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    old_values: torch.Tensor,
+    *,
+    clip_range: float,
+    clip_range_vf: float | None = None,
+    vf_coef: float = 0.5,
+    ent_coef: float = 0.0,
+    normalize_advantage: bool = True,
+) -> PPOTerms:
+    """The terms of the module docstring's loss from the policy's outputs (log pi, entropy, V)."""
+    adv = normalize_advantages(advantages) if normalize_advantage else advantages
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)
+    pg = -torch.min(adv * ratio, adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
+    if clip_range_vf is not None:
+        values = old_values + torch.clamp(values - old_values, -clip_range_vf, clip_range_vf)
+    vf = (returns - values).pow(2)
+    return PPOTerms(pg + vf_coef * vf - ent_coef * entropy, pg, vf, entropy, ratio, log_ratio)
+
+
 def ppo_loss(
     policy: torch.nn.Module,
     obs: torch.Tensor,
@@ -58,23 +100,16 @@ def ppo_loss(
     reduction: str = "mean",
 ) -> PPOLoss:
     """Clipped-surrogate PPO loss of one minibatch (see the module docstring for the formula)."""
-    logp, entropy, values = policy.evaluate_actions(obs, actions)
-    adv = normalize_advantages(advantages) if normalize_advantage else advantages
-    log_ratio = logp - old_logp
-    ratio = torch.exp(log_ratio)
-    pg = -torch.min(adv * ratio, adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
-    if clip_range_vf is not None:
-        values = old_values + torch.clamp(values - old_values, -clip_range_vf, clip_range_vf)
-    vf = (returns - values).pow(2)
-    per_record = pg + vf_coef * vf - ent_coef * entropy
-    loss = per_record if reduction == "none" else per_record.mean()
+    terms = ppo_terms(*policy.evaluate_actions(obs, actions), old_logp, advantages, returns, old_values,
+                      clip_range=clip_range, clip_range_vf=clip_range_vf, vf_coef=vf_coef, ent_coef=ent_coef,
+                      normalize_advantage=normalize_advantage)
+    loss = terms.per_record if reduction == "none" else terms.per_record.mean()
     with torch.no_grad():
         return PPOLoss(
             loss=loss,
-            policy_loss=pg.mean().item(),
-            value_loss=vf.mean().item(),
-            entropy=entropy.mean().item(),
-            # SB3's estimator of KL(old || new): E[(rho - 1) - log rho]
-            approx_kl=((ratio - 1) - log_ratio).mean().item(),
-            clip_fraction=((ratio - 1).abs() > clip_range).float().mean().item(),
+            policy_loss=terms.pg.mean().item(),
+            value_loss=terms.vf.mean().item(),
+            entropy=terms.entropy.mean().item(),
+            approx_kl=terms.approx_kl().item(),
+            clip_fraction=((terms.ratio - 1).abs() > clip_range).float().mean().item(),
         )

@@ -356,10 +356,11 @@ class PPO:
     # -- 4. optimise --------------------------------------------------------------------
     def update(
         self, buffer: RolloutBuffer, keep: torch.Tensor, sample_weights: torch.Tensor | None = None,
-        lr_scale: float = 1.0,
+        lr_scale: float = 1.0, n_epochs: int | None = None,
     ) -> dict[str, float]:
-        """PPO epochs on the kept records: full minibatches of a fresh permutation per epoch, at
-        ``lr_scale`` times the configured learning rate.
+        """PPO epochs (``n_epochs``, default the configured ones) on the kept records: full
+        minibatches of a fresh permutation per epoch, at ``lr_scale`` times the configured
+        learning rate.
 
         With ``sample_weights`` each epoch instead draws |kept| records with replacement,
         with probability proportional to their weights (prioritised minibatches).
@@ -367,13 +368,13 @@ class PPO:
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.learning_rate * lr_scale
         try:
-            return self._update(buffer, keep, sample_weights)
+            return self._update(buffer, keep, sample_weights, self.config.n_epochs if n_epochs is None else n_epochs)
         finally:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.config.learning_rate
 
-    def _update(self, buffer: RolloutBuffer, keep: torch.Tensor, sample_weights: torch.Tensor | None
-                ) -> dict[str, float]:
+    def _update(self, buffer: RolloutBuffer, keep: torch.Tensor, sample_weights: torch.Tensor | None,
+                n_epochs: int) -> dict[str, float]:
         cfg = self.config
         keep = torch.as_tensor(keep, dtype=torch.bool)
         if keep.shape != (len(buffer),):
@@ -394,7 +395,7 @@ class PPO:
         totals = {"policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0}
         n_updates = 0
         stop = False
-        for epoch in range(cfg.n_epochs):
+        for epoch in range(n_epochs):
             if sample_weights is None:
                 perm = kept[torch.randperm(len(kept), generator=self.generator)]
             else:

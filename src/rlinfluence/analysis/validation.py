@@ -23,9 +23,10 @@ Runs of the Stable-Baselines3 adapter are not supported here: SB3 writes no run 
 
 from __future__ import annotations
 
+import copy
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,7 +47,15 @@ from rlinfluence.influence import (
     score_buffer,
     snapshot_influence,
 )
-from rlinfluence.influence.validation import DROP_PCTS, LDS, Validation, check_settings, validate
+from rlinfluence.influence.validation import (
+    DROP_PCTS,
+    LDS,
+    Retrain,
+    Validation,
+    check_settings,
+    one_by_one,
+    validate,
+)
 from rlinfluence.seeding import derived_seed
 
 if TYPE_CHECKING:
@@ -107,17 +116,35 @@ def score_round(saved: SavedRound, target: Target, scorer: str, seed: int) -> to
     return scores
 
 
-def target_change(saved: SavedRound, target: Target) -> Callable[[torch.Tensor], float]:
-    """``retrain(keep) -> f(theta_keep) - f(theta(k))``: f on the whole buffer, raw advantages."""
+RERUN_CHUNK = 32
+"""Re-runs batched together (``rlinfluence.reruns``): memory grows with it, time per re-run falls."""
+
+
+def target_change(saved: SavedRound, target: Target, batched: bool = True) -> Retrain:
+    """``retrain(masks) -> [f(theta_keep) - f(theta(k)), ...]``: f on the whole buffer, raw
+    advantages; the re-runs batched ``RERUN_CHUNK`` at a time (``rlinfluence.reruns``), or one by
+    one through ``SavedRound.retrain``."""
+    from rlinfluence.reruns import Variant, batched_retrain
+
     buffer = saved.buffer
     records = Records(buffer.flat("obs"), buffer.flat("actions"), buffer.flat("advantages"))
+    saved.trainer.load_state_dict(copy.deepcopy(saved.start))  # f(theta(k)), wherever the trainer was left
     before = target.value(saved.trainer.policy, records)
 
-    def retrain(keep: torch.Tensor) -> float:
+    def one(keep: torch.Tensor) -> float:
         saved.retrain(keep)
         return target.value(saved.trainer.policy, records) - before
 
-    return retrain
+    def many(masks: Sequence[torch.Tensor]) -> list[float]:
+        changes = []
+        for start in range(0, len(masks), RERUN_CHUNK):
+            reruns = batched_retrain(saved, [Variant(keep=m) for m in masks[start:start + RERUN_CHUNK]])
+            changes += [target.value(reruns.load(saved.trainer.policy, k), records) - before
+                        for k in range(len(reruns.params))]
+        saved.trainer.load_state_dict(copy.deepcopy(saved.start))
+        return changes
+
+    return many if batched else one_by_one(one)
 
 
 @dataclass(frozen=True)
@@ -139,9 +166,10 @@ class RoundValidation:
 def validate_round(run_dir: str | Path, round_index: int, *, target: str | Target = "return",
                    state_index: int | None = None, scorers: Sequence[str] = (f"snapshot/{DEFAULT_ADVANTAGE_NORM}",),
                    subsets: int = 30, fraction: float = 0.5, drop_pcts: Sequence[float] = DROP_PCTS,
-                   random_draws: int = 5, seed: int = 0) -> RoundValidation:
+                   random_draws: int = 5, seed: int = 0, batched: bool = True) -> RoundValidation:
     """Validate round ``round_index`` of a saved run (module docstring). ``target``: ``"return"``,
-    ``"action"`` (with ``state_index``) or any ``Target``."""
+    ``"action"`` (with ``state_index``) or any ``Target``; ``batched``: the re-runs together
+    (``rlinfluence.reruns``), else one by one (the same changes to float tolerance)."""
     from rlinfluence.checkpoint import load_round
 
     check_settings(subsets, fraction)
@@ -154,7 +182,7 @@ def validate_round(run_dir: str | Path, round_index: int, *, target: str | Targe
         scores[scorer] = score_round(saved, f, scorer, derived_seed(seed, round_index, 1))
         seconds[scorer] = time.perf_counter() - start
     start = time.perf_counter()
-    result = validate(scores, target_change(saved, f), subsets=subsets, fraction=fraction,
+    result = validate(scores, target_change(saved, f, batched), subsets=subsets, fraction=fraction,
                       drop_pcts=drop_pcts, random_draws=random_draws, seed=(seed, round_index))
     seconds["retrain"] = time.perf_counter() - start
     saved.retrain(saved.keep)

@@ -14,8 +14,9 @@ removed and the real change f(theta_{-drop}) - f(theta(k)) is measured for
     the n_p lowest-scored records (the most negative first)  vs  n_p uniformly random records
     (``random_draws`` draws, shared by every scorer)  vs  no record (the full buffer).
 
-Trainer-free: the update is a callable ``retrain(keep_mask [N] bool) -> real change`` that the
-caller builds (``rlinfluence.analysis.validation`` does it for saved rounds of a run).
+Trainer-free: the update is a callable ``retrain([keep_mask [N] bool, ...]) -> [real change, ...]``
+that the caller builds (``rlinfluence.analysis.validation`` does it for saved rounds of a run, with
+all the re-runs batched); ``one_by_one`` makes one from a callable of a single mask.
 """
 
 from __future__ import annotations
@@ -35,7 +36,13 @@ from rlinfluence.influence.targets import check_per_record
 MIN_SUBSETS = 5
 DROP_PCTS = (5.0, 10.0, 25.0)
 
-Retrain = Callable[[torch.Tensor], float]
+Retrain = Callable[[Sequence[torch.Tensor]], Sequence[float]]
+"""The real changes f(theta_keep) - f(theta(k)) of re-runs of the round on each keep mask."""
+
+
+def one_by_one(retrain: Callable[[torch.Tensor], float]) -> Retrain:
+    """A ``Retrain`` that runs ``retrain(keep) -> real change`` on each mask in turn."""
+    return lambda masks: [float(retrain(keep)) for keep in masks]
 
 
 @dataclass(frozen=True)
@@ -197,10 +204,10 @@ def validate(
     resamples: int = 2000,
 ) -> Validation:
     """Counterfactual check of one or several score vectors ``[N]`` of the same round (module
-    docstring). ``retrain(keep)`` redoes the round's update on the kept records and returns the
-    real change f(theta_keep) - f(theta(k)); it runs ``subsets + 1 + len(drop_pcts) *
-    (random_draws + number of score vectors)`` times, each subset and random draw shared by
-    every score vector. Deterministic given ``seed`` (and a deterministic ``retrain``)."""
+    docstring). ``retrain(masks)`` redoes the round's update on the kept records of each mask and
+    returns the real changes f(theta_keep) - f(theta(k)); it is called once, with ``subsets + 1 +
+    len(drop_pcts) * (random_draws + number of score vectors)`` masks, each subset and random draw
+    shared by every score vector. Deterministic given ``seed`` (and a deterministic ``retrain``)."""
     table = _score_table(scores)
     n = len(next(iter(table.values())))
     masks = random_subsets(n, subsets, fraction, seed)
@@ -209,29 +216,25 @@ def validate(
                         f"{list(drop_pcts)}")
     if random_draws < 1:
         raise UserError(f"random_draws must be >= 1, got {random_draws}")
-    retrains = 0
-
-    def change(keep: torch.Tensor) -> float:
-        nonlocal retrains
-        retrains += 1
-        return float(retrain(keep))
-
-    real = np.array([change(mask) for mask in masks], dtype=np.float64)
-    full_change = change(torch.ones(n, dtype=torch.bool))
     draws = _rng(seed, 1)
     n_drops = [round(p / 100 * n) for p in drop_pcts]
-    random_changes = [
-        tuple(change(_drop_lowest(torch.from_numpy(draws.random(n)), k))
-              for _ in range(random_draws))
-        for k in n_drops
-    ]
+    random_masks = [[_drop_lowest(torch.from_numpy(draws.random(n)), k) for _ in range(random_draws)]
+                    for k in n_drops]
+    drop_masks = {name: [_drop_lowest(vector, k) for k in n_drops] for name, vector in table.items()}
+    every = [*masks, torch.ones(n, dtype=torch.bool), *(m for row in random_masks for m in row),
+             *(m for row in drop_masks.values() for m in row)]
+    changes = iter(np.asarray(retrain(every), dtype=np.float64))
+    retrains = len(every)
+    real = np.array([next(changes) for _ in masks])
+    full_change = float(next(changes))
+    random_changes = [tuple(float(next(changes)) for _ in row) for row in random_masks]
     results = {}
     for name, vector in table.items():
         predicted = (masks.double() @ vector).numpy()
         drops = tuple(
             DropTest(float(p), k, int((torch.sort(vector, stable=True).values[:k] < 0).sum()),
-                     change(_drop_lowest(vector, k)), changes)
-            for p, k, changes in zip(drop_pcts, n_drops, random_changes, strict=True)
+                     float(next(changes)), row)
+            for p, k, row in zip(drop_pcts, n_drops, random_changes, strict=True)
         )
         lds = linear_datamodeling_score(predicted, real, confidence, resamples, seed)
         results[name] = ScorerValidation(predicted, lds, drops)
