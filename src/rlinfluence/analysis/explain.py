@@ -1,0 +1,224 @@
+"""Why did my run get worse? Find the updates that hurt, re-run each under counterfactuals, and
+say whether the data, one source or the step was to blame.
+
+**Drops.** Row k of a run's metrics evaluates theta(k+1), so the update theta(k) -> theta(k+1)
+changed the evaluation return by d_k = R_k - R_{k-1}. It is a drop when -d_k exceeds both
+``threshold`` and twice its noise, 2 sqrt(s_k^2 / n + s_{k-1}^2 / n) (s the evaluation's
+standard deviation over its n episodes); an approx_kl above ``KL_SPIKE`` times the run's median
+is listed beside it.
+
+**Counterfactuals** of update k, from the saved theta(k), its optimiser state and buffer, batched
+(``rlinfluence.reruns``), each with the round's own kept records and step scale unless it says
+otherwise:
+
+    plain            the update as it ran (first: must reproduce the saved theta(k+1))
+    harmful m% S     without the m% records most harmful by scorer S (snapshot influence on the
+                     in-sample return target; TracIn of the round where it was recorded)
+    random m% draw j without m% uniformly random records (``draws`` draws: the chance band)
+    source s         without every record of env s (leave one source out)
+    episode e        without one of the ``worst_episodes`` most harmful episodes
+    lr/2, lr/4       every record, a shorter step; ``epochs/2``: half the epochs
+
+Every policy theta(k), theta(k+1), theta'(k+1) is evaluated on the same ``episodes`` episodes
+(the same episode seeds and action-sampling generator: common random numbers), so the fraction
+of the drop a counterfactual recovers,
+
+    recovered = (R(theta') - R(theta(k+1))) / (R(theta(k)) - R(theta(k+1))),
+
+has a paired 95% t interval over episodes (the numerator's, divided by the measured drop). The
+batched re-runs equal serial ones to float tolerance, not bit for bit, and in a sensitive round
+(a large step, a near-deterministic policy) rounding alone can move the return: so theta(k+1)
+here is the *batched* plain re-run, the same arithmetic as every counterfactual, and the serial
+plain re-run is checked against the saved theta(k+1) (``plain_reproduces_run``), with the
+largest parameter gap between the two (``plain_float_gap``).
+
+**Verdict** (a counterfactual *recovers* when recovered >= ``RECOVERS`` and its interval lies
+above 0): *source s* when leaving s out recovers beyond the chance band (more than every random draw);
+else *data* when removing the harmful records recovers beyond the band and the band's mean does
+not recover; else *step* when a shorter step recovers and no targeted removal recovers beyond
+the band; else *not explained*.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from rlinfluence.errors import UserError
+from rlinfluence.experiments.statistics import ci95
+from rlinfluence.influence import ReturnTarget
+from rlinfluence.rundir import RunDirectory
+
+KL_SPIKE = 5.0
+RECOVERS = 0.5
+VERDICTS = ("source", "data", "step", "not explained")
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Update ``round`` (theta(k) -> theta(k+1)) lowered the evaluation return by ``size``
+    (positive), with its noise (one s.e.) and the update's approx_kl."""
+
+    round: int
+    before: float
+    after: float
+    size: float
+    se: float
+    approx_kl: float
+    kl_spike: bool
+
+
+def find_drops(metrics: pd.DataFrame, eval_episodes: int, threshold: float = 0.0) -> list[Drop]:
+    """The drops of a run's metrics (module docstring; ``eval_episodes`` per evaluation), largest
+    first."""
+    if "eval_return_mean" not in metrics or metrics["eval_return_mean"].isna().all():
+        raise UserError("the run has no evaluation returns (train with --eval-episodes > 0)")
+    rows = metrics.sort_values("round").reset_index(drop=True)
+    kl = rows["approx_kl"].to_numpy(float) if "approx_kl" in rows else np.full(len(rows), np.nan)
+    median_kl = float(np.nanmedian(kl)) if np.isfinite(kl).any() else math.nan
+    spread = rows["eval_return_std"].fillna(0.0).to_numpy(float)
+    drops = []
+    for i in range(1, len(rows)):
+        before, after = float(rows["eval_return_mean"][i - 1]), float(rows["eval_return_mean"][i])
+        se = math.sqrt((spread[i] ** 2 + spread[i - 1] ** 2) / eval_episodes)
+        size = before - after
+        if size > max(threshold, 2 * se):
+            drops.append(Drop(int(rows["round"][i]), before, after, size, se, float(kl[i]),
+                              bool(kl[i] > KL_SPIKE * median_kl)))
+    return sorted(drops, key=lambda d: -d.size)
+
+
+@dataclass(frozen=True)
+class Counterfactual:
+    """One re-run of the update: its name, keep mask, lr scale (times the round's) and epochs."""
+
+    name: str
+    kind: str
+    keep: torch.Tensor
+    lr_scale: float = 1.0
+    n_epochs: int | None = None
+
+
+def counterfactuals(saved, pct: float = 10.0, draws: int = 5, worst_episodes: int = 3, seed: int = 0
+                    ) -> tuple[list[Counterfactual], dict[str, torch.Tensor]]:
+    """(the counterfactuals of the module docstring, the harm scores they used: scorer -> [N],
+    higher = more harmful)."""
+    from rlinfluence.analysis.validation import score_round
+    from rlinfluence.filters import drop_lowest
+
+    buffer, keep = saved.buffer, saved.keep.bool()
+    n, n_epochs = len(buffer), saved.trainer.config.n_epochs
+    n_drop = round(pct / 100 * n)
+    harm = {"influence": -score_round(saved, ReturnTarget(), "snapshot/batch", seed).double()}
+    if saved.tracin is not None:
+        harm["tracin"] = -saved.tracin.double()
+    out = [Counterfactual("plain", "plain", keep)]
+    for name, h in harm.items():
+        out.append(Counterfactual(f"harmful {pct:g}% {name}", "harmful", keep & drop_lowest(-h, n_drop)))
+    generator = torch.Generator().manual_seed(seed)
+    for j in range(draws):
+        out.append(Counterfactual(f"random {pct:g}% draw {j + 1}", "random",
+                                  keep & drop_lowest(torch.rand(n, generator=generator), n_drop)))
+    ids = buffer.record_ids()
+    for s in range(buffer.n_envs):
+        out.append(Counterfactual(f"source {s}", "source", keep & (ids[:, 1] != s)))
+    pairs = pd.DataFrame({"source": ids[:, 1].numpy(), "episode": buffer.flat("episode_ids").numpy(),
+                          "harm": harm["influence"].numpy()})
+    worst = pairs.groupby(["source", "episode"])["harm"].sum().sort_values(ascending=False, kind="stable")
+    for source, episode in worst.index[:worst_episodes]:
+        out.append(Counterfactual(f"episode {source}:{episode}", "episode",
+                                  keep & ~torch.from_numpy((pairs["source"] == source).to_numpy()
+                                                           & (pairs["episode"] == episode).to_numpy())))
+    out += [Counterfactual("lr/2", "step", keep, 0.5), Counterfactual("lr/4", "step", keep, 0.25),
+            Counterfactual("epochs/2", "step", keep, n_epochs=max(1, n_epochs // 2))]
+    return [c for c in out if int(c.keep.sum()) >= saved.trainer.config.batch_size], harm
+
+
+def _recovery(returns: np.ndarray, after: np.ndarray, drop: float) -> tuple[float, float, float]:
+    mean, low, high = ci95(returns - after)
+    return mean / drop, low / drop, high / drop
+
+
+def verdict_of(rows: pd.DataFrame) -> str:
+    """The drop's verdict from its counterfactual rows (module docstring). A removal counts only
+    beyond the chance band: it must recover more than every random draw did."""
+    recovers = (rows["recovered_fraction"] >= RECOVERS) & (rows["ci_low"] > 0)
+    random = rows.loc[rows["kind"] == "random", "recovered_fraction"]
+    band_mean = float(random.mean()) if len(random) else 0.0
+    beyond = recovers & (rows["recovered_fraction"] > (float(random.max()) if len(random) else 0.0))
+    sources = rows[(rows["kind"] == "source") & beyond]
+    if len(sources):
+        return sources.sort_values("recovered_fraction").iloc[-1]["counterfactual"]
+    if (beyond & (rows["kind"] == "harmful")).any() and band_mean < RECOVERS:
+        return "data"
+    removals = rows["kind"].isin(["harmful", "source", "episode"])
+    if (recovers & (rows["kind"] == "step")).any() and not (beyond & removals).any():
+        return "step"
+    return "not explained"
+
+
+def explain_round(run_dir: str | Path, round_index: int, pct: float = 10.0, episodes: int = 100, draws: int = 5,
+                  worst_episodes: int = 3, seed: int = 0) -> tuple[pd.DataFrame, dict[str, torch.Tensor]]:
+    """(one row per counterfactual of update ``round_index``, the harm scores): ``round``,
+    ``counterfactual``, ``kind``, ``kept``, ``lr_scale``, ``return_mean``, ``recovered_fraction``,
+    ``ci_low``, ``ci_high``, the drop's ``verdict``, ``plain_reproduces_run`` and ``seconds``."""
+    from rlinfluence.analysis.intervention import matches_checkpoint
+    from rlinfluence.checkpoint import load_round
+    from rlinfluence.reruns import Variant, batched_retrain
+
+    if not 0 < pct < 100:
+        raise UserError(f"--pct must be in (0, 100), got {pct}")
+    if episodes < 2 or draws < 1:
+        raise UserError(f"--episodes must be >= 2 and --draws >= 1, got {episodes} and {draws}")
+    start = time.perf_counter()
+    run = RunDirectory.open_existing(run_dir, tensorboard=False)
+    saved = load_round(run.path, round_index)
+    trainer = saved.trainer
+    metrics = pd.read_csv(run.path / "metrics.csv")
+    step_scale = float(metrics.loc[metrics["round"] == round_index, "step_scale"].iloc[0]) \
+        if "step_scale" in metrics else 1.0
+    chosen, harm = counterfactuals(saved, pct, draws, worst_episodes, seed)
+    before = trainer.evaluate(episodes)  # theta(k), on the episodes every policy below plays
+    reruns = batched_retrain(saved, [Variant(c.keep, c.lr_scale * step_scale, c.n_epochs) for c in chosen])
+    returns = []
+    for k in range(len(chosen)):
+        reruns.load(trainer.policy, k)
+        returns.append(trainer.evaluate(episodes))
+    saved.retrain(saved.keep, step_scale)  # the serial plain re-run: the recorded theta(k+1), bit for bit?
+    reproduces = matches_checkpoint(trainer, run.path, round_index + 1)
+    float_gap = max(float((p.detach() - reruns.params[0][n]).abs().max()) for n, p in trainer.policy.named_parameters())
+    recorded = trainer.evaluate(episodes)
+    # the batched counterfactuals are compared with the batched plain re-run, the same arithmetic:
+    # where float rounding alone moves the return, that is the noise every counterfactual carries
+    reference = returns[0]
+    drop = float(before.mean() - reference.mean())
+    rows = []
+    for c, r, kl in zip(chosen, returns, reruns.approx_kl, strict=True):
+        fraction, low, high = _recovery(r, reference, drop) if drop > 0 and c.kind != "plain" else (math.nan,) * 3
+        rows.append({"round": round_index, "counterfactual": c.name, "kind": c.kind, "kept": int(c.keep.sum()),
+                     "lr_scale": c.lr_scale * step_scale, "n_epochs": c.n_epochs or trainer.config.n_epochs,
+                     "approx_kl": kl, "return_mean": float(r.mean()), "recovered_fraction": fraction,
+                     "ci_low": low, "ci_high": high})
+    table = pd.DataFrame(rows)
+    table["return_before"], table["return_after"], table["drop"] = float(before.mean()), float(recorded.mean()), drop
+    table["verdict"] = verdict_of(table) if drop > 0 else "the re-run does not reproduce the drop"
+    table["plain_reproduces_run"], table["plain_float_gap"] = reproduces, float_gap
+    table["seconds"] = time.perf_counter() - start
+    return table, harm
+
+
+def driving_records(saved, harm: torch.Tensor, pct: float = 10.0) -> pd.DataFrame:
+    """The m% most harmful records of the round, counted per source and episode (most first)."""
+    ids = saved.buffer.record_ids()
+    n_top = max(1, round(pct / 100 * len(harm)))
+    top = torch.argsort(harm, descending=True, stable=True)[:n_top]
+    frame = pd.DataFrame({"source": ids[top, 1].numpy(), "episode": saved.buffer.flat("episode_ids")[top].numpy(),
+                          "harm": harm[top].numpy()})
+    return (frame.groupby(["source", "episode"]).agg(records=("harm", "size"), harm=("harm", "sum"))
+            .reset_index().sort_values("harm", ascending=False, kind="stable"))

@@ -1,0 +1,102 @@
+"""`rlinfluence explain`: drops found beyond their noise; each counterfactual changes only what it
+says; a verdict per constructed case; the serial plain re-run reproduces the run; bad input is one
+error line, exit 2."""
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from rlinfluence import cli
+from rlinfluence.analysis.explain import counterfactuals, find_drops, verdict_of
+from rlinfluence.checkpoint import load_round
+from rlinfluence.ppo import PPO, PPOConfig
+
+
+def test_a_drop_is_an_update_whose_return_fell_beyond_twice_its_noise():
+    metrics = pd.DataFrame({"round": range(5), "eval_return_mean": [0.2, 0.5, 0.45, 0.1, 0.3],
+                            "eval_return_std": [0.1] * 5, "approx_kl": [0.01, 0.01, 0.01, 0.2, 0.01]})
+    drops = find_drops(metrics, eval_episodes=100)  # noise s.e. 0.1 * sqrt(2 / 100) = 0.014
+    assert [d.round for d in drops] == [3, 2] and drops[0].size == pytest.approx(0.35)
+    assert drops[0].kl_spike and not drops[1].kl_spike
+    assert [d.round for d in find_drops(metrics, 100, threshold=0.1)] == [3]
+    assert [d.round for d in find_drops(metrics, eval_episodes=1)] == [3]  # 1 episode: s.e. 0.14, only 0.35 passes
+
+
+def _rows(**recovered):
+    kinds = {"harmful": "harmful 10% influence", "random": "random 10% draw", "source": "source 2", "step": "lr/2"}
+    rows = []
+    for kind, values in recovered.items():
+        for j, value in enumerate(np.atleast_1d(values)):
+            rows.append({"kind": kind, "counterfactual": f"{kinds[kind]} {j}" if kind == "random" else kinds[kind],
+                         "recovered_fraction": value, "ci_low": value - 0.2})
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize(("recovered", "verdict"), [
+    ({"harmful": 0.9, "random": [0.1, 0.0, 0.2], "source": 0.1, "step": 0.1}, "data"),
+    ({"harmful": 0.6, "random": [0.1, 0.0, 0.2], "source": 0.95, "step": 0.1}, "source 2"),
+    ({"harmful": 0.1, "random": [0.1, 0.0, 0.2], "source": 0.1, "step": 0.9}, "step"),
+    ({"harmful": 0.9, "random": [0.8, 0.7, 0.95], "source": 0.1, "step": 0.1}, "not explained"),  # chance does it
+    ({"harmful": 0.1, "random": [0.1, 0.0, 0.2], "source": 0.1, "step": 0.1}, "not explained"),
+])
+def test_each_constructed_case_gets_its_verdict(recovered, verdict):
+    assert verdict_of(_rows(**recovered)) == verdict
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    config = PPOConfig(env="CartPole-v1", n_envs=4, n_steps=64, batch_size=64, total_timesteps=4 * 256,
+                       eval_episodes=4, save_buffers=True, tracin=True, seed=2, progress=False, tensorboard=False,
+                       run_root=str(tmp_path_factory.mktemp("explain")))
+    return PPO(config).learn().run.path
+
+
+def test_each_counterfactual_changes_only_what_it_says(run):
+    saved = load_round(run, 1)
+    chosen, harm = counterfactuals(saved, pct=10.0, draws=2, worst_episodes=2)
+    n = len(saved.buffer)
+    source = saved.buffer.record_ids()[:, 1]
+    by_name = {c.name: c for c in chosen}
+    assert set(harm) == {"influence", "tracin"}
+    assert by_name["plain"].keep.all() and by_name["plain"].lr_scale == 1.0 and by_name["plain"].n_epochs is None
+    for name in ("harmful 10% influence", "harmful 10% tracin", "random 10% draw 1"):
+        c = by_name[name]
+        assert int((~c.keep).sum()) == round(0.1 * n) and c.lr_scale == 1.0 and c.n_epochs is None
+    dropped = ~by_name["harmful 10% influence"].keep
+    assert harm["influence"][dropped].min() >= harm["influence"][~dropped].max()  # the most harmful
+    for s in range(4):
+        assert torch.equal(by_name[f"source {s}"].keep, source != s)
+    assert by_name["lr/2"].keep.all() and by_name["lr/2"].lr_scale == 0.5
+    assert by_name["epochs/2"].keep.all() and by_name["epochs/2"].n_epochs == saved.trainer.config.n_epochs // 2
+    episodes = [c for c in chosen if c.kind == "episode"]
+    assert len(episodes) == 2 and all(0 < int((~c.keep).sum()) < n for c in episodes)
+
+
+def test_explain_writes_one_row_per_counterfactual_and_the_plain_rerun_reproduces_the_run(run, capsys):
+    assert cli.main(["explain", str(run), "--round", "2", "--episodes", "4", "--draws", "2"]) == 0
+    out = capsys.readouterr().out
+    table = pd.read_csv(run / "explain.csv")
+    assert {"round", "counterfactual", "return_mean", "recovered_fraction", "ci_low", "ci_high", "verdict"} <= \
+        set(table.columns)
+    assert table["plain_reproduces_run"].all() and (table["round"] == 2).all()
+    assert table["counterfactual"].iloc[0] == "plain" and "verdict:" in out
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--round", "9"], "--round 9 is out of range"),
+    (["--round", "1", "--pct", "100"], "--pct must be in (0, 100)"),
+    (["--drops", "0"], "--drops must be >= 1"),
+])
+def test_bad_input_is_one_error_line(run, capsys, args, message):
+    assert cli.main(["explain", str(run), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_a_run_without_saved_rounds_is_one_error_line(tmp_path, capsys):
+    config = PPOConfig(env="CartPole-v1", n_envs=2, n_steps=64, batch_size=64, total_timesteps=256, eval_episodes=2,
+                       seed=1, progress=False, tensorboard=False, run_root=str(tmp_path))
+    path = PPO(config).learn().run.path
+    assert cli.main(["explain", str(path)]) == 2
+    assert "without --save-buffers" in capsys.readouterr().err
