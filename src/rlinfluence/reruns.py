@@ -14,8 +14,9 @@ the saved optimiser state, the generator restored and advanced past the round's 
 draw, then per epoch a fresh permutation of its kept records (its own draws, as a serial re-run
 would make them), full minibatches, gradient-norm clipping and the optimiser's step (Adam:
 m <- b1 m + (1 - b1) g, v <- b2 v + (1 - b2) g^2, theta <- theta - lr_v / (1 - b1^t) m /
-(sqrt(v / (1 - b2^t)) + eps); SGD: theta <- theta - lr_v g), target_kl's early stop per variant. A
-variant with fewer steps than the longest is padded with steps that change nothing. The result
+(sqrt(v / (1 - b2^t)) + eps); SGD: theta <- theta - lr_v g), target_kl's early stop per variant. The
+variants run longest first, so a variant with fewer steps than the longest leaves the batch when
+it is done (the ones still stepping are always a prefix). The result
 equals K serial re-runs to float tolerance (tests/test_reruns.py), not bit for bit: the batched
 kernels sum in another order.
 """
@@ -122,12 +123,17 @@ def batched_retrain(saved: SavedRound, variants: Sequence[Variant]) -> Reruns:
     if not plain:
         warnings.warn("this optimiser's update cannot be batched: re-running the variants one by one", stacklevel=2)
         return _serial(saved, variants)
+    # longest first, so that the variants still stepping are always a prefix: the batch shrinks as
+    # the short ones finish instead of computing padded steps
+    lengths = active.sum(dim=1)
+    order = torch.argsort(-lengths, stable=True)
+    idx, active, lengths = idx[order], active[order], lengths[order]
     names = [name for name, _ in trainer.policy.named_parameters()]
     n_variants = len(variants)
     params = {n: p.detach().unsqueeze(0).repeat(n_variants, *[1] * p.dim())
               for n, p in trainer.policy.named_parameters()}
     adam = cfg.optimizer == "adam"
-    moments = {}
+    moments: dict[str, list[torch.Tensor]] = {}
     step = torch.zeros(n_variants, dtype=torch.float64)
     if adam:
         state = trainer.optimizer.state_dict()["state"]
@@ -138,7 +144,7 @@ def batched_retrain(saved: SavedRound, variants: Sequence[Variant]) -> Reruns:
         if state:
             step += float(state[0]["step"])
         beta1, beta2 = group["betas"]
-    lr = torch.tensor([cfg.learning_rate * v.lr_scale for v in variants], dtype=torch.float64)
+    lr = torch.tensor([cfg.learning_rate * variants[k].lr_scale for k in order.tolist()], dtype=torch.float64)
     tensors = {name: saved.buffer.flat(name) for name in ("obs", "actions", "logp", "values", "advantages", "returns")}
     evaluate = _Evaluate(trainer.policy)
 
@@ -153,44 +159,45 @@ def batched_retrain(saved: SavedRound, variants: Sequence[Variant]) -> Reruns:
     running = torch.ones(n_variants, dtype=torch.bool)
     kl_sum, updates = torch.zeros(n_variants, dtype=torch.float64), torch.zeros(n_variants, dtype=torch.int64)
     for j in range(idx.shape[1]):
-        batch = idx[:, j]
-        fields = [tensors[k][batch] for k in ("obs", "actions", "logp", "advantages", "returns", "values")]
+        m = int((lengths > j).sum())  # the variants with a step j: a prefix
+        fields = [tensors[k][idx[:m, j]] for k in ("obs", "actions", "logp", "advantages", "returns", "values")]
         if cfg.normalize_advantage:
             fields[3] = normalize_advantages(fields[3], dim=1)
-        grads, (value, kl) = gradients(params, *fields)
-        on = active[:, j] & running
+        grads, (value, kl) = gradients({n: params[n][:m] for n in names}, *fields)
+        on = running[:m].clone()
         if cfg.target_kl is not None:  # the serial update stops before stepping, for good
-            stopped = on & (kl > 1.5 * cfg.target_kl)
-            running &= ~stopped
-            on &= ~stopped
+            on &= ~(kl > 1.5 * cfg.target_kl)
+            running[:m] = on
         if not torch.isfinite(value[on]).all():
-            bad = int(on.nonzero()[~torch.isfinite(value[on])][0])
+            bad = int(order[on.nonzero()[~torch.isfinite(value[on])][0]])
             raise UserError(f"round {saved.buffer.round}: re-run {bad} reached a non-finite loss at step {j}")
         if not on.any():
             continue
-        kl_sum += torch.where(on, kl.double(), 0.0)
-        updates += on.long()
+        kl_sum[:m] += torch.where(on, kl.double(), 0.0)
+        updates[:m] += on.long()
         if cfg.max_grad_norm is not None:
             norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()]).norm(dim=0)
             clip = (cfg.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
             grads = {n: g * _expand(clip, g) for n, g in grads.items()}
-        step = step + on.double()
+        step[:m] += on.double()
+        t = step[:m].clamp(min=1)
         for n in names:
-            g, p = grads[n], params[n]
+            g, p = grads[n], params[n][:m]
             if adam:
-                m, v = moments[n]
-                m_new = m.lerp(g, 1 - beta1)
-                v_new = v * beta2 + (1 - beta2) * g * g
-                t = step.clamp(min=1)
-                size = (lr / (1 - beta1 ** t)).to(p.dtype)
+                mean, square = (x[:m] for x in moments[n])
+                mean_new = mean.lerp(g, 1 - beta1)
+                square_new = square * beta2 + (1 - beta2) * g * g
+                size = (lr[:m] / (1 - beta1 ** t)).to(p.dtype)
                 root = torch.sqrt(1 - beta2 ** t).to(p.dtype)
-                p_new = p - _expand(size, p) * m_new / (v_new.sqrt() / _expand(root, p) + group["eps"])
-                moments[n] = [torch.where(_expand(on, m), m_new, m), torch.where(_expand(on, v), v_new, v)]
+                p_new = p - _expand(size, p) * mean_new / (square_new.sqrt() / _expand(root, p) + group["eps"])
+                moments[n][0][:m] = torch.where(_expand(on, mean), mean_new, mean)
+                moments[n][1][:m] = torch.where(_expand(on, square), square_new, square)
             else:
-                p_new = p - _expand(lr.to(p.dtype), p) * g
-            params[n] = torch.where(_expand(on, p), p_new, p)
-    return Reruns([{n: params[n][k].clone() for n in names} for k in range(n_variants)],
-                  (kl_sum / updates.clamp(min=1)).tolist(), updates.tolist())
+                p_new = p - _expand(lr[:m].to(p.dtype), p) * g
+            params[n][:m] = torch.where(_expand(on, p), p_new, p)
+    back = torch.argsort(order)
+    return Reruns([{n: params[n][k].clone() for n in names} for k in back.tolist()],
+                  (kl_sum / updates.clamp(min=1))[back].tolist(), updates[back].tolist())
 
 
 def _serial(saved: SavedRound, variants: Sequence[Variant]) -> Reruns:

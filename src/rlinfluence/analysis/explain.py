@@ -180,9 +180,8 @@ def explain_round(run_dir: str | Path, round_index: int, pct: float = 10.0, epis
     run = RunDirectory.open_existing(run_dir, tensorboard=False)
     saved = load_round(run.path, round_index)
     trainer = saved.trainer
-    metrics = pd.read_csv(run.path / "metrics.csv")
-    step_scale = float(metrics.loc[metrics["round"] == round_index, "step_scale"].iloc[0]) \
-        if "step_scale" in metrics else 1.0
+    # the step the round took: its saved minibatch schedule's learning rate over the configured one
+    step_scale = saved.schedule[0].lr / trainer.config.learning_rate if saved.schedule else 1.0
     chosen, harm = counterfactuals(saved, pct, draws, worst_episodes, seed)
     before = trainer.evaluate(episodes)  # theta(k), on the episodes every policy below plays
     reruns = batched_retrain(saved, [Variant(c.keep, c.lr_scale * step_scale, c.n_epochs) for c in chosen])

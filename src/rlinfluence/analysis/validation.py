@@ -116,7 +116,7 @@ def score_round(saved: SavedRound, target: Target, scorer: str, seed: int) -> to
     return scores
 
 
-RERUN_CHUNK = 32
+RERUN_CHUNK = 64
 """Re-runs batched together (``rlinfluence.reruns``): memory grows with it, time per re-run falls."""
 
 

@@ -1,0 +1,144 @@
+"""Does `explain` name the cause of a drop whose cause is known? Drops injected at update K:
+
+- ``step``:   the round's learning rate x ``--spike`` (one round);
+- ``data``:   ``--planted`` records given an advantage of ``--planted-size`` with the wrong sign
+              (minus the sign of their own), after the advantages were computed;
+- ``source``: env 0's rewards negated in round K (a reward flip switched on in one source), its
+              advantages recomputed.
+
+    python benchmarks/explain.py run --seeds 10 --out bench_out/explain
+    python benchmarks/explain.py summary --out bench_out/explain --data docs/data
+
+Each injection is part of the round's saved buffer and schedule, so the plain re-run reproduces
+the injured update. Per (cause, seed): train ``--rounds`` rounds of PPO (8 envs x 256 steps,
+``--env``, ``--lr``), inject at round K = ``--at``, then ``explain_round`` of update K (10%
+removals, 5 random draws, 100 evaluation episodes). One row per run in ``<out>/runs.csv``
+(resumes); ``summary`` prints ``<cause>/right: k/n`` (the verdict names the cause: ``source 0``
+for the source), the confusion table and ``seconds_per_drop: X``, and writes
+``<data>/explain_runs.csv`` and ``<data>/explain_table.txt``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hidden_faults import append_row, finished  # noqa: E402
+
+CAUSES = ("step", "data", "source")
+
+
+def injected_trainer(cause: str, at: int, spike: float, planted: int, planted_size: float, config):
+    """A PPO whose update ``at`` is injured by ``cause`` (module docstring)."""
+    from rlinfluence.ppo import PPO
+
+    class Injured(PPO):
+        def update(self, buffer, keep, sample_weights=None, lr_scale=1.0, n_epochs=None):
+            if buffer.round == at:
+                if cause == "step":
+                    lr_scale *= spike
+                elif cause == "data":
+                    generator = torch.Generator().manual_seed(config.seed)
+                    flat = buffer.advantages.view(-1)
+                    chosen = torch.randperm(len(flat), generator=generator)[:planted]
+                    flat[chosen] = -torch.sign(flat[chosen]) * planted_size
+                else:
+                    buffer.rewards[:, 0] *= -1
+                    buffer.compute_advantages(self.config.gamma, self.config.gae_lambda)
+            return super().update(buffer, keep, sample_weights, lr_scale, n_epochs)
+
+    return Injured(config)
+
+
+def run_one(cause: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
+    from rlinfluence.analysis.explain import explain_round
+    from rlinfluence.ppo import PPOConfig
+
+    scratch = out / "scratch" / f"{cause}_{seed}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    config = PPOConfig.for_env(args.env, n_envs=8, n_steps=256, batch_size=64, learning_rate=args.lr, seed=seed,
+                               total_timesteps=(args.at + 1) * 2048, eval_episodes=20, save_buffers=True,
+                               run_root=str(scratch), progress=False, tensorboard=False)
+    trainer = injected_trainer(cause, args.at, args.spike, args.planted, args.planted_size, config).learn()
+    cpu = time.process_time()
+    table, _ = explain_round(trainer.run.path, args.at, episodes=args.episodes, draws=args.draws, seed=seed)
+    row = {"cause": cause, "seed": seed, "verdict": table["verdict"].iloc[0],
+           "right": table["verdict"].iloc[0] == ("source 0" if cause == "source" else cause),
+           "drop": table["drop"].iloc[0], "return_before": table["return_before"].iloc[0],
+           "return_after": table["return_after"].iloc[0],
+           "plain_reproduces_run": bool(table["plain_reproduces_run"].iloc[0]),
+           "best": table.loc[table["recovered_fraction"].idxmax(), "counterfactual"]
+           if table["recovered_fraction"].notna().any() else "",
+           "best_recovered": table["recovered_fraction"].max(),
+           "explain_cpu_s": time.process_time() - cpu, "explain_wall_s": table["seconds"].iloc[0],
+           "update_s": float(pd.read_csv(trainer.run.path / "metrics.csv")["update_seconds"].iloc[args.at])}
+    shutil.rmtree(scratch, ignore_errors=True)
+    append_row(out / "runs.csv", row)
+    return row
+
+
+def run(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    done = finished(out / "runs.csv", ["cause", "seed"])
+    for seed in range(1, args.seeds + 1):
+        for cause in CAUSES:
+            if (cause, seed) not in done:
+                row = run_one(cause, seed, args, out)
+                print(f"{cause} seed {seed}: verdict {row['verdict']} (drop {row['drop']:.3g}, best {row['best']} "
+                      f"{row['best_recovered']:.2f}, {row['explain_wall_s']:.0f} s)", flush=True)
+
+
+def summary(args: argparse.Namespace) -> None:
+    rows = pd.read_csv(Path(args.out) / "runs.csv")
+    verdicts = rows["verdict"].where(~rows["verdict"].str.startswith("source"), "source " +
+                                     rows["verdict"].str.split(" ").str[-1])
+    confusion = pd.crosstab(rows["cause"], verdicts)
+    lines = [f"{cause}/right: {int(g['right'].sum())}/{len(g)}" for cause, g in rows.groupby("cause")]
+    lines.append(f"plain_reproduces_run: {int(rows['plain_reproduces_run'].sum())}/{len(rows)}")
+    lines.append(f"seconds_per_drop: {rows['explain_wall_s'].median():.1f} (median wall; update "
+                 f"{rows['update_s'].median():.2f} s)")
+    print(confusion.to_string())
+    print("\n".join(lines))
+    if args.data:
+        data = Path(args.data)
+        rows.to_csv(data / "explain_runs.csv", index=False)
+        (data / "explain_table.txt").write_text(confusion.to_string() + "\n\n" + "\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--env", default="FrozenLake-v1")
+    r.add_argument("--lr", type=float, default=0.02)
+    r.add_argument("--at", type=int, default=6)
+    r.add_argument("--spike", type=float, default=30.0)
+    r.add_argument("--planted", type=int, default=20)
+    r.add_argument("--planted-size", type=float, default=1000.0)
+    r.add_argument("--seeds", type=int, default=10)
+    r.add_argument("--episodes", type=int, default=100)
+    r.add_argument("--draws", type=int, default=5)
+    r.add_argument("--out", default="bench_out/explain")
+    s = sub.add_parser("summary")
+    s.add_argument("--out", default="bench_out/explain")
+    s.add_argument("--data", default="")
+    args = parser.parse_args()
+    np.seterr(all="ignore")
+    (run if args.command == "run" else summary)(args)
+
+
+if __name__ == "__main__":
+    main()
