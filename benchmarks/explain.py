@@ -3,8 +3,8 @@
 - ``step``:   the round's learning rate x ``--spike`` (one round);
 - ``data``:   ``--planted`` records given an advantage of ``--planted-size`` with the wrong sign
               (minus the sign of their own), after the advantages were computed;
-- ``source``: env 0's rewards negated in round K (a reward flip switched on in one source), its
-              advantages recomputed.
+- ``source``: env 0's rewards multiplied by ``--source-scale`` (negative: a flipped, miswired
+              reward worker) in round K, its advantages recomputed.
 
     python benchmarks/explain.py run --seeds 10 --out bench_out/explain
     python benchmarks/explain.py summary --out bench_out/explain --data docs/data
@@ -40,7 +40,8 @@ from hidden_faults import append_row, finished  # noqa: E402
 CAUSES = ("step", "data", "source")
 
 
-def injected_trainer(cause: str, at: int, spike: float, planted: int, planted_size: float, config):
+def injected_trainer(cause: str, at: int, spike: float, planted: int, planted_size: float, source_scale: float,
+                     config):
     """A PPO whose update ``at`` is injured by ``cause`` (module docstring)."""
     from rlinfluence.ppo import PPO
 
@@ -55,7 +56,7 @@ def injected_trainer(cause: str, at: int, spike: float, planted: int, planted_si
                     chosen = torch.randperm(len(flat), generator=generator)[:planted]
                     flat[chosen] = -torch.sign(flat[chosen]) * planted_size
                 else:
-                    buffer.rewards[:, 0] *= -1
+                    buffer.rewards[:, 0] *= source_scale
                     buffer.compute_advantages(self.config.gamma, self.config.gae_lambda)
             return super().update(buffer, keep, sample_weights, lr_scale, n_epochs)
 
@@ -71,7 +72,8 @@ def run_one(cause: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     config = PPOConfig.for_env(args.env, n_envs=8, n_steps=256, batch_size=64, learning_rate=args.lr, seed=seed,
                                total_timesteps=(args.at + 1) * 2048, eval_episodes=20, save_buffers=True,
                                run_root=str(scratch), progress=False, tensorboard=False)
-    trainer = injected_trainer(cause, args.at, args.spike, args.planted, args.planted_size, config).learn()
+    trainer = injected_trainer(cause, args.at, args.spike, args.planted, args.planted_size, args.source_scale,
+                               config).learn()
     cpu = time.process_time()
     table, _ = explain_round(trainer.run.path, args.at, episodes=args.episodes, draws=args.draws, seed=seed)
     row = {"cause": cause, "seed": seed, "verdict": table["verdict"].iloc[0],
@@ -128,6 +130,7 @@ def main() -> None:
     r.add_argument("--spike", type=float, default=30.0)
     r.add_argument("--planted", type=int, default=20)
     r.add_argument("--planted-size", type=float, default=1000.0)
+    r.add_argument("--source-scale", type=float, default=-10.0)
     r.add_argument("--seeds", type=int, default=10)
     r.add_argument("--episodes", type=int, default=100)
     r.add_argument("--draws", type=int, default=5)

@@ -179,7 +179,7 @@ class RolloutBuffer:
         return x.transpose(0, 1).reshape(len(self), *x.shape[2:])
 
     def monte_carlo_advantages(self, gamma: float) -> torch.Tensor:
-        """A_bar(s, a) = Q_bar(s, a) - V_bar(s) per record, flat order (method-spec 8.1).
+        """A_bar(s, a) = Q_bar(s, a) - V_bar(s) per record, flat order (docs/method.md, section 8.1).
 
         Q_bar(s, a) is the mean discounted return-to-go over the occurrences of (s, a) in the
         buffer's *complete* episodes, V_bar(s) the mean over all visits of s in them; no extra

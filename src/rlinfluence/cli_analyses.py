@@ -225,7 +225,7 @@ def diagnose(a: DiagnoseArgs) -> int:
 @dataclass
 class TimelineArgs:
     """Behaviour-formation timeline of (s*, a*) over the saved rounds: pi(a*|s*), top records and
-    roughness of the action-target scores (method-spec 8.2)."""
+    roughness of the action-target scores (docs/method.md, section 8.2)."""
 
     run_dir: tyro.conf.Positional[str]
     """run directory trained with --save-buffers"""
@@ -284,7 +284,7 @@ def timeline(a: TimelineArgs) -> int:
 
 @dataclass
 class InterveneArgs:
-    """Targeted intervention (method-spec 5.3): retrain chosen rounds of standard PPO runs from
+    """Targeted intervention (docs/method.md, section 5.3): retrain chosen rounds of standard PPO runs from
     theta(k) on (a) the full buffer, (b) without all negatively influential records, (c) without a
     random subset of the same size; compare evaluation returns on the same episode seeds."""
 

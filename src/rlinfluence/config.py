@@ -24,7 +24,7 @@ from rlinfluence.presets import PRESETS
 
 DEFAULT_ADVANTAGE_NORM: Final = "chunk"  # Final: typed Literal["chunk"], a default for Literal fields
 """How IIF normalises advantages when it scores (``rlinfluence.influence.snapshot_influence``):
-in random chunks of batch_size records, as the update's minibatches do (spec 2.2)."""
+in random chunks of batch_size records, as the update's minibatches do (docs/method.md, section 2.2)."""
 AUTO = "auto"
 """drop_pct ``auto``: IIF chooses p each round (``rlinfluence.filters``)."""
 FILTER_NAMES = ("none", "iif", "random", "advantage", "td-error", "reward-extremes", "dtv", "advantage-sign", "oracle",

@@ -1,4 +1,4 @@
-"""Environment construction and the paper's per-environment presets (method-spec section 6).
+"""Environment construction and the paper's per-environment presets (docs/method.md, section 6).
 
 ``make_env(env_id)`` builds any gymnasium id, with the observation wrappers our policies need
 (one-hot for ``Discrete`` observations, the image for MiniGrid's dict observations) and the

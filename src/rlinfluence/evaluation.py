@@ -1,4 +1,4 @@
-"""Evaluation of the stochastic policy on separate environments (method-spec 7.1).
+"""Evaluation of the stochastic policy on separate environments (docs/method.md, section 7.1).
 
 Episodes are run in a batch of environments with one policy forward per step. Episode ``e`` is
 always reset with seed ``seed + e`` and runs on environment ``e % n_envs``, so every method and

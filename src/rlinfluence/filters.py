@@ -7,8 +7,8 @@ its minibatches from the kept records with probability proportional to the weigh
 their random state (``state_dict`` for resume) and report per-round statistics by writing
 numbers into ``context.stats`` (logged to metrics.csv and TensorBoard under ``filter/``).
 
-Filters here: ``none`` (standard PPO), ``iif`` (the paper's influence-based filtering, spec 5),
-the baselines of spec 8.3: ``random``, ``advantage`` (H1/H2), ``td-error``,
+Filters here: ``none`` (standard PPO), ``iif`` (the paper's influence-based filtering, docs/method.md, section 5),
+the baselines of section 8.3: ``random``, ``advantage`` (H1/H2), ``td-error``,
 ``reward-extremes``; and ``quarantine``, which drops whole sources the audit's test flags.
 """
 
@@ -142,7 +142,7 @@ GATE_SPLITS = 8
 
 
 class InfluenceScorer(_Seeded):
-    """Snapshot ``return`` influence of every record at theta(k) (spec 4.2).
+    """Snapshot ``return`` influence of every record at theta(k) (docs/method.md, section 4.2).
 
     ``advantage_norm="chunk"`` normalises advantages within chunks of ``batch_size`` records
     formed by a random permutation (the authors' first-epoch minibatches); ``"batch"`` over the
@@ -274,7 +274,7 @@ def iif_drop_count(scores: torch.Tensor, drop_pct: float, drop_mode: DropMode) -
 
 
 class IIFFilter(InfluenceScorer):
-    """Iterative influence-based filtering (spec 5.1): drop the most harmful records.
+    """Iterative influence-based filtering (docs/method.md, section 5.1): drop the most harmful records.
 
     ``neg-bottom`` (default) drops the floor(p * N_neg) lowest-scoring records, all of them
     negative; ``bottom`` the lowest p% of all records; ``neg`` every negative record.
@@ -376,7 +376,7 @@ class RandomFilter(InfluenceScorer):
 
 
 class AdvantageFilter(_Seeded):
-    """Monte-Carlo advantage heuristics (spec 8.3, discrete small state spaces).
+    """Monte-Carlo advantage heuristics (docs/method.md, section 8.3; discrete small state spaces).
 
     Among records whose estimated advantage A_hat and Monte-Carlo advantage A_bar disagree in
     sign, drop p% of them: ``H1`` those with the largest |A_bar - A_hat|, ``H2`` those with the
@@ -405,7 +405,7 @@ class AdvantageFilter(_Seeded):
 
 
 class TDErrorFilter(_Seeded):
-    """TD-error prioritisation (spec 8.3): keep every record, sample minibatches with weights
+    """TD-error prioritisation (docs/method.md, section 8.3): keep every record, sample minibatches with weights
     P_i^alpha / sum_j P_j^alpha, P_i = 1 / rank(|delta_i|), delta_i = r_i + gamma V(s'_i) - V(s_i)."""
 
     name = "td-error"
@@ -425,7 +425,7 @@ class TDErrorFilter(_Seeded):
 
 
 class RewardExtremesFilter(_Seeded):
-    """Difficulty heuristic (spec 8.3): drop the p/2 % highest- and p/2 % lowest-reward records."""
+    """Difficulty heuristic (docs/method.md, section 8.3): drop the p/2 % highest- and p/2 % lowest-reward records."""
 
     name = "reward-extremes"
 

@@ -8,7 +8,7 @@ One round k:
                    that scores against a validation set (``uses_validation``) gets, with
                    ``validation_steps > 0``, a separate rollout of pi_theta(k) on its own envs
     4. optimise    n_epochs x floor(|kept| / batch_size) minibatch steps on kept records,
-                   a fresh permutation each epoch, the remainder dropped (spec 5.2 step 7)
+                   a fresh permutation each epoch, the remainder dropped (docs/method.md, section 5.2)
     5. evaluate    the stochastic policy on separate envs (not counted in train_seconds, nor in
                    train_cpu_seconds, the process CPU time of steps 1-4: robust to other load)
 

@@ -1,4 +1,4 @@
-"""The paper's per-environment presets (method-spec section 6): how each env is built and the
+"""The paper's per-environment presets (docs/method.md, section 6): how each env is built and the
 PPO hyperparameters the paper used. Plain data (no gymnasium, no torch), so ``PPOConfig`` and the
 command line read them at start-up; ``rlinfluence.envs`` builds the envs.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# The paper's shared PPO settings (spec 6.1): SGD 5e-3, no gradient clipping (as the authors'
+# The paper's shared PPO settings (docs/method.md, section 6.1): SGD 5e-3, no gradient clipping (as the authors'
 # code ran), n_steps 2048, batch 64, 10 epochs, gamma 0.99, lambda 0.95, clip 0.2, ent 0, vf 0.5.
 _PAPER_PPO: dict[str, Any] = dict(
     n_envs=1, n_steps=2048, batch_size=64, n_epochs=10, optimizer="sgd", learning_rate=5e-3,
@@ -24,7 +24,7 @@ class EnvPreset:
     rounds: int
     """Rounds of the standard PPO run (one round = n_steps * n_envs environment steps)."""
     drop_pct: float
-    """IIF's p: percentage of the negatively-influential records dropped each round (spec 5.4)."""
+    """IIF's p: percentage of the negatively-influential records dropped each round (docs/method.md, section 5.4)."""
     eval_episodes: int
     make_kwargs: dict[str, Any] = field(default_factory=dict)
     ppo: dict[str, Any] = field(default_factory=dict)

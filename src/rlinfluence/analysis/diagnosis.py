@@ -1,4 +1,4 @@
-"""Diagnosis of learning (method-spec 8.1): which records of a round hurt the return, and why.
+"""Diagnosis of learning (docs/method.md, section 8.1): which records of a round hurt the return, and why.
 
 The round's buffer is scored with the ``return`` target at theta(k). For small discrete state
 spaces the estimated advantages A_hat (GAE) are compared with a Monte-Carlo advantage
@@ -232,7 +232,7 @@ def diagnosis_section(d: Diagnosis, rows: int = 20) -> Section:
                "advantage", "score"]
     if d.mc_reason is None:
         section.paragraphs.append(
-            "A_bar = Q_bar(s,a) - V_bar(s) from the buffer's complete episodes (method-spec 8.1). "
+            "A_bar = Q_bar(s,a) - V_bar(s) from the buffer's complete episodes (docs/method.md, section 8.1). "
             "Mismatch = A_bar * A_hat < 0; fractions are over records that have an A_bar. The paper "
             "reports a Spearman correlation of about -0.67 between score and A_bar * A_hat on FrozenLake.")
         columns += ["mc_advantage", "mismatch"]

@@ -1,4 +1,4 @@
-"""Targeted intervention (method-spec 5.3): retrain one round without its harmful records.
+"""Targeted intervention (docs/method.md, section 5.3): retrain one round without its harmful records.
 
 At round k of a standard PPO run (``--save-buffers``), starting from theta(k) with its optimiser
 state, the trainer's own ``update`` runs on

@@ -1,4 +1,4 @@
-"""Behaviour-formation timeline (method-spec 8.2): how a fixed (s*, a*) is learned, round by round.
+"""Behaviour-formation timeline (docs/method.md, section 8.2): how a fixed (s*, a*) is learned, round by round.
 
 For every saved round k the buffer is scored with ``ActionTarget(s*, a*)`` at theta(k) and we
 track pi_theta(k)(a*|s*), the top records and the **roughness** of the scores:
@@ -93,7 +93,7 @@ def dirichlet_roughness(values: np.ndarray, weights: np.ndarray | sparse.sparray
 
 
 def roughness(scores: np.ndarray, embeddings: np.ndarray, u: int = 50) -> float:
-    """Spec 8.2's roughness of one round's scores (NaN with fewer than 2 positive records)."""
+    """The roughness (docs/method.md, section 8.2) of one round's scores (NaN with fewer than 2 positive records)."""
     scores = np.asarray(scores, dtype=np.float64)
     positive = scores > 0
     if positive.sum() < 2:

@@ -386,7 +386,7 @@ def summarize(out: Path, methods: Sequence[str], seeds: Sequence[int], window: i
     result saves reading the runs again; ``seed`` seeds every bootstrap; ``progress`` shows a
     line per method summarised, the bootstraps taking a while):
 
-    - the paper's metrics (method-spec 7.2): mean, s.e. and number of seed pairs where defined;
+    - the paper's metrics (docs/method.md, section 7.2): mean, s.e. and number of seed pairs where defined;
     - censoring-aware rounds to 80% of the reference's range: seeds reached, the restricted mean of
       min(rounds, n + 1), and the paired log ratio ln(m_ref / m) with a bootstrap interval;
     - IQM / mean of the normalised scores, the paired difference of normalised auc, and the
@@ -525,7 +525,7 @@ def write_summary(
         if untuned:
             lines += [f"Not tuned (run at {reference}'s chosen values): {', '.join(untuned)}.", ""]
     lines += [
-        "## Paper metrics (method-spec 7.2)", "",
+        "## Paper metrics (docs/method.md, section 7.2)", "",
         f"Reductions are percent, per seed pair against {reference}, mean +/- s.e. over seeds; smoothing window "
         f"{window} round(s). Levels: SE_ave = successive new maxima of the {reference} curve; 50/80/90% = that "
         f"fraction of the way from {reference}'s first-round return to its plateau (mean of its last 5 rounds). "

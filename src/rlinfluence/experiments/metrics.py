@@ -1,4 +1,4 @@
-"""Metrics on learning curves (method-spec 7.2 and the fraction-of-range reductions).
+"""Metrics on learning curves (docs/method.md, section 7.2, and the fraction-of-range reductions).
 
 For a reference curve s and another curve o (m(v) = first round, counted from 1, at which a
 curve reaches at least v; T(v) = cumulative training seconds at that round):

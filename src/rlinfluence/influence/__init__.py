@@ -1,4 +1,4 @@
-"""Local data attribution for a PPO round (method spec sections 2-4).
+"""Local data attribution for a PPO round (docs/method.md, sections 2-4).
 
 Scorers (what is computed) and targets (what influence is measured on) are independent:
 

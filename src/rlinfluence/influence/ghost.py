@@ -8,7 +8,7 @@ per attributed parameter, e.g. grad f of a target), ``per_record_dots`` returns
 
 computed in two parts that are added:
 
-- ``nn.Linear`` / ``nn.Conv2d`` parameters -- ghost dot products (spec 4.3, 4.4). Forward hooks
+- ``nn.Linear`` / ``nn.Conv2d`` parameters -- ghost dot products (docs/method.md, sections 4.3, 4.4). Forward hooks
   capture each call's input X and output Y; ONE backward of sum_i u_i gives G = d(sum u)/dY,
   whose row i is record i's own output-gradient because the terms are independent. With P, q
   the layer's weight and bias parts of v:

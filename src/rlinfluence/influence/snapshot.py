@@ -1,9 +1,9 @@
-"""Snapshot influence (spec 4.2, what IIF uses): every record's influence on a target at theta(k).
+"""Snapshot influence (docs/method.md, section 4.2; what IIF uses): every record's influence on a target at theta(k).
 
     score_i = < grad l_i(theta), grad L_f(theta) >,   L_f = -f,   evaluated once at theta = theta(k)
 
 with the record's training loss at ratio 1 (the clipped PPO objective has the same value and
-gradient there), summed over records rather than averaged (spec 2.2):
+gradient there), summed over records rather than averaged (docs/method.md, section 2.2):
 
     l_i = -(A_norm_i log pi(a_i|s_i) + c_ent H[pi(.|s_i)])
     =>  score_i = A_norm_i <grad log pi(a_i|s_i), grad f> + c_ent <grad H[pi(.|s_i)], grad f>

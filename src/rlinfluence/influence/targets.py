@@ -10,9 +10,9 @@ The two built-in targets are weighted log-likelihoods,
     f(theta) = sum_j w_j log pi_theta(a_j | s_j),
 
 - ``ActionTarget(obs, action)``: w_j = 1/m over m given (state, action) pairs, i.e. the mean
-  log pi_theta(a*|s*) (spec 3.1);
+  log pi_theta(a*|s*) (docs/method.md, section 3.1);
 - ``ReturnTarget()``: w_j = A_j / n with the raw (un-normalised) advantages of the scored buffer
-  itself, or of a validation set passed explicitly (spec 3.2).
+  itself, or of a validation set passed explicitly (docs/method.md, section 3.2).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class ActionTarget(LogProbTarget):
 
 @dataclass(frozen=True, repr=False, eq=False)
 class ReturnTarget(LogProbTarget):
-    """f(theta) = (1/n) sum_j A_j log pi_theta(a_j | s_j) with raw advantages A_j (spec 3.2).
+    """f(theta) = (1/n) sum_j A_j log pi_theta(a_j | s_j) with raw advantages A_j (docs/method.md, section 3.2).
 
     With no arguments the scored buffer is its own validation set; otherwise pass all three of
     ``obs``, ``actions``, ``advantages`` of a validation set.

@@ -1,4 +1,4 @@
-"""Full local TracIn (spec 4.1): each record's influence through every optimiser step of a round.
+"""Full local TracIn (docs/method.md, section 4.1): each record's influence through every optimiser step of a round.
 
     I_i = sum_{j : i in B_j}  eta_j c_j < grad f(theta_j), -grad ell_{j,i}(theta_j) / b_j >
 

@@ -6,13 +6,13 @@
     model = PPO("MlpPolicy", "LunarLander-v3", rollout_buffer_class=FilteredRolloutBuffer)
     model.learn(200_000, callback=InfluenceFilterCallback(drop_pct=12.5))
 
-- ``attribute(model, rollout_buffer, target="return")``: snapshot influence (method spec 4.2)
+- ``attribute(model, rollout_buffer, target="return")``: snapshot influence (docs/method.md, section 4.2)
   of every record of SB3's rollout buffer, in SB3's flat order (see below), at the policy's
   current parameters -- call it after a rollout and before ``train()`` (e.g. in a callback's
   ``_on_rollout_end``), when the policy is still theta(k), the one that collected the buffer.
 - ``FilteredRolloutBuffer``: SB3's ``RolloutBuffer`` whose ``get()`` draws minibatches from the
   kept records only and records each minibatch's record indices.
-- ``InfluenceFilterCallback``: IIF (spec 5) -- after GAE and before ``train()``, scores the
+- ``InfluenceFilterCallback``: IIF (docs/method.md, section 5) -- after GAE and before ``train()``, scores the
   buffer and sets the buffer's keep mask; logs ``influence/*`` through SB3's logger.
 - ``AuditCallback(path)``: after GAE, writes each rollout's harm table (one row per record, its
   source = the vec env index; ``rlinfluence.analysis.audit``) to ``path/audit/scores/``, so that
@@ -234,7 +234,7 @@ def attribute(
     ``rlinfluence.influence.DEFAULT_ADVANTAGE_NORM``) normalises within chunks of ``chunk_size``
     (default ``model.batch_size``) records taken in ``order``, by default the permutation SB3's
     next ``get()`` will draw (``next_permutation``), i.e. the first-epoch minibatches of the
-    unfiltered update (spec 2.2); ``"auto"`` = ``"chunk"`` if ``model.normalize_advantage`` else
+    unfiltered update (docs/method.md, section 2.2); ``"auto"`` = ``"chunk"`` if ``model.normalize_advantage`` else
     ``"none"``, matching the loss SB3 trains; ``"batch"``, ``"none"`` as in
     ``snapshot_influence``. ``ent_coef`` (default ``model.ent_coef``) adds the entropy term of
     SB3's loss. Other keyword arguments go to ``snapshot_influence``. NumPy's and torch's global

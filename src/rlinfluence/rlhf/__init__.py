@@ -1,5 +1,5 @@
 """RLHF with local data attribution: PPO / GRPO for Hugging Face causal LMs with LoRA, sequence-
-level influence and IIF (method spec 3.3, 4.5, 5, 9).
+level influence and IIF (docs/method.md, sections 3.3, 4.5, 5, 9).
 
 - ``RLHFConfig`` / ``RLHFTrainer``: the training loop (``rlinfluence rlhf``);
 - ``load_policy``: any causal LM + LoRA (peft) + value head; reference = adapters disabled;

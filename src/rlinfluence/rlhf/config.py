@@ -25,7 +25,7 @@ SMOLLM2 = "builtin:smollm2-135m"
 
 @dataclass
 class RLHFConfig:
-    """RLHF hyperparameters. Defaults: the paper's setup (spec 9) scaled down to a CPU: 16
+    """RLHF hyperparameters. Defaults: the paper's setup (docs/method.md, section 9) scaled down to a CPU: 16
     prompts per round, 24 response tokens, a higher learning rate; the sentiment task."""
 
     task: Literal["sentiment", "toxicity", "sentiment-gold"] = "sentiment"

@@ -1,4 +1,4 @@
-"""Sequence-level influence for RLHF (method spec 3.3, 4.5): one record = one (prompt, response).
+"""Sequence-level influence for RLHF (docs/method.md, sections 3.3, 4.5): one record = one (prompt, response).
 
     score_i = < grad u_i(theta), grad f(theta) >      at theta = theta(k), over the LoRA A and B
                                                       matrices only (value head excluded)
@@ -14,7 +14,7 @@ the authors' code included it, ``value_loss`` makes that a choice.)
 
 Targets f:
 
-- ``"seq"`` (f_seq, spec 3.3): (1/m) sum_j A_last_j sum_t log pi(y_jt | x_j) over m validation
+- ``"seq"`` (f_seq, docs/method.md, section 3.3): (1/m) sum_j A_last_j sum_t log pi(y_jt | x_j) over m validation
   sequences sampled from pi_theta(k), A_last_j the whitened advantage at its last response token
   (GRPO: the sequence's group advantage). ``heldout_sequence_influence`` takes them from the
   round's own rollout (no extra generation): the prompt groups are split into two halves and

@@ -1,4 +1,4 @@
-"""PPO / GRPO for causal LMs with LoRA, and IIF on its sequences (method spec 3.3, 4.5, 5, 9).
+"""PPO / GRPO for causal LMs with LoRA, and IIF on its sequences (docs/method.md, sections 3.3, 4.5, 5, 9).
 
 One round k:
 
