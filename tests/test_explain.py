@@ -24,21 +24,32 @@ def test_a_drop_is_an_update_whose_return_fell_beyond_twice_its_noise():
 
 
 def _rows(**recovered):
-    kinds = {"harmful": "harmful 10% influence", "random": "random 10% draw", "source": "source 2", "step": "lr/2"}
+    names = {"harmful": "harmful 10% influence", "random": "random 10% draw", "random-source": "random 12.5% draw",
+             "source": "source", "step": "lr/2"}
     rows = []
     for kind, values in recovered.items():
         for j, value in enumerate(np.atleast_1d(values)):
-            rows.append({"kind": kind, "counterfactual": f"{kinds[kind]} {j}" if kind == "random" else kinds[kind],
-                         "recovered_fraction": value, "ci_low": value - 0.2})
+            name = f"{names[kind]} {j + (kind == 'source') * 2}" if kind in ("random", "random-source", "source") \
+                else names[kind]
+            rows.append({"kind": kind, "counterfactual": name, "recovered_fraction": value, "ci_low": value - 0.2})
     return pd.DataFrame(rows)
 
 
+CHANCE = [0.1, 0.0, 0.2, 0.05, 0.15]
+
+
 @pytest.mark.parametrize(("recovered", "verdict"), [
-    ({"harmful": 0.9, "random": [0.1, 0.0, 0.2], "source": 0.1, "step": 0.1}, "data"),
-    ({"harmful": 0.6, "random": [0.1, 0.0, 0.2], "source": 0.95, "step": 0.1}, "source 2"),
-    ({"harmful": 0.1, "random": [0.1, 0.0, 0.2], "source": 0.1, "step": 0.9}, "step"),
-    ({"harmful": 0.9, "random": [0.8, 0.7, 0.95], "source": 0.1, "step": 0.1}, "not explained"),  # chance does it
-    ({"harmful": 0.1, "random": [0.1, 0.0, 0.2], "source": 0.1, "step": 0.1}, "not explained"),
+    ({"harmful": 0.9, "random": CHANCE, "random-source": CHANCE, "source": [0.1, 0.0], "step": 0.1}, "data"),
+    ({"harmful": 0.6, "random": CHANCE, "random-source": CHANCE, "source": [0.95, 0.1], "step": 0.1}, "source 2"),
+    ({"harmful": 0.1, "random": CHANCE, "random-source": CHANCE, "source": [0.1, 0.0], "step": 0.9}, "step"),
+    # chance does it: the random band recovers too
+    ({"harmful": 0.9, "random": [0.8, 0.7, 0.95], "random-source": CHANCE, "source": [0.1, 0.0], "step": 0.1},
+     "not explained"),
+    # a source above the band's largest draw but within 3 standard deviations of its mean: chance
+    ({"harmful": 0.1, "random": CHANCE, "random-source": [0.0, 0.6, 0.1, 0.5, 0.0], "source": [0.65, 0.0],
+      "step": 0.9}, "step"),
+    ({"harmful": 0.1, "random": CHANCE, "random-source": CHANCE, "source": [0.1, 0.0], "step": 0.1},
+     "not explained"),
 ])
 def test_each_constructed_case_gets_its_verdict(recovered, verdict):
     assert verdict_of(_rows(**recovered)) == verdict
@@ -63,6 +74,7 @@ def test_each_counterfactual_changes_only_what_it_says(run):
     for name in ("harmful 10% influence", "harmful 10% tracin", "random 10% draw 1"):
         c = by_name[name]
         assert int((~c.keep).sum()) == round(0.1 * n) and c.lr_scale == 1.0 and c.n_epochs is None
+    assert int((~by_name["random 25% draw 2"].keep).sum()) == n // 4  # as many as one of the 4 sources has
     dropped = ~by_name["harmful 10% influence"].keep
     assert harm["influence"][dropped].min() >= harm["influence"][~dropped].max()  # the most harmful
     for s in range(4):

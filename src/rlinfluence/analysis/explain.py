@@ -14,7 +14,8 @@ otherwise:
     plain            the update as it ran (first: must reproduce the saved theta(k+1))
     harmful m% S     without the m% records most harmful by scorer S (snapshot influence on the
                      in-sample return target; TracIn of the round where it was recorded)
-    random m% draw j without m% uniformly random records (``draws`` draws: the chance band)
+    random m% draw j without m% uniformly random records (``draws`` draws: the chance band), and
+                     ``draws`` more without as many random records as a source has
     source s         without every record of env s (leave one source out)
     episode e        without one of the ``worst_episodes`` most harmful episodes
     lr/2, lr/4       every record, a shorter step; ``epochs/2``: half the epochs
@@ -33,7 +34,9 @@ plain re-run is checked against the saved theta(k+1) (``plain_reproduces_run``),
 largest parameter gap between the two (``plain_float_gap``).
 
 **Verdict** (a counterfactual *recovers* when recovered >= ``RECOVERS`` and its interval lies
-above 0): *source s* when leaving s out recovers beyond the chance band (more than every random draw);
+above 0; a removal counts *beyond its chance band* when it recovers more than every random
+draw of its size and more than their mean plus ``BAND_SDS`` standard deviations, because in a
+sensitive round any removal moves the return): *source s* when leaving s out recovers beyond it;
 else *data* when removing the harmful records recovers beyond the band and the band's mean does
 not recover; else *step* when a shorter step recovers and no targeted removal recovers beyond
 the band; else *not explained*.
@@ -125,6 +128,10 @@ def counterfactuals(saved, pct: float = 10.0, draws: int = 5, worst_episodes: in
     for j in range(draws):
         out.append(Counterfactual(f"random {pct:g}% draw {j + 1}", "random",
                                   keep & drop_lowest(torch.rand(n, generator=generator), n_drop)))
+    if buffer.n_envs > 1:  # the chance band of a source's removal: as many random records as a source has
+        for j in range(draws):
+            out.append(Counterfactual(f"random {100 / buffer.n_envs:g}% draw {j + 1}", "random-source",
+                                      keep & drop_lowest(torch.rand(n, generator=generator), n // buffer.n_envs)))
     ids = buffer.record_ids()
     for s in range(buffer.n_envs):
         out.append(Counterfactual(f"source {s}", "source", keep & (ids[:, 1] != s)))
@@ -145,17 +152,31 @@ def _recovery(returns: np.ndarray, after: np.ndarray, drop: float) -> tuple[floa
     return mean / drop, low / drop, high / drop
 
 
+BAND_SDS = 3.0
+"""How far beyond its chance band a removal must recover: more than the band's largest draw and
+than its mean plus this many standard deviations."""
+
+
 def verdict_of(rows: pd.DataFrame) -> str:
     """The drop's verdict from its counterfactual rows (module docstring). A removal counts only
-    beyond the chance band: it must recover more than every random draw did."""
+    beyond the chance band of removals of its size: random records as many as a source has for
+    ``source``, ``pct``% for ``harmful`` and ``episode``."""
     recovers = (rows["recovered_fraction"] >= RECOVERS) & (rows["ci_low"] > 0)
-    random = rows.loc[rows["kind"] == "random", "recovered_fraction"]
-    band_mean = float(random.mean()) if len(random) else 0.0
-    beyond = recovers & (rows["recovered_fraction"] > (float(random.max()) if len(random) else 0.0))
+
+    def band(kind: str) -> tuple[float, float]:  # (mean, the level a removal must beat)
+        draws = rows.loc[rows["kind"] == kind, "recovered_fraction"].dropna()
+        if not len(draws):
+            return 0.0, 0.0
+        spread = float(draws.std(ddof=1)) if len(draws) > 1 else 0.0
+        return float(draws.mean()), max(float(draws.max()), float(draws.mean()) + BAND_SDS * spread)
+
+    source_band, pct_band = band("random-source"), band("random")
+    level = np.where(rows["kind"] == "source", source_band[1], pct_band[1])
+    beyond = recovers & (rows["recovered_fraction"] > level)
     sources = rows[(rows["kind"] == "source") & beyond]
     if len(sources):
         return sources.sort_values("recovered_fraction").iloc[-1]["counterfactual"]
-    if (beyond & (rows["kind"] == "harmful")).any() and band_mean < RECOVERS:
+    if (beyond & (rows["kind"] == "harmful")).any() and pct_band[0] < RECOVERS:
         return "data"
     removals = rows["kind"].isin(["harmful", "source", "episode"])
     if (recovers & (rows["kind"] == "step")).any() and not (beyond & removals).any():
