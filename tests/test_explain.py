@@ -69,9 +69,9 @@ def test_each_counterfactual_changes_only_what_it_says(run):
     n = len(saved.buffer)
     source = saved.buffer.record_ids()[:, 1]
     by_name = {c.name: c for c in chosen}
-    assert set(harm) == {"influence", "tracin"}
+    assert set(harm) == {"influence", "influence-fresh", "tracin"}
     assert by_name["plain"].keep.all() and by_name["plain"].lr_scale == 1.0 and by_name["plain"].n_epochs is None
-    for name in ("harmful 10% influence", "harmful 10% tracin", "random 10% draw 1"):
+    for name in ("harmful 10% influence", "harmful 10% influence-fresh", "harmful 10% tracin", "random 10% draw 1"):
         c = by_name[name]
         assert int((~c.keep).sum()) == round(0.1 * n) and c.lr_scale == 1.0 and c.n_epochs is None
     assert int((~by_name["random 25% draw 2"].keep).sum()) == n // 4  # as many as one of the 4 sources has

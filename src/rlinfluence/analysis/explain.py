@@ -13,7 +13,9 @@ otherwise:
 
     plain            the update as it ran (first: must reproduce the saved theta(k+1))
     harmful m% S     without the m% records most harmful by scorer S (snapshot influence on the
-                     in-sample return target; TracIn of the round where it was recorded)
+                     in-sample return target, and on the return target of a fresh rollout of
+                     theta(k), one round's steps, which the round's own advantages did not
+                     write; TracIn of the round where it was recorded)
     random m% draw j without m% uniformly random records (``draws`` draws: the chance band), and
                      ``draws`` more without as many random records as a source has
     source s         without every record of env s (leave one source out)
@@ -119,6 +121,13 @@ def counterfactuals(saved, pct: float = 10.0, draws: int = 5, worst_episodes: in
     n, n_epochs = len(buffer), saved.trainer.config.n_epochs
     n_drop = round(pct / 100 * n)
     harm = {"influence": -score_round(saved, ReturnTarget(), "snapshot/batch", seed).double()}
+    # the in-sample target carries the round's own advantages, wrong ones included: a fresh rollout
+    # of theta(k) gives a target the round's records did not write
+    trainer, cfg = saved.trainer, saved.trainer.config
+    fresh = trainer.collect()
+    fresh.compute_advantages(cfg.gamma, cfg.gae_lambda)
+    target = ReturnTarget(fresh.flat("obs"), fresh.flat("actions"), fresh.flat("advantages"))
+    harm["influence-fresh"] = -score_round(saved, target, "snapshot/batch", seed).double()
     if saved.tracin is not None:
         harm["tracin"] = -saved.tracin.double()
     out = [Counterfactual("plain", "plain", keep)]
