@@ -20,6 +20,7 @@ from rlinfluence.consistency import _features, _folds, consistency_scores, model
 from rlinfluence.ppo import PPO, PPOConfig
 from rlinfluence.sources import (
     KIND_CLASS,
+    episode_floor,
     normal_scores,
     outlier_test,
     reading,
@@ -223,6 +224,23 @@ def test_the_outlier_test_holds_its_level_when_sources_are_alike(skewed):
         p_values.append(outlier_test(h)[1][0])
     p_values = np.array(p_values)
     assert 0.025 < (p_values < 0.05).mean() < 0.062 and (p_values < 0.01).mean() < 0.016
+
+
+def test_the_episode_floor_is_the_standard_error_from_the_other_sources_episodes():
+    """floor_s = sqrt(var of the other sources' episode means x mean_j 1/n_j); it replaces a
+    between-source spread that is smaller (sources whose means happen to agree)."""
+    rng = np.random.default_rng(1)
+    sources = np.repeat(np.arange(5), 40)
+    episodes = np.tile(np.repeat(np.arange(4), 10), 5)
+    z = rng.normal(size=len(sources)) + np.repeat(rng.normal(size=20), 10)  # episodes differ
+    floor = episode_floor(sources, episodes, z, range(5))
+    means = pd.DataFrame({"s": sources, "e": episodes, "z": z}).groupby(["s", "e"])["z"].mean()
+    others = means[means.index.get_level_values("s") != 3]
+    assert floor[3] == pytest.approx(np.sqrt(others.var(ddof=1) / 4))
+    h = np.array([[0.0, 0.0, 0.0, 0.0, 1.0]])  # four sources that agree exactly, one above them
+    assert outlier_test(h)[1][4] == 1.0  # no spread, no yardstick
+    t, p = outlier_test(h, floor=floor)
+    assert t[4] == pytest.approx(1.0 / (floor[4] * np.sqrt(1 + 1 / 4))) and p[4] < 1.0
 
 
 def test_normal_scores_rank_within_rounds_so_one_extreme_record_counts_as_the_largest():

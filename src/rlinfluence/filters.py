@@ -44,7 +44,14 @@ from rlinfluence.influence import (
     snapshot_influence,
     unchanged,
 )
-from rlinfluence.sources import MIN_EPISODES, episode_starts, group_means, normal_scores, verdict
+from rlinfluence.sources import (
+    MIN_EPISODES,
+    episode_floor,
+    episode_starts,
+    group_means,
+    normal_scores,
+    verdict,
+)
 
 
 @dataclass
@@ -565,13 +572,16 @@ class QuarantineFilter:
         means = {family: group_means(starts[in_window], sources[in_window], scores[in_window, j], range(n_sources))[1]
                  for j, family in enumerate(self.families)}
         episodes = np.unique(np.stack([sources, torch.cat([r["episode"] for r in kept]).numpy()]), axis=1)[0]
-        outlier_means = None
+        outlier_means, floors = None, {}
         if (np.bincount(episodes, minlength=n_sources)[:n_sources] >= MIN_EPISODES).all():
-            outlier_means = {family: np.stack([group_means(np.zeros(len(r["source"])), r["source"].numpy(),
-                                                           normal_scores(np.zeros(len(r["source"])), r["scores"][:, j].numpy()),
-                                                           range(n_sources))[1][0] for r in kept])
-                             for j, family in enumerate(self.families)}
-        flagged = verdict(means, range(n_sources), TWO_SIDED, self.alpha, outlier_means)
+            outlier_means = {}
+            for j, family in enumerate(self.families):
+                z = [normal_scores(np.zeros(len(r["source"])), r["scores"][:, j].numpy()) for r in kept]
+                outlier_means[family] = np.stack([group_means(np.zeros(len(r["source"])), r["source"].numpy(), zk,
+                                                              range(n_sources))[1][0] for r, zk in zip(kept, z, strict=True)])
+                floors[family] = episode_floor(sources, torch.cat([r["episode"] for r in kept]).numpy(),
+                                               np.concatenate(z), range(n_sources))
+        flagged = verdict(means, range(n_sources), TWO_SIDED, self.alpha, outlier_means, floors)
         quarantined = [int(s) for s in flagged.loc[flagged["flagged"], "source"]]
         context.stats["quarantined"] = float(len(quarantined))
         context.stats["quarantined_sources"] = " ".join(map(str, quarantined))

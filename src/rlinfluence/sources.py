@@ -128,25 +128,48 @@ def normal_scores(rounds: np.ndarray, values: np.ndarray) -> np.ndarray:
     return out
 
 
-def outlier_test(h: np.ndarray, two_sided: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def episode_floor(sources: np.ndarray, episodes: np.ndarray, z: np.ndarray, columns: Sequence) -> np.ndarray:
+    """[len(columns)] per source s, the standard error a source's mean of ``z`` would have if its
+    episodes were independent draws from the *other* sources' episodes: sqrt(s_e^2 * mean_j 1/n_j),
+    s_e^2 the variance of the other sources' episodes' mean z and n_j each source's episodes. The
+    floor of ``outlier_test``'s spread: where the sources' means happen to cluster (a rare event,
+    say a goal reached, in a few episodes: most sources have none and the same mean), the spread
+    between sources alone would make any source with the event look far out."""
+    frame = pd.DataFrame({"source": sources, "episode": episodes, "z": z}).dropna()
+    means = frame.groupby(["source", "episode"])["z"].mean()
+    of = means.index.get_level_values("source").to_numpy()
+    counts = means.groupby(level="source").size().reindex(list(columns)).fillna(0).to_numpy(float)
+    harmonic = np.mean(1 / np.maximum(counts, 1))
+    floors = []
+    for s in columns:
+        others = means.to_numpy()[of != s]
+        floors.append(float(np.sqrt(others.var(ddof=1) * harmonic)) if len(others) > 1 else 0.0)
+    return np.array(floors)
+
+
+def outlier_test(h: np.ndarray, two_sided: bool = False, floor: np.ndarray | float = 0.0
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """(t, p): per source s of ``h [rounds, sources]``, how far its mean over the rounds lies above
     the other sources' (``two_sided``: on either side), and the p-value.
 
-    With m_s = mean_k h_s,k and R the other sources, t_s = (m_s - mean_R m) / (sd_R m sqrt(1 + 1/|R|))
-    and p = P(T >= t_s) for T ~ Student t with |R| - 1 degrees of freedom (two-sided: 2 P(T >=
-    |t_s|)): exact when the sources' means are i.i.d. normal under the null, which their being
-    means of many bounded scores (``normal_scores``) over ``MIN_EPISODES`` or more episodes makes
-    close. A common shift of a round (the policy changed) moves every source alike and cancels.
-    Needs 3 or more sources; reference means that are all equal give no yardstick, and p = 1.
+    With m_s = mean_k h_s,k and R the other sources, t_s = (m_s - mean_R m) /
+    (max(sd_R m, ``floor``_s) sqrt(1 + 1/|R|)) and p = P(T >= t_s) for T ~ Student t with |R| - 1
+    degrees of freedom (two-sided: 2 P(T >= |t_s|)): exact when the sources' means are i.i.d.
+    normal under the null and the floor does not bind, which their being means of many bounded
+    scores (``normal_scores``) over ``MIN_EPISODES`` or more episodes makes close; the floor
+    (``episode_floor``) keeps a spread that clusters by chance from making a yardstick too short. A
+    common shift of a round (the policy changed) moves every source alike and cancels. Needs 3 or
+    more sources; a spread of 0 is no yardstick, and p = 1.
     """
     means = h.mean(axis=0)
     n_sources = len(means)
     if n_sources < 3:
         raise ValueError(f"the outlier test compares each source with 2 or more others, got {n_sources} sources")
     t, p = np.zeros(n_sources), np.ones(n_sources)
+    floors = np.broadcast_to(np.asarray(floor, float), (n_sources,))
     for s in range(n_sources):
         others = np.delete(means, s)
-        spread = others.std(ddof=1) * np.sqrt(1 + 1 / len(others))
+        spread = max(others.std(ddof=1), floors[s]) * np.sqrt(1 + 1 / len(others))
         if spread <= 1e-12 * (1 + np.abs(others).max()):
             continue
         t[s] = (means[s] - others.mean()) / spread
@@ -246,7 +269,8 @@ def exact_rounds_needed(n_sources: int, n_tests: int, alpha: float, share: float
 
 
 def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Sequence[str] = (),
-            alpha: float = 0.01, outlier_means: Mapping[str, np.ndarray] | None = None) -> pd.DataFrame:
+            alpha: float = 0.01, outlier_means: Mapping[str, np.ndarray] | None = None,
+            floors: Mapping[str, np.ndarray] | None = None) -> pd.DataFrame:
     """One row per source: the p-value of every family, Holm-adjusted across sources x families,
     ``flagged`` (some adjusted p < ``alpha``), its ``signature`` (the flagging families,
     ``;``-joined, with their adjusted p in ``signature_p``), and the ``fault_class`` and ``reading``
@@ -254,7 +278,8 @@ def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Seque
 
     A family's p-value is the exact ``source_test`` of ``means[family]`` (h [rounds, sources] per
     episode start round); with ``outlier_means`` (normal-score means per collection round, which
-    callers give once every source has ``MIN_EPISODES`` episodes), min(p_exact / w, p_outlier /
+    callers give once every source has ``MIN_EPISODES`` episodes, with each family's
+    ``episode_floor`` in ``floors``), min(p_exact / w, p_outlier /
     (1 - w)) with w = ``EXACT_SHARE`` (a weighted Bonferroni over the two tests, valid whatever
     their dependence): the exact test finds a modest departure that holds round after round, the
     outlier test a large one in a round or two."""
@@ -265,7 +290,7 @@ def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Seque
         exact = source_test(means[family], two_sided=family in two_sided)[1]
         if outlier_means is None:
             return exact
-        outlier = outlier_test(outlier_means[family], family in two_sided)[1]
+        outlier = outlier_test(outlier_means[family], family in two_sided, (floors or {}).get(family, 0.0))[1]
         return np.minimum(1.0, np.minimum(exact / EXACT_SHARE, outlier / (1 - EXACT_SHARE)))
 
     raw = np.column_stack([p_values(f) for f in families]) if families else np.ones((n_sources, 0))

@@ -69,6 +69,7 @@ from rlinfluence.influence import ReturnTarget, ZeroTargetGradient, gradient_ali
 from rlinfluence.seeding import derived_seed
 from rlinfluence.sources import (  # noqa: F401
     MIN_EPISODES,
+    episode_floor,
     episode_starts,
     exact_rounds_needed,
     group_means,
@@ -248,13 +249,16 @@ def source_means(table: pd.DataFrame, scorer: str) -> tuple[np.ndarray, np.ndarr
     return sources, rounds, h
 
 
-def family_means(table: pd.DataFrame, family: str) -> tuple[np.ndarray, np.ndarray]:
-    """(sources, h) with h [rounds, sources] the mean normal score (``normal_scores``, within each
-    round) of source s's untrusted records collected in round k: the verdict's units."""
+def family_means(table: pd.DataFrame, family: str) -> tuple[np.ndarray, np.ndarray, float]:
+    """(sources, h, floor) with h [rounds, sources] the mean normal score (``normal_scores``, within
+    each round) of source s's untrusted records collected in round k, and the ``episode_floor`` of
+    those scores: the verdict's units."""
     judged, sources = _judged(table)
     rounds = judged["round"].to_numpy()
     z = normal_scores(rounds, judged[family].to_numpy(dtype=float))
-    return sources, group_means(rounds, judged["source"].to_numpy(), z, sources)[1]
+    source = judged["source"].to_numpy()
+    return sources, group_means(rounds, source, z, sources)[1], \
+        episode_floor(source, judged["episode"].to_numpy(), z, sources)
 
 
 FAMILY_EXCLUDED = ("random",)
@@ -272,8 +276,9 @@ def verdict_table(table: pd.DataFrame, families: Sequence[str], alpha: float = 0
                         "untrusted source(s) (test them with one --scorer, which needs 2)")
     enough = judged.groupby("source")["episode"].nunique().min() >= MIN_EPISODES
     means = {family: source_means(table, family)[2] for family in families}
-    outlier_means = {family: family_means(table, family)[1] for family in families} if enough else None
-    out = verdict(means, sources, TWO_SIDED, alpha, outlier_means)
+    outlier = {family: family_means(table, family)[1:] for family in families} if enough else {}
+    out = verdict(means, sources, TWO_SIDED, alpha, {f: h for f, (h, _) in outlier.items()} if enough else None,
+                  {f: floor for f, (_, floor) in outlier.items()})
     counts = table[~table["trusted"]].groupby("source").size()
     out.insert(1, "records", [int(counts[s]) for s in sources])  # source, records, rounds, flagged, ...
     return out
