@@ -93,6 +93,9 @@ def test_explain_writes_one_row_per_counterfactual_and_the_plain_rerun_reproduce
         set(table.columns)
     assert table["plain_reproduces_run"].all() and (table["round"] == 2).all()
     assert table["counterfactual"].iloc[0] == "plain" and "verdict:" in out
+    assert cli.main(["report", str(run)]) == 0  # explain is a section of the run's report
+    html = next(run.glob("report*.html")).read_text()
+    assert "Why did the run get worse?" in html and "Update 2" in html
 
 
 @pytest.mark.parametrize(("args", "message"), [

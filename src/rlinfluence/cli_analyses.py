@@ -562,7 +562,13 @@ def explain(a: ExplainArgs) -> int:
     """Find a run's drops and explain them; print each verdict and the records that drove it."""
     import pandas as pd
 
-    from rlinfluence.analysis.explain import driving_records, explain_round, find_drops
+    from rlinfluence.analysis.explain import (
+        driving_records,
+        explain_round,
+        explain_section,
+        find_drops,
+    )
+    from rlinfluence.analysis.report import ANALYSES_DIR, save_section
     from rlinfluence.checkpoint import load_round
     from rlinfluence.config import PPOConfig
     from rlinfluence.rundir import RunDirectory
@@ -606,5 +612,6 @@ def explain(a: ExplainArgs) -> int:
               .to_string(index=False, float_format=lambda x: f"{x:.3g}"))
     out = pd.concat(tables, ignore_index=True)
     atomic_write(run.path / "explain.csv", lambda p: out.to_csv(p, index=False))
+    save_section(run.path / ANALYSES_DIR, explain_section(out))  # `rlinfluence report` shows it
     print(f"wrote {run.path / 'explain.csv'}")
     return 0

@@ -516,10 +516,12 @@ def audit_section(sources: pd.DataFrame, found: pd.DataFrame, alpha: float) -> S
     if is_verdict(sources):
         families = [c[2:] for c in sources.columns if c.startswith("p_") and c != "p_holm_min"]
         section = Section("audit", "Audit: which worker is broken, and what kind of fault it is", paragraphs=[
-            f"Each family ({', '.join(families)}) scores every record; each source's mean per round (over its episodes that started in the round) is tested "
-            "against the other sources' by an exact permutation test within rounds, and the p-values are "
-            f"Holm-corrected across sources x families: a run with no broken source has a flag with probability at "
-            f"most {alpha}. A flagged source's signature (the families that flag it) is read as the likely fault.",
+            f"Each family ({', '.join(families)}) scores every record; each source's mean per round (over its episodes "
+            "that started in the round) is tested against the other sources' by an exact permutation test within "
+            "rounds, and once every source has 5 episodes its mean normal score by a t test beside it (test: "
+            f"{sources['test'].iloc[0]}); the p-values are Holm-corrected across sources x families: a run with no "
+            f"broken source has a flag with probability at most {alpha}. A flagged source's signature (the families "
+            "that flag it) is read as the likely fault.",
             f"Flagged sources: {', '.join(flagged) or 'none'}."])
         section.tables.append(Table("Sources", ["source", "records", "rounds", "flagged", "signature (Holm p)",
                                                 "fault class", "reading"],
