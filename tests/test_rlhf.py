@@ -276,6 +276,38 @@ def test_a_resumed_run_continues_as_if_never_stopped(tmp_path):
         RLHFTrainer.resume(stopped.run.path, **components)
 
 
+def test_ctrl_c_keeps_the_completed_rounds_without_periodic_checkpoints(tmp_path, monkeypatch, capsys):
+    """checkpoint_every 0 (the default): Ctrl-C in round 3 saves round 2's state, the run resumes
+    from it and says how; Ctrl-C in a fresh run's first round leaves no folder."""
+    config = tiny_config(tmp_path, algo="grpo", group_size=2, mini_batch_size=2, rounds=4, checkpoint_every=0)
+    trainer = trainer_of(config)
+    train_round = trainer.train_round
+    calls = []
+
+    def interrupted_in_round_3():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return train_round()
+
+    monkeypatch.setattr(trainer, "train_round", interrupted_in_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.learn()
+    assert sorted(p.name for p in (trainer.run.path / "checkpoints").glob("*.pt")) == ["round_0002.pt"]
+    resumed = RLHFTrainer.resume(trainer.run.path, reward_fn=vowel_reward, train_prompts=PROMPTS,
+                                 val_prompts=PROMPTS[:3], test_prompts=PROMPTS[3:])
+    assert resumed.round == 2
+    for name, value in trainer.policy.trainable_state().items():  # the weights after round 2, not mid-round 3
+        assert torch.equal(value, resumed.policy.trainable_state()[name]), name
+    fresh = tmp_path / "fresh"
+    monkeypatch.setattr(RLHFTrainer, "train_round", lambda self: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(SystemExit) as stop:
+        rlhf_command(["--model", TINY_GPT2, "--rounds", "2", "--run-root", str(fresh), "--no-progress",
+                      "--no-tensorboard", "--prompts-per-round", "4", "--response-length", "4"])
+    assert stop.value.code == 130 and not any(fresh.rglob("config.json"))
+    assert "no round completed" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("drop_mode", "drop_pct"), [("neg", 100.0), ("neg-bottom", 50.0)])
 def test_iif_drops_exactly_the_negatives(tmp_path, tiny_policy, drop_mode, drop_pct):
     config = tiny_config(tmp_path, filter="iif", drop_mode=drop_mode, drop_pct=drop_pct, prompts_per_round=6,

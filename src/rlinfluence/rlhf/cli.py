@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
+import sys
 
 import tyro
 
@@ -39,7 +41,18 @@ def run_rlhf(args: RLHFArgs) -> int:
             raise UserError(f"--resume continues with the run's saved config; unexpected flags {flags}")
         trainer = RLHFTrainer.resume(args.resume)
         print(f"resuming {trainer.run.path} from round {trainer.round} of {trainer.config.rounds}", flush=True)
-    trainer.learn()
+    try:
+        trainer.learn()
+    except KeyboardInterrupt:
+        path = trainer.run.path if trainer.run is not None else None
+        if args.resume is None and trainer.round == 0 and path is not None:
+            shutil.rmtree(path, ignore_errors=True)
+            where = f"no round completed; {str(path)!r} removed"
+        else:
+            where = (f"{trainer.round} of {trainer.config.rounds} rounds are saved in {path}; continue with "
+                     f"rlinfluence rlhf --resume {path}")
+        print(f"\ninterrupted: {where}", file=sys.stderr)
+        raise SystemExit(130) from None
     last = trainer.run.rows[-1] if trainer.run is not None and trainer.run.rows else None
     if last is not None:
         tox = last.get("test_toxicity", math.nan)

@@ -22,6 +22,7 @@ One round k:
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import time
@@ -128,16 +129,26 @@ class RLHFTrainer:
 
     # -- the loop -----------------------------------------------------------------------
     def learn(self) -> RLHFTrainer:
-        """Run ``config.rounds`` rounds (evaluating as configured), then write the report."""
+        """Run ``config.rounds`` rounds (evaluating as configured), then write the report. Ctrl-C
+        (``KeyboardInterrupt``) saves the last completed round's state as a checkpoint before it
+        propagates, whatever ``checkpoint_every``: the completed rounds resume."""
         cfg = self.config
         if self.round == 0:
             self._initial_eval = self.evaluate()
-        with progress_bar(cfg.progress, f"rlhf {cfg.method_label}", cfg.rounds, self.round) as advance:
-            while self.round < cfg.rounds:
-                m = self.train_round()
-                tox = m.get("test_toxicity", math.nan)
-                advance(f"reward {m['reward_mean']:.3f}  kept {m['kept_fraction']:.2f}  kl {m['kl']:.3f}"
-                        + (f"  test tox {tox:.3f}" if math.isfinite(tox) else ""))
+        completed: dict[str, Any] | None = None  # the last completed round's state, not yet checkpointed
+        try:
+            with progress_bar(cfg.progress, f"rlhf {cfg.method_label}", cfg.rounds, self.round) as advance:
+                while self.round < cfg.rounds:
+                    m = self.train_round()
+                    checkpointed = cfg.checkpoint_every and self.round % cfg.checkpoint_every == 0
+                    completed = None if checkpointed or self.run is None else copy.deepcopy(self.state_dict())
+                    tox = m.get("test_toxicity", math.nan)
+                    advance(f"reward {m['reward_mean']:.3f}  kept {m['kept_fraction']:.2f}  kl {m['kl']:.3f}"
+                            + (f"  test tox {tox:.3f}" if math.isfinite(tox) else ""))
+        except KeyboardInterrupt:
+            if completed is not None:
+                self.run.save_checkpoint(completed["round"], completed)
+            raise
         if self.run is not None:
             self.save_checkpoint()
             self.run.close()
