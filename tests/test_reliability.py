@@ -238,7 +238,7 @@ def test_full_disk_names_the_file_and_the_run_resumes_afterwards(capsys, tmp_pat
     fsync = rundir._fsync
 
     def full_at_round_2(path):
-        if path.name.endswith("round_0002.pt.tmp"):
+        if path.name.startswith(".round_0002.pt.") and path.name.endswith(".tmp"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         fsync(path)
 

@@ -258,3 +258,28 @@ def test_an_analysis_of_a_read_only_run_is_refused_before_the_work(capsys, run_c
 def test_the_damaged_pair_fixtures_are_what_compare_reads(compare_folder):
     # the folder the damage tests copy is a finished comparison (so each refusal is the damage's)
     assert (compare_folder / "summary.csv").is_file() and not pd.read_csv(compare_folder / "scores.csv").empty
+
+
+def test_no_write_goes_through_a_planted_link(tmp_path, capsys):
+    """A link planted at the old predictable temporary name is left alone (the temporary file is
+    created exclusively under a random name), a link at the output itself is replaced, not written
+    through, and an output folder that is a link is refused with one line, its target untouched."""
+    from rlinfluence.errors import UserError
+    from rlinfluence.rundir import atomic_write
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".sources.csv.tmp").symlink_to(victim)
+    atomic_write(out / "sources.csv", lambda p: p.write_text("a,b\n"))
+    assert (out / "sources.csv").read_text() == "a,b\n" and victim.read_text() == "keep me"
+    (out / "report.html").symlink_to(victim)
+    atomic_write(out / "report.html", lambda p: p.write_text("<html/>"))
+    assert not (out / "report.html").is_symlink() and victim.read_text() == "keep me"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (out / "audit").symlink_to(elsewhere)
+    with pytest.raises(UserError, match="its folder is a link"):
+        atomic_write(out / "audit" / "sources.csv", lambda p: p.write_text("x"))
+    assert not any(elsewhere.iterdir())

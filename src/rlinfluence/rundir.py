@@ -27,6 +27,7 @@ import io
 import json
 import os
 import secrets
+import tempfile
 import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
@@ -83,9 +84,22 @@ class CheckpointError(UserError):
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """Call ``write(tmp)`` on a temporary sibling of ``path``, fsync it, then rename it onto
-    ``path``; an ``OSError`` (full disk, read-only folder) is a ``UserError`` naming ``path``."""
+    ``path``; an ``OSError`` (full disk, read-only folder) is a ``UserError`` naming ``path``.
+
+    The temporary file is created exclusively under an unpredictable name (``mkstemp``), so a
+    link planted at a predictable name cannot redirect the write, and the rename replaces a link
+    at ``path`` rather than writing through it; a folder that is a link (``audit/`` planted to
+    point elsewhere) is refused."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    if path.parent.is_symlink():
+        raise UserError(f"cannot write {str(path)!r}: its folder is a link ({str(path.parent)!r} -> "
+                        f"{os.readlink(path.parent)!r}); outputs go into real folders only")
+    try:
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+    except OSError as exc:
+        raise UserError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
+    tmp = Path(name)
     try:
         write(tmp)
         _fsync(tmp)
