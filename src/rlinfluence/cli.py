@@ -22,22 +22,19 @@ import tyro
 
 from rlinfluence.cli_analyses import (
     AttributeArgs,
-    AuditArgs,
     DiagnoseArgs,
-    ExplainArgs,
     InterveneArgs,
     ReportArgs,
     TimelineArgs,
     ValidateArgs,
     attribute,
-    audit,
     diagnose,
-    explain,
     intervene,
     report,
     timeline,
     validate,
 )
+from rlinfluence.cli_faults import AuditArgs, ExplainArgs, audit, explain
 from rlinfluence.config import ROBUST_IIF, PPOConfig
 from rlinfluence.errors import UserError
 from rlinfluence.experiments.specs import CompareConfig, check_bootstrap_reps

@@ -1,0 +1,188 @@
+"""The ``rlinfluence`` commands that ask what went wrong in a run: ``audit`` (which worker is broken,
+and what kind of fault) and ``explain`` (why the run got worse: data, a source or the step).
+
+Free of torch, pandas and scipy at import, as ``rlinfluence.cli``: each command imports what it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal
+
+import tyro
+
+from rlinfluence.cli_analyses import Rounds, _check_writes_into
+from rlinfluence.errors import UserError
+from rlinfluence.helptext import StatedDefault
+from rlinfluence.rundir import atomic_write
+
+
+@dataclass
+class AuditArgs:
+    """Which source (training env, worker) of a run is broken, and what kind of fault is it? Every
+    saved round is scored by every family (reward statistics, value, advantage, gradient
+    attribution, and consistency checks: logged log-probs and values against theta(k), observation
+    statistics, a one-step dynamics, reward and termination model); each source's mean per round
+    (over its episodes that started in that round) is tested against the other sources' with an
+    exact permutation test within rounds, Holm-corrected across sources x families, and a flagged
+    source's signature is read as a likely fault class (--scorer X: the test by one scorer alone).
+    A run trained with --corrupt also gets the detection AUROC and precision of every scorer at
+    record, episode and source level. Runs of the Stable-Baselines3 adapter: train with its
+    AuditCallback."""
+
+    run_dir: tyro.conf.Positional[str]
+    """run directory trained with --save-buffers and --n-envs > 1 (or with the SB3 AuditCallback)"""
+    rounds: Annotated[Rounds, StatedDefault] = ()
+    """saved rounds to score (default: every saved round)"""
+    scorer: str | None = None
+    """test one scorer alone instead of the verdict over every family: influence, influence-chunk,
+    influence-trusted (with --trusted-envs), tracin, dtv, negative-advantage, abs-advantage, td-error,
+    reward-extremes, random, or a check: logp-gap, value-gap, action-surprise, obs-shift, dynamics,
+    action-fit, reward-model, termination"""
+    by: Literal["source", "episode", "record"] = "source"
+    """episode or record: also rank those items by harm (audit/ranked_<by>.csv, the 10 worst printed)"""
+    alpha: float = 0.01
+    """family-wise error rate of the flags across the sources"""
+    permutations: int = 2000
+    """permutation draws of the --scorer test where it is not exact (the verdict's test has none)"""
+    seed: int = 0
+    """seed of the --scorer test's permutations and bootstrap intervals"""
+    workers: int = 1
+    """local worker processes, each scoring one saved round at a time (the same tables as 1)"""
+    ray_address: str | None = None
+    """score the saved rounds as Ray tasks on this cluster (auto or HOST:PORT) instead"""
+
+
+def audit(a: AuditArgs) -> int:
+    """Audit a run; write RUN_DIR/audit/sources.csv (+ detection.csv with ground truth, ranked_<by>.csv),
+    sources.png, and its section of the run's report."""
+    from rlinfluence.analysis.audit import (
+        audit_run,
+        audit_section,
+        detection_summary,
+        is_verdict,
+        ranked,
+        ranking_scorer,
+        unreachable_note,
+    )
+    from rlinfluence.analysis.report import ANALYSES_DIR, save_section
+
+    _check_writes_into(a.run_dir)
+    sources, found, table = audit_run(a.run_dir, a.rounds, a.scorer, a.alpha, a.permutations, a.seed, a.workers,
+                                      a.ray_address)
+    folder = Path(a.run_dir) / "audit"
+    folder.mkdir(exist_ok=True)
+    section = audit_section(sources, found, a.alpha)
+    atomic_write(folder / "sources.csv", lambda p: sources.to_csv(p, index=False))
+    atomic_write(folder / "sources.png", lambda p: p.write_bytes(section.figures["sources"][0]))
+    save_section(Path(a.run_dir) / ANALYSES_DIR, section)  # `rlinfluence report` shows it
+    flagged = sources[sources["flagged"]]["source"].tolist()
+    if is_verdict(sources):
+        print(sources[["source", "records", "rounds", "flagged", "signature", "signature_p", "fault_class"]]
+              .to_string(index=False))
+        print(f"flagged (Holm-adjusted p < {a.alpha} across sources x families): "
+              f"{', '.join(f'source {s}' for s in flagged) or 'none'}")
+        for row in sources[sources["flagged"]].itertuples():
+            print(f"source {row.source} ({row.fault_class}): {row.reading}")
+        print(unreachable_note(sources, a.alpha) if not flagged else "", end="")
+    else:
+        print(sources.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+        print(f"flagged (Holm-adjusted p < {a.alpha}): {', '.join(f'source {s}' for s in flagged) or 'none'}")
+    written = ["sources.csv", "sources.png"]
+    if len(found):
+        atomic_write(folder / "detection.csv", lambda p: found.to_csv(p, index=False))
+        written.append("detection.csv")
+        print("detection against the ground truth, mean over rounds [95% interval] (AUROC 0.5 = chance):")
+        print(detection_summary(found).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
+    if a.by != "source":
+        items = ranked(table, a.by, ranking_scorer(sources))
+        atomic_write(folder / f"ranked_{a.by}.csv", lambda p: items.to_csv(p, index=False))
+        written.append(f"ranked_{a.by}.csv")
+        print(f"the 10 most harmful {a.by}s:")
+        print(items.head(10).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    print(f"wrote {', '.join(str(folder / name) for name in written)}")
+    return 0
+
+
+@dataclass
+class ExplainArgs:
+    """Why did the run get worse? The updates whose evaluation return fell beyond its noise, each
+    re-run from its saved round (theta(k), optimiser state, buffer) without the most harmful records,
+    without random records, without each source, without its worst episodes and with a shorter
+    step, all evaluated on the same episodes; a verdict per drop: source, data, step or not
+    explained. Writes RUN_DIR/explain.csv (one row per counterfactual)."""
+
+    run_dir: tyro.conf.Positional[str]
+    """run directory trained with --save-buffers and --eval-episodes > 0"""
+    round: int | None = None
+    """explain this update (theta(k) -> theta(k+1)) instead of the largest drop"""
+    threshold: float = 0.0
+    """a drop must also exceed this much evaluation return (beside twice its noise)"""
+    pct: float = 10.0
+    """share of records the harmful and random counterfactuals remove, in (0, 100)"""
+    episodes: int = 100
+    """evaluation episodes of every policy (the same episodes for all: common random numbers)"""
+    draws: int = 5
+    """random-removal draws (the chance band)"""
+    drops: int = 1
+    """explain this many of the largest drops (without --round)"""
+
+
+def explain(a: ExplainArgs) -> int:
+    """Find a run's drops and explain them; print each verdict and the records that drove it."""
+    import pandas as pd
+
+    from rlinfluence.analysis.explain import (
+        driving_records,
+        explain_round,
+        explain_section,
+        find_drops,
+    )
+    from rlinfluence.analysis.report import ANALYSES_DIR, save_section
+    from rlinfluence.checkpoint import load_round
+    from rlinfluence.config import PPOConfig
+    from rlinfluence.rundir import RunDirectory
+
+    _check_writes_into(a.run_dir)
+    if a.drops < 1:
+        raise UserError(f"--drops must be >= 1, got {a.drops}")
+    run = RunDirectory.open_existing(a.run_dir, tensorboard=False)
+    config = PPOConfig.from_dict(run.read_config())
+    if not config.save_buffers:
+        raise UserError(f"{a.run_dir!r} was trained without --save-buffers: there is no saved round to re-run")
+    metrics = pd.read_csv(run.path / "metrics.csv")
+    last = int(metrics["round"].max())
+    if a.round is not None:
+        if not 0 <= a.round <= last:
+            raise UserError(f"--round {a.round} is out of range: the run has rounds 0..{last}")
+        rounds = [a.round]
+    else:
+        found = find_drops(metrics, config.eval_episodes, a.threshold) if config.eval_episodes else []
+        for d in found:
+            print(f"drop at update {d.round}: {d.before:.4g} -> {d.after:.4g} (-{d.size:.3g}, noise s.e. {d.se:.2g})"
+                  f"{', approx_kl spike ' + format(d.approx_kl, '.3g') if d.kl_spike else ''}")
+        if not found:
+            print("no update lowered the evaluation return beyond its noise: nothing to explain "
+                  "(name one with --round)")
+            return 0
+        rounds = [d.round for d in found[: a.drops]]
+    tables = []
+    for k in rounds:
+        table, harm = explain_round(run.path, k, a.pct, a.episodes, a.draws)
+        tables.append(table)
+        print(table[["counterfactual", "kept", "return_mean", "recovered_fraction", "ci_low", "ci_high"]]
+              .to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+        row = table.iloc[0]
+        print(f"update {k}: {row['return_before']:.4g} -> {row['return_after']:.4g} on {a.episodes} episodes "
+              f"(batched plain re-run: {table['return_mean'].iloc[0]:.4g}, parameters within "
+              f"{row['plain_float_gap']:.1g} of the run's); verdict: {row['verdict']} (the serial re-run reproduces "
+              f"the run: {row['plain_reproduces_run']}; {row['seconds']:.0f} s)")
+        print(f"the {a.pct:g}% most harmful records (influence on the return), per source and episode:")
+        print(driving_records(load_round(run.path, k), harm["influence"], a.pct).head(10)
+              .to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+    out = pd.concat(tables, ignore_index=True)
+    atomic_write(run.path / "explain.csv", lambda p: out.to_csv(p, index=False))
+    save_section(run.path / ANALYSES_DIR, explain_section(out))  # `rlinfluence report` shows it
+    print(f"wrote {run.path / 'explain.csv'}")
+    return 0
