@@ -8,6 +8,7 @@
 
     python benchmarks/explain.py run --seeds 10 --out bench_out/explain
     python benchmarks/explain.py summary --out bench_out/explain --data docs/data
+    python benchmarks/explain.py natural --env FrozenLake-v1 --lrs 0.32,0.64 --seeds 5 --out bench_out/explain
 
 Each injection is part of the round's saved buffer and schedule, so the plain re-run reproduces
 the injured update. Per (cause, seed): train ``--rounds`` rounds of PPO (8 envs x 256 steps,
@@ -16,6 +17,11 @@ removals, 5 random draws, 100 evaluation episodes). One row per run in ``<out>/r
 (resumes); ``summary`` prints ``<cause>/right: k/n`` (the verdict names the cause: ``source 0``
 for the source), the confusion table and ``seconds_per_drop: X``, and writes
 ``<data>/explain_runs.csv`` and ``<data>/explain_table.txt``.
+
+``natural``: drops nobody planted. Per learning rate and seed, PPO with the env's preset (every
+round saved, 100 evaluation episodes a round), then ``explain_round`` of each of its
+``--drops`` largest drops beyond noise; one row per drop in ``<out>/natural.csv`` (a run that
+diverged is a row too), and the summary lines ``natural/<env>/lr_<lr>/verdicts: ...``.
 """
 
 from __future__ import annotations
@@ -120,6 +126,58 @@ def summary(args: argparse.Namespace) -> None:
         (data / "explain_table.txt").write_text(confusion.to_string() + "\n\n" + "\n".join(lines) + "\n")
 
 
+def natural(args: argparse.Namespace) -> None:
+    from rlinfluence.analysis.explain import explain_round, find_drops
+    from rlinfluence.errors import UserError
+    from rlinfluence.ppo import PPO, PPOConfig
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "natural.csv"
+    done = finished(path, ["env", "lr", "seed"])
+    for seed in range(1, args.seeds + 1):
+        for lr in [float(x) for x in args.lrs.split(",")]:
+            if (args.env, lr, seed) in done:
+                continue
+            scratch = out / "scratch" / f"natural_{lr}_{seed}"
+            shutil.rmtree(scratch, ignore_errors=True)
+            config = PPOConfig.for_env(args.env, learning_rate=lr, seed=seed, save_buffers=True, eval_episodes=100,
+                                       run_root=str(scratch), progress=False, tensorboard=False,
+                                       **({"total_timesteps": args.rounds * PPOConfig.for_env(args.env).n_steps
+                                           * PPOConfig.for_env(args.env).n_envs} if args.rounds else {}))
+            trainer = PPO(config)
+            base = {"env": args.env, "lr": lr, "seed": seed, "round": -1, "size": np.nan, "se": np.nan,
+                    "kl_spike": False, "verdict": "", "reproduces": np.nan, "best": "", "best_recovered": np.nan,
+                    "seconds": np.nan}
+            try:
+                trainer.learn()
+            except UserError as exc:
+                append_row(path, {**base, "verdict": f"diverged: {exc}"[:120]})
+                continue
+            metrics = pd.read_csv(trainer.run.path / "metrics.csv")
+            drops = find_drops(metrics, config.eval_episodes)[: args.drops]
+            if not drops:
+                append_row(path, {**base, "verdict": "no drop beyond noise"})
+            for d in drops:
+                table, _ = explain_round(trainer.run.path, d.round, episodes=args.episodes, seed=seed)
+                scored = table.dropna(subset=["recovered_fraction"])
+                best = scored.loc[scored["recovered_fraction"].idxmax()] if len(scored) else None
+                row = {**base, "round": d.round, "size": d.size, "se": d.se, "kl_spike": d.kl_spike,
+                       "verdict": table["verdict"].iloc[0], "reproduces": bool(table["plain_reproduces_run"].iloc[0]),
+                       "best": "" if best is None else best["counterfactual"],
+                       "best_recovered": np.nan if best is None else best["recovered_fraction"],
+                       "seconds": table["seconds"].iloc[0]}
+                append_row(path, row)
+                print(f"{args.env} lr {lr} seed {seed} update {d.round}: -{d.size:.3g} -> {row['verdict']} "
+                      f"(best {row['best']} {row['best_recovered']:.2f})", flush=True)
+            shutil.rmtree(scratch, ignore_errors=True)
+    rows = pd.read_csv(path)
+    for (env, lr), group in rows.groupby(["env", "lr"]):
+        counts = group["verdict"].str.split(":").str[0].value_counts()
+        print(f"natural/{env}/lr_{lr:g}/verdicts: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+              + f" ({group['seed'].nunique()} seeds)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -135,12 +193,20 @@ def main() -> None:
     r.add_argument("--episodes", type=int, default=100)
     r.add_argument("--draws", type=int, default=5)
     r.add_argument("--out", default="bench_out/explain")
+    n = sub.add_parser("natural")
+    n.add_argument("--env", default="FrozenLake-v1")
+    n.add_argument("--lrs", default="0.32,0.64")
+    n.add_argument("--seeds", type=int, default=5)
+    n.add_argument("--rounds", type=int, default=0, help="0: the preset's")
+    n.add_argument("--drops", type=int, default=2)
+    n.add_argument("--episodes", type=int, default=100)
+    n.add_argument("--out", default="bench_out/explain")
     s = sub.add_parser("summary")
     s.add_argument("--out", default="bench_out/explain")
     s.add_argument("--data", default="")
     args = parser.parse_args()
     np.seterr(all="ignore")
-    (run if args.command == "run" else summary)(args)
+    {"run": run, "natural": natural, "summary": summary}[args.command](args)
 
 
 if __name__ == "__main__":

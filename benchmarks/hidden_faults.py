@@ -65,9 +65,18 @@ def _config(env: str, fault: str | None, seed: int, rounds: int, scratch: Path, 
 
 
 def append_row(path: Path, row: dict) -> None:
-    """Append one result row to ``path`` under a file lock (workers share it; a re-run resumes from it)."""
+    """Append one result row to ``path`` under a file lock (workers share it; a re-run resumes from
+    it), its values under the file's own header (a key the header lacks is an error; a column the
+    row lacks is left empty)."""
     with FileLock(str(path) + ".lock"):
-        pd.DataFrame([row]).to_csv(path, mode="a", header=not path.is_file(), index=False)
+        if not path.is_file():
+            pd.DataFrame([row]).to_csv(path, index=False)
+            return
+        header = list(pd.read_csv(path, nrows=0).columns)
+        unknown = set(row) - set(header)
+        if unknown:
+            raise ValueError(f"{path} has no column for {sorted(unknown)}")
+        pd.DataFrame([row]).reindex(columns=header).to_csv(path, mode="a", header=False, index=False)
 
 
 def finished(path: Path, keys: list[str]) -> set[tuple]:
