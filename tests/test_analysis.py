@@ -224,7 +224,22 @@ def test_intervention_is_deterministic_and_reproduces_the_run(frozenlake_run):
     assert 0 < first["dropped"] < first["records"]
     assert first["delta_b"] == pytest.approx(first["R_b"] - first["R_a"])
     assert first["delta_c"] == pytest.approx(first["R_c"] - first["R_a"])
-    assert first["b_minus_d"] == pytest.approx(first["R_b"] - first["R_d"])
+    if first["d_matched"]:
+        assert first["b_minus_d"] == pytest.approx(first["R_b"] - first["R_d"])
+    else:
+        assert math.isnan(first["b_minus_d"])
+
+
+def test_an_unmatched_arm_d_keeps_b_minus_d_out():
+    """The bisection gave up (Acrobot: kl_d 0.0077 against kl_b 0.0187): (d) is marked unmatched
+    and (b) - (d) is left empty; matched within 10%, it is R(b) - R(d)."""
+    from rlinfluence.analysis.intervention import d_comparison
+
+    returns_b, returns_d = np.array([1.0, 2.0, 3.0]), np.array([0.0, 1.0, 1.0])
+    unmatched = d_comparison(0.0187, 0.0077, returns_b, returns_d)
+    assert unmatched["d_matched"] is False and math.isnan(unmatched["b_minus_d"])
+    matched = d_comparison(0.0187, 0.0190, returns_b, returns_d)
+    assert matched["d_matched"] is True and matched["b_minus_d"] == pytest.approx(4 / 3)
 
 
 def test_arm_d_matches_the_approx_kl_of_arm_b(frozenlake_run):

@@ -31,7 +31,7 @@ def _intervention_rows(runs: int) -> pd.DataFrame:
     for seed in range(runs):
         rows.append({"env": "FrozenLake-v1", "round": 3, "seed": seed, "dropped": 10, "records": 100, "R_a": 0.5,
                      **{f"delta_{arm}": 0.1 * (j + 1) + 0.01 * seed for j, arm in enumerate("bcd")},
-                     "b_minus_d": -0.1, "kl_a": 0.01, "kl_b": 0.02, "kl_d": 0.02, "d_lr_scale": 1.5})
+                     "d_matched": True, "b_minus_d": -0.1, "kl_a": 0.01, "kl_b": 0.02, "kl_d": 0.02, "d_lr_scale": 1.5})
     return pd.DataFrame(rows)
 
 

@@ -98,12 +98,27 @@ def intervene_round(run_dir: str | Path, round_index: int, eval_episodes: int = 
         "records": len(buffer), "dropped": n_drop, "guarded": bool(context.stats.get("minibatch_guard", 0.0)),
         "R_a": r["a"], "R_b": r["b"], "R_c": r["c"],
         "R_d": r["d"], "delta_b": r["b"] - r["a"], "delta_c": r["c"] - r["a"], "delta_d": r["d"] - r["a"],
-        "b_minus_d": r["b"] - r["d"],
+        **d_comparison(kl["b"], kl["d"], returns["b"], returns["d"]),
         "se_delta_b": _paired_se(returns["b"], returns["a"]), "se_delta_c": _paired_se(returns["c"], returns["a"]),
-        "se_delta_d": _paired_se(returns["d"], returns["a"]), "se_b_minus_d": _paired_se(returns["b"], returns["d"]),
+        "se_delta_d": _paired_se(returns["d"], returns["a"]),
         **{f"kl_{v}": kl[v] for v in VARIANTS}, "d_lr_scale": scale, "d_retrains": retrains,
         "eval_episodes": eval_episodes, "a_matches_run": a_matches,
     }
+
+
+D_MATCH = 0.1
+"""(d) counts as matched to (b)'s step when its approx_kl is within this fraction of (b)'s."""
+
+
+def d_comparison(kl_b: float, kl_d: float, returns_b: np.ndarray, returns_d: np.ndarray) -> dict[str, object]:
+    """``d_matched`` (approx_kl(d) within ``D_MATCH`` of approx_kl(b)), and b_minus_d = R(b) - R(d)
+    with its paired s.e., NaN where (d) is unmatched: the bisection gave up, and (b) - (d) would
+    not compare the records at one step length."""
+    matched = bool(kl_b > 0 and abs(kl_d / kl_b - 1) <= D_MATCH)
+    if not matched:
+        return {"d_matched": False, "b_minus_d": math.nan, "se_b_minus_d": math.nan}
+    return {"d_matched": True, "b_minus_d": float(returns_b.mean() - returns_d.mean()),
+            "se_b_minus_d": _paired_se(returns_b, returns_d)}
 
 
 def match_kl(saved: SavedRound, target_kl: float, kl_at_one: float, max_retrains: int = D_RETRAINS) -> tuple[float, float, int]:
@@ -167,7 +182,8 @@ def intervene(run_dirs: list[str | Path], rounds: list[int], eval_episodes: int 
                 row = rows[-1]
                 print(f"{row['run']} round {k}: R(a) {row['R_a']:.4g}  dB {row['delta_b']:+.4g}  "
                       f"dC {row['delta_c']:+.4g}  dD {row['delta_d']:+.4g} (lr x{row['d_lr_scale']:.3g}, "
-                      f"kl {row['kl_d']:.3g} vs b {row['kl_b']:.3g})  dropped {row['dropped']}/{row['records']}",
+                      f"kl {row['kl_d']:.3g} vs b {row['kl_b']:.3g}{'' if row['d_matched'] else ', unmatched'})  "
+                      f"dropped {row['dropped']}/{row['records']}",
                       flush=True)
     return pd.DataFrame(rows)
 
@@ -185,7 +201,8 @@ def summarise(rows: pd.DataFrame) -> pd.DataFrame:
             "delta_b": float(g["delta_b"].mean()), "se_b": se(g["delta_b"]), "b_better": int((g["delta_b"] > 0).sum()),
             "delta_c": float(g["delta_c"].mean()), "se_c": se(g["delta_c"]), "c_better": int((g["delta_c"] > 0).sum()),
             "delta_d": float(g["delta_d"].mean()), "se_d": se(g["delta_d"]),
-            "b_minus_d": float(g["b_minus_d"].mean()), "se_b_minus_d": se(g["b_minus_d"]),
+            "d_matched": int(g["d_matched"].sum()),
+            "b_minus_d": float(g["b_minus_d"].mean()), "se_b_minus_d": se(g["b_minus_d"].dropna()),
             "b_beats_d": int((g["b_minus_d"] > 0).sum()),
             "kl_a": float(g["kl_a"].mean()), "kl_b": float(g["kl_b"].mean()), "kl_d": float(g["kl_d"].mean()),
             "d_lr_scale": float(g["d_lr_scale"].mean()),
@@ -230,7 +247,8 @@ def intervention_section(rows: pd.DataFrame) -> Section:
         "learning rate scaled so that its approx_kl equals (b)'s; evaluated on the same "
         f"{', '.join(map(str, n_eval))} episode seeds. Bars: mean over runs (+/- s.e. across runs), dots: runs. "
         "The paper finds (b) consistently improves and (c) does not; (b) - (d) is what the choice of records "
-        "adds beyond the longer step.")
+        "adds beyond the longer step, reported only where (d)'s approx_kl came within "
+        f"{D_MATCH:.0%} of (b)'s (d_matched; elsewhere the bisection gave up and b_minus_d is empty).")
     matches = rows["a_matches_run"].dropna()
     if len(matches):
         section.paragraphs.append(f"(a) reproduced the run's own theta(k+1) exactly in {int(matches.sum())} of "
@@ -239,8 +257,8 @@ def intervention_section(rows: pd.DataFrame) -> Section:
     section.tables.append(Table("Across runs", list(summary.columns),
                                 [list(r) for r in summary.itertuples(index=False)]))
     columns = ["run", "seed", "round", "dropped", "R_a", "R_b", "R_c", "R_d", "delta_b", "se_delta_b", "delta_c",
-               "se_delta_c", "delta_d", "b_minus_d", "se_b_minus_d", "kl_a", "kl_b", "kl_d", "d_lr_scale",
-               "a_matches_run"]
+               "se_delta_c", "delta_d", "d_matched", "b_minus_d", "se_b_minus_d", "kl_a", "kl_b", "kl_d",
+               "d_lr_scale", "a_matches_run"]
     section.tables.append(Table("Per run (se_delta: paired s.e. over evaluation episodes)", columns,
                                 [[v.item() if isinstance(v, np.generic) else v for v in r]
                                  for r in rows[columns].itertuples(index=False)]))
