@@ -283,3 +283,23 @@ def test_no_write_goes_through_a_planted_link(tmp_path, capsys):
     with pytest.raises(UserError, match="its folder is a link"):
         atomic_write(out / "audit" / "sources.csv", lambda p: p.write_text("x"))
     assert not any(elsewhere.iterdir())
+
+
+def test_a_second_resume_of_a_running_run_is_refused(tmp_path, capsys):
+    """While one process resumes a run (it holds the run's lock), a second `train --resume` of the
+    same folder is one error line, exit 2, and leaves the run's logs as they were."""
+    from rlinfluence.cli import main
+    from rlinfluence.rundir import run_lock
+
+    assert main(["train", "--env", "CartPole-v1", "--n-envs", "2", "--n-steps", "64", "--batch-size", "64",
+                 "--total-timesteps", "256", "--eval-episodes", "2", "--run-root", str(tmp_path), "--no-progress",
+                 "--no-tensorboard"]) == 0
+    run = next(p for p in tmp_path.iterdir() if p.is_dir())
+    metrics = (run / "metrics.csv").read_text()
+    before = sorted(p.name for p in run.rglob("*"))
+    with run_lock(run, "training"):  # the first resume, still running
+        assert main(["train", "--resume", str(run), "--total-timesteps", "512"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "another training is running in" in err[0], err
+    assert (run / "metrics.csv").read_text() == metrics and sorted(p.name for p in run.rglob("*")) == before
+    assert main(["train", "--resume", str(run), "--total-timesteps", "512"]) == 0  # released: it resumes

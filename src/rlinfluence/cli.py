@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib.metadata import version
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Union
 
 import tyro
@@ -40,7 +41,7 @@ from rlinfluence.errors import UserError
 from rlinfluence.experiments.specs import CompareConfig, check_bootstrap_reps
 from rlinfluence.helptext import StatedDefault
 from rlinfluence.rlhf.config import RLHFArgs
-from rlinfluence.rundir import check_output_dir
+from rlinfluence.rundir import check_output_dir, run_lock
 
 # Every module imported above is free of torch, pandas and scipy, so that `rlinfluence --help`
 # and each command's --help start fast; the commands import what they run.
@@ -60,7 +61,16 @@ class TrainArgs:
 
 
 def train(a: TrainArgs) -> int:
-    """Train PPO, or resume a run; print the run directory first, the last round's figures at the end."""
+    """Train PPO, or resume a run; print the run directory first, the last round's figures at the end.
+    A resume holds the run's lock from before it truncates the run's logs to after its last round:
+    a second resume of the same run is refused instead of logging rounds twice."""
+    if a.resume is None or not Path(a.resume).is_dir():  # not a folder: resume's own error says so
+        return _train(a)
+    with run_lock(Path(a.resume), "training"):
+        return _train(a)
+
+
+def _train(a: TrainArgs) -> int:
     from rlinfluence.ppo import PPO
 
     if a.resume is not None:

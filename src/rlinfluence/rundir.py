@@ -29,7 +29,7 @@ import os
 import secrets
 import tempfile
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +80,27 @@ def _netrc_has(host: str) -> bool:
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be used: unreadable, truncated, or missing or malformed entries."""
+
+
+@contextlib.contextmanager
+def run_lock(path: Path, what: str) -> Iterator[None]:
+    """An exclusive advisory lock on the folder ``path`` itself while ``what`` runs (``flock`` on
+    the folder, POSIX; elsewhere none): no file is written, and the lock goes with the process.
+    ``UserError`` if another process holds it."""
+    if os.name != "posix":
+        yield
+        return
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"another {what} is running in {str(path)!r}") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
