@@ -39,7 +39,8 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from filelock import FileLock  # noqa: E402
-from scipy.stats import beta  # noqa: E402
+
+from rlinfluence.experiments.statistics import clopper_pearson  # noqa: E402
 
 STUDIES = Path(__file__).parent / "studies"
 ENVS = ("CartPole-v1", "Acrobot-v1", "LunarLander-v3", "MiniGrid-Empty-8x8-v0")
@@ -257,13 +258,6 @@ def learn_summary(args: argparse.Namespace) -> None:
     if args.data:
         (Path(args.data) / "hidden_faults_learn_table.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-
-
-def clopper_pearson(k: int, n: int) -> tuple[float, float]:
-    """Exact 95% interval of a binomial rate k / n."""
-    low = 0.0 if k == 0 else float(beta.ppf(0.025, k, n - k + 1))
-    high = 1.0 if k == n else float(beta.ppf(0.975, k + 1, n - k))
-    return low, high
 
 
 def markdown_table(runs: pd.DataFrame, families: list[str]) -> str:

@@ -249,36 +249,32 @@ def source_means(table: pd.DataFrame, scorer: str) -> tuple[np.ndarray, np.ndarr
     return sources, rounds, h
 
 
-def family_means(table: pd.DataFrame, family: str) -> tuple[np.ndarray, np.ndarray, float]:
-    """(sources, h, floor) with h [rounds, sources] the mean normal score (``normal_scores``, within
-    each round) of source s's untrusted records collected in round k, and the ``episode_floor`` of
-    those scores: the verdict's units."""
-    judged, sources = _judged(table)
-    rounds = judged["round"].to_numpy()
-    z = normal_scores(rounds, judged[family].to_numpy(dtype=float))
-    source = judged["source"].to_numpy()
-    return sources, group_means(rounds, source, z, sources)[1], \
-        episode_floor(source, judged["episode"].to_numpy(), z, sources)
-
-
 FAMILY_EXCLUDED = ("random",)
 """Scorers that are not families of the verdict (random is the chance line of detection)."""
 
 
 def verdict_table(table: pd.DataFrame, families: Sequence[str], alpha: float = 0.01) -> pd.DataFrame:
     """``rlinfluence.sources.verdict`` of a harm table over ``families``, with each source's records:
-    the exact test on ``source_means``, and once every source has ``MIN_EPISODES`` episodes in the
-    table, the outlier test on ``family_means`` beside it."""
+    the exact test on each source's means per episode start round (``source_means``), and once every
+    source has ``MIN_EPISODES`` episodes in the table, the outlier test on its mean normal scores
+    per collection round (``normal_scores``, floored by ``episode_floor``) beside it."""
     families = [f for f in families if f not in FAMILY_EXCLUDED]
     judged, sources = _judged(table)
     if len(sources) < 3:
         raise UserError(f"the verdict compares each source with 2 or more others: this run has {len(sources)} "
                         "untrusted source(s) (test them with one --scorer, which needs 2)")
+    rounds, source, episode = (judged[c].to_numpy() for c in ("round", "source", "episode"))
+    starts = episode_starts(rounds, source, episode)  # the exact test's units (``source_means``), once for all
     enough = judged.groupby("source")["episode"].nunique().min() >= MIN_EPISODES
-    means = {family: source_means(table, family)[2] for family in families}
-    outlier = {family: family_means(table, family)[1:] for family in families} if enough else {}
-    out = verdict(means, sources, TWO_SIDED, alpha, {f: h for f, (h, _) in outlier.items()} if enough else None,
-                  {f: floor for f, (_, floor) in outlier.items()})
+    means, outlier_means, floors = {}, {}, {}
+    for family in families:
+        values = judged[family].to_numpy(dtype=float)
+        means[family] = group_means(starts, source, values, sources)[1]
+        if enough:  # the outlier test's units: mean normal scores per collection round, and their floor
+            z = normal_scores(rounds, values)
+            outlier_means[family] = group_means(rounds, source, z, sources)[1]
+            floors[family] = episode_floor(source, episode, z, sources)
+    out = verdict(means, sources, TWO_SIDED, alpha, outlier_means if enough else None, floors)
     counts = table[~table["trusted"]].groupby("source").size()
     out.insert(1, "records", [int(counts[s]) for s in sources])  # source, records, rounds, flagged, ...
     return out
