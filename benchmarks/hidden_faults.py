@@ -122,7 +122,7 @@ def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path) -> d
             row["reading_right"] = float(row["reading"] == KIND_CLASS[fault.split(":")[0]])
             row["signature"] = found["signature"].iloc[0]
             row["p_at_flag"] = json.dumps({c[2:]: round(float(found[c].iloc[0]), 6) for c in found.columns
-                                           if c.startswith("p_") and c != "p_holm_min"})
+                                           if c.startswith("p_") and c != "p_adjusted_min"})
         for family in families:
             if np.isnan(row[f"round_{family}"]) and any(family in str(s).split(";") for s in found["signature"]):
                 row[f"round_{family}"] = k + 1

@@ -1,6 +1,7 @@
 """Faults that hide from the reward: each kind changes exactly its envs and leaves rewards (or
 returns) as stated; the consistency checks equal a brute-force recomputation; the exact permutation
-test equals enumeration; the verdict's outlier test is calibrated and unmasks two broken sources; the verdict flags a broken CartPole worker and nothing on a clean run;
+test equals enumeration; maxT's adjusted p-values hold their level and do not pay for correlated
+families; the verdict's outlier test is calibrated and unmasks two broken sources; the verdict flags a broken CartPole worker and nothing on a clean run;
 quarantine drops exactly the flagged sources; bad specs are one error line."""
 
 import itertools
@@ -21,6 +22,7 @@ from rlinfluence.ppo import PPO, PPOConfig
 from rlinfluence.sources import (
     KIND_CLASS,
     episode_floor,
+    maxt_test,
     normal_scores,
     outlier_test,
     reading,
@@ -158,6 +160,20 @@ def test_the_policy_and_observation_checks_equal_a_brute_force_recomputation():
     assert scores["obs-shift"] == pytest.approx(np.log1p(((x - centre) / scale) ** 2).mean(axis=1))
 
 
+def test_the_folds_split_the_episodes_in_halves_when_the_ids_advance_with_the_sources():
+    """Every worker's first episode running the whole round (ids 0..E-1, as in Acrobot's early
+    rounds, where every episode hits the time limit at once): half of the episodes in each fold,
+    each episode whole in one, so the model checks score the round instead of leaving it NaN."""
+    _, buffer = _round()
+    buffer.episode_ids = torch.arange(buffer.n_envs).repeat(buffer.n_steps, 1)  # one episode per env
+    fold = _folds(buffer)
+    source = buffer.record_ids()[:, 1].numpy()
+    per_episode = [set(fold[source == e].tolist()) for e in range(buffer.n_envs)]
+    assert all(len(f) == 1 for f in per_episode) and sum(f == {0} for f in per_episode) == buffer.n_envs // 2
+    buffer.compute_advantages(0.99, 0.95)
+    assert not np.isnan(model_checks(buffer, 2)["dynamics"]).all()
+
+
 def test_the_dynamics_check_is_cross_fitted_on_the_other_folds_episodes():
     _, buffer = _round()
     buffer.compute_advantages(0.99, 0.95)
@@ -251,32 +267,84 @@ def test_normal_scores_rank_within_rounds_so_one_extreme_record_counts_as_the_la
     assert np.isnan(z[4]) and z[3] == z[5] == pytest.approx(scipy_stats.norm.ppf(1 / 3))
 
 
+def test_maxt_equals_enumerating_every_labelling_of_the_rounds():
+    """3 sources x 3 rounds, a one-sided and a two-sided family: every marginal p and the largest
+    hypothesis's adjusted p equal their shares over all 6^3 within-round labellings (Monte Carlo
+    error aside), and every adjusted p lies at or above its marginal p."""
+    rng = np.random.default_rng(6)
+    means = {"a": rng.normal(size=(3, 3)) + np.array([0.0, 1.0, -0.5]), "b": rng.normal(size=(3, 3))}
+    observed, p, adjusted = maxt_test(means, two_sided=("b",), permutations=40_000)
+    centred = means["a"] - means["a"].mean(axis=1, keepdims=True)
+    assert observed[:, 0] == pytest.approx(centred.sum(axis=0) / np.sqrt((centred ** 2).mean(axis=1).sum()))
+    assert p[:, 0] == pytest.approx(source_test(means["a"])[1], abs=0.01)
+    assert p[:, 1] == pytest.approx(source_test(means["b"], two_sided=True)[1], abs=0.01)
+    labellings = list(itertools.product(itertools.permutations(range(3)), repeat=3))
+    largest = []
+    for labels in labellings:
+        permuted = {f: np.stack([h[k, list(labels[k])] for k in range(3)]) for f, h in means.items()}
+        largest.append(maxt_test(permuted, two_sided=("b",), permutations=1)[0].max())
+    top = observed.max()
+    assert adjusted.min() == pytest.approx(np.mean(np.array(largest) >= top - 1e-9), abs=0.01)
+    assert (adjusted >= p - 1e-12).all()
+
+
+def test_maxt_does_not_pay_for_families_that_move_together():
+    """The same family tested ten times over: Holm would multiply its p-values by 10, maxT's
+    adjusted p-values are those of testing it once."""
+    h = np.random.default_rng(7).normal(size=(5, 7))
+    h[:, 2] += 1.5
+    once = maxt_test({"a": h})[2]
+    ten = maxt_test({f"copy{i}": h for i in range(10)})[2]
+    assert ten[:, 0] == pytest.approx(once[:, 0]) and (ten == ten[:, :1]).all()
+
+
+def test_maxt_holds_its_family_wise_level_when_sources_are_alike():
+    """7 exchangeable sources, 6 families correlated with each other and across the records of a
+    source and round: P(some adjusted p < alpha) stays within 3 standard errors of alpha or below
+    (2000 simulated audits), and the test is not idle."""
+    rng = np.random.default_rng(8)
+    smallest = []
+    for _ in range(2000):
+        shared = rng.normal(size=(4, 7, 1))
+        means = {f"f{j}": (shared + 0.7 * rng.standard_t(3, size=(4, 7, 1)))[..., 0] + rng.normal(size=(4, 7))
+                 for j in range(6)}
+        smallest.append(maxt_test(means, two_sided=("f0",), permutations=200)[2].min())
+    smallest = np.array(smallest)
+    for alpha in (0.1, 0.05):
+        assert (smallest < alpha).mean() < alpha + 3 * np.sqrt(alpha * (1 - alpha) / len(smallest))
+    assert (smallest < 0.2).mean() > 0.12
+
+
 def test_the_verdict_weighs_the_exact_test_and_the_outlier_test():
     """p = min(p_exact / 0.8, p_outlier / 0.2): a source far above the others in two rounds is
-    flagged by the outlier test (the exact test cannot go below 7^-2); without the outlier
+    flagged by the outlier test (the exact test cannot go below about 7^-1); without the outlier
     means (too few episodes) it is not."""
     h = np.random.default_rng(5).normal(scale=0.05, size=(2, 7))
     h[:, 3] += 3.0
     both = verdict({"dynamics": h}, range(7), outlier_means={"dynamics": h})
-    exact = source_test(h)[1][3]
-    assert both.loc[3, "p_dynamics"] == pytest.approx(min(exact / 0.8, outlier_test(h)[1][3] / 0.2))
+    _, exact, exact_adjusted = maxt_test({"dynamics": h})
+    assert both.loc[3, "p_dynamics"] == pytest.approx(min(exact[3, 0] / 0.8, outlier_test(h)[1][3] / 0.2))
     assert both["flagged"].tolist() == [s == 3 for s in range(7)] and both.loc[0, "test"] == "exact+outlier"
     alone = verdict({"dynamics": h}, range(7))
-    assert not alone["flagged"].any() and alone.loc[3, "p_dynamics"] == pytest.approx(exact)
+    assert not alone["flagged"].any() and alone.loc[3, "p_dynamics"] == pytest.approx(exact[3, 0])
+    assert alone.loc[3, "p_adjusted_min"] == pytest.approx(exact_adjusted[3, 0]) and exact_adjusted[3, 0] > 0.1
 
 
 def test_an_audit_that_could_not_flag_anything_says_so():
-    """3 rounds of 4 sources by the exact test: the smallest p is 4^-3, Holm over 4 x 2 tests needs
-    p < 0.01 / 8, so 5 rounds; the note says it, and says nothing where a flag was reachable."""
+    """A source above the others in every round: by the exact test alone, 7 sources are flagged
+    from round 4 at alpha 0.01 (smallest adjusted p about 7^-3), not at round 3 (7^-2); the note
+    says so at 3, and says nothing where a flag was reachable."""
     from rlinfluence.analysis.audit import unreachable_note
-    from rlinfluence.sources import exact_rounds_needed
+    from rlinfluence.sources import rounds_needed
 
-    assert exact_rounds_needed(4, 8, 0.01) == 5 and 4.0 ** -5 < 0.01 / 8 < 4.0 ** -4
-    assert exact_rounds_needed(7, 7 * 17, 0.01, share=0.8) == 5
-    h = np.random.default_rng(0).normal(size=(3, 4))
-    sources = verdict({"dynamics": h, "obs-shift": h}, range(4))
-    assert "needs 5 rounds (this audit has 3)" in unreachable_note(sources, 0.01)
-    assert unreachable_note(verdict({"dynamics": h}, range(4), outlier_means={"dynamics": h}), 0.01) == ""
+    assert rounds_needed(7, 0.01) == 4 and rounds_needed(7, 0.01, share=0.8) == 4 and rounds_needed(4, 0.01) == 5
+    h = np.random.default_rng(0).normal(size=(4, 7))
+    h[:, 5] += 10.0
+    assert verdict({"dynamics": h}, range(7))["flagged"].tolist() == [s == 5 for s in range(7)]
+    sources = verdict({"dynamics": h[:3], "obs-shift": h[:3]}, range(7))
+    assert not sources["flagged"].any() and sources["p_adjusted_min"].min() > 0.01
+    assert "needs 4 rounds (this audit has 3)" in unreachable_note(sources, 0.01)
+    assert unreachable_note(verdict({"dynamics": h[:3]}, range(7), outlier_means={"dynamics": h[:3]}), 0.01) == ""
 
 
 def test_a_signature_is_read_as_its_fault_class():

@@ -25,7 +25,8 @@ class AuditArgs:
     attribution, and consistency checks: logged log-probs and values against theta(k), observation
     statistics, a one-step dynamics, reward and termination model); each source's mean per round
     (over its episodes that started in that round) is tested against the other sources' with an
-    exact permutation test within rounds, Holm-corrected across sources x families, and a flagged
+    exact permutation test within rounds (step-down maxT across sources x families; once every source
+    has 5 episodes, a t test of its mean normal score beside it), and a flagged
     source's signature is read as a likely fault class (--scorer X: the test by one scorer alone).
     A run trained with --corrupt also gets the detection AUROC and precision of every scorer at
     record, episode and source level. Runs of the Stable-Baselines3 adapter: train with its
@@ -81,7 +82,7 @@ def audit(a: AuditArgs) -> int:
     if is_verdict(sources):
         print(sources[["source", "records", "rounds", "flagged", "signature", "signature_p", "fault_class"]]
               .to_string(index=False))
-        print(f"flagged (Holm-adjusted p < {a.alpha} across sources x families): "
+        print(f"flagged (adjusted p < {a.alpha} across sources x families): "
               f"{', '.join(f'source {s}' for s in flagged) or 'none'}")
         for row in sources[sources["flagged"]].itertuples():
             print(f"source {row.source} ({row.fault_class}): {row.reading}")

@@ -88,10 +88,15 @@ def _features(obs: np.ndarray, actions: np.ndarray, n_actions: int | None) -> np
 
 
 def _folds(buffer: RolloutBuffer) -> np.ndarray:
-    """[N] 0/1: two folds of whole episodes (an episode id is unique within its source)."""
+    """[N] 0/1: two folds of whole episodes, as near halves of the round's (source, episode) pairs as
+    their count allows, the pairs shuffled with a seed of the round. (A parity of the ids would put
+    every episode in one fold where ids advance in step with the sources, as when every worker's
+    episode hits the time limit at once.)"""
     source = buffer.record_ids()[:, 1].numpy().astype(np.int64)
     episode = buffer.flat("episode_ids").numpy().astype(np.int64)
-    return np.random.default_rng([int(buffer.round), 17]).permutation(2)[(source * 1_000_003 + episode) % 2]
+    pairs, pair_of = np.unique(np.stack([source, episode], axis=1), axis=0, return_inverse=True)
+    order = np.random.default_rng([int(buffer.round), 17]).permutation(len(pairs))
+    return (np.argsort(order) % 2)[pair_of.ravel()]
 
 
 def _cross_fit(fit: Callable[[np.ndarray, np.ndarray], Callable[[np.ndarray], np.ndarray]],

@@ -519,9 +519,9 @@ class QuarantineFilter:
     ``window`` rounds, until they test clean again: the verdict of ``rlinfluence.sources`` each round
     on the cheap families (the consistency checks and the reward, value and advantage statistics of
     ``rlinfluence.consistency``; with ``attribution``, influence and dtv too): the exact test of
-    each source's units (the mean of its records whose episode started in round k), and once every
-    source has ``MIN_EPISODES`` episodes in the window the outlier test of its mean normal scores
-    beside it, Holm-corrected across sources x families at ``alpha``. The last ``trusted_envs`` envs are never
+    each source's units (the mean normal score of its records whose episode started in round k),
+    and once every source has ``MIN_EPISODES`` episodes in the window the outlier test of its mean
+    normal scores beside it, adjusted across sources x families at ``alpha``. The last ``trusted_envs`` envs are never
     tested nor quarantined. Logs ``quarantined`` (how many sources) and ``quarantined_sources``
     (their ids, space-separated)."""
 
@@ -567,20 +567,21 @@ class QuarantineFilter:
         kept = list(self.records.values())
         starts = torch.cat([r["start"] for r in kept]).numpy()
         sources = torch.cat([r["source"] for r in kept]).numpy()
-        scores = torch.cat([r["scores"] for r in kept]).numpy()
+        episodes = torch.cat([r["episode"] for r in kept]).numpy()
+        # each record as its normal score within its round: the units of both tests
+        z = np.column_stack([np.concatenate([normal_scores(np.zeros(len(r["source"])), r["scores"][:, j].numpy())
+                                             for r in kept]) for j in range(len(self.families))])
         in_window = starts >= oldest
-        means = {family: group_means(starts[in_window], sources[in_window], scores[in_window, j], range(n_sources))[1]
+        means = {family: group_means(starts[in_window], sources[in_window], z[in_window, j], range(n_sources))[1]
                  for j, family in enumerate(self.families)}
-        episodes = np.unique(np.stack([sources, torch.cat([r["episode"] for r in kept]).numpy()]), axis=1)[0]
         outlier_means, floors = None, {}
-        if (np.bincount(episodes, minlength=n_sources)[:n_sources] >= MIN_EPISODES).all():
-            outlier_means = {}
-            for j, family in enumerate(self.families):
-                z = [normal_scores(np.zeros(len(r["source"])), r["scores"][:, j].numpy()) for r in kept]
-                outlier_means[family] = np.stack([group_means(np.zeros(len(r["source"])), r["source"].numpy(), zk,
-                                                              range(n_sources))[1][0] for r, zk in zip(kept, z, strict=True)])
-                floors[family] = episode_floor(sources, torch.cat([r["episode"] for r in kept]).numpy(),
-                                               np.concatenate(z), range(n_sources))
+        per_source = np.bincount(np.unique(np.stack([sources, episodes]), axis=1)[0], minlength=n_sources)
+        if (per_source[:n_sources] >= MIN_EPISODES).all():
+            collected = np.concatenate([np.full(len(r["source"]), k) for k, r in enumerate(kept)])
+            outlier_means = {family: group_means(collected, sources, z[:, j], range(n_sources))[1]
+                             for j, family in enumerate(self.families)}
+            floors = {family: episode_floor(sources, episodes, z[:, j], range(n_sources))
+                      for j, family in enumerate(self.families)}
         flagged = verdict(means, range(n_sources), TWO_SIDED, self.alpha, outlier_means, floors)
         quarantined = [int(s) for s in flagged.loc[flagged["flagged"], "source"]]
         context.stats["quarantined"] = float(len(quarantined))

@@ -1,5 +1,5 @@
 """Which source (training env, worker) is broken, and what kind of fault it is: the per-source tests,
-Holm's correction, and the verdict that reads a flagged source's signature.
+their multiplicity correction, and the verdict that reads a flagged source's signature.
 
 Below both the audit (``rlinfluence.analysis.audit``) and the quarantine filter
 (``rlinfluence.filters``), so that training never depends on the analyses. No torch.
@@ -7,26 +7,30 @@ Below both the audit (``rlinfluence.analysis.audit``) and the quarantine filter
 A *family* is a per-record score (a harm score, or a consistency check of
 ``rlinfluence.consistency``). Two tests of "source s differs from the others":
 
-- ``source_test``, exact: h_s,k is the mean of s's records whose *episode started in round k*
-  (``group_means`` of ``episode_starts``), and the labels are permuted within rounds. Grouping by
-  the round an episode started in keeps the units of different rounds independent when episodes
-  run across rounds. Its smallest p-value is S^-R (S sources, R rounds): it cannot flag before
-  enough rounds have passed, however strong the fault.
+- ``maxt_test``, exact: h_s,k is the mean of s's records (as normal scores within their round)
+  whose *episode started in round k* (``group_means`` of ``episode_starts``), and the source labels
+  are permuted within rounds, the same permutation for every family. Grouping by the round an
+  episode started in keeps the units of different rounds independent when episodes run across
+  rounds. Each (source, family) statistic is standardised by its permutation standard deviation,
+  and Westfall and Young's step-down maxT adjusts for the sources x families tested: the families'
+  correlation (influence, TracIn and DTV move together) costs nothing, where Holm would pay for
+  each. Its smallest adjusted p-value is about S^(1-R) (S sources, R rounds): it cannot flag before
+  enough rounds have passed (``rounds_needed``), however strong the fault.
 - ``outlier_test``, added once every source has ``MIN_EPISODES`` episodes: each record's family score becomes its normal score within its
   round (``normal_scores``), h_s,k the mean over s's records collected in round k, and a source's
   mean over the rounds is compared with the other sources' by a t statistic whose null is that of
   i.i.d. normal means. The spread of the other sources' means carries every correlation inside a
   source (records of one episode, an episode across rounds), so nothing is assumed independent
   but the sources themselves; the size of a departure counts, not only its rank, so a strong
-  fault can be flagged in a round or two.
+  fault can be flagged in a round or two. Holm over sources x families.
 
-The verdict uses both (a weighted Bonferroni, ``EXACT_SHARE``) where the outlier test applies.
+The verdict runs both at shares of alpha (``EXACT_SHARE``) where the outlier test applies.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -88,6 +92,68 @@ def source_test(h: np.ndarray, permutations: int = 2000, seed: int = 0, two_side
                      for _ in range(permutations)])
     compared, reference = (np.abs(null), np.abs(observed)) if two_sided else (null, observed)
     return observed, (1 + (compared >= reference - tolerance / n_rounds).sum(axis=0)) / (1 + permutations)
+
+
+def _permutation_sd(centred: np.ndarray) -> np.ndarray:
+    """[..., families] the standard deviation of sum_k c*_s,k when each round k's labels are permuted:
+    sqrt(sum_k mean_s c_k,s^2), inf where it is 0 (a family that does not vary tests nothing)."""
+    sd = np.sqrt((centred ** 2).mean(axis=1).sum(axis=0))
+    return np.where(sd > 1e-12, sd, np.inf)
+
+
+def _one_sided_scale(t: np.ndarray) -> np.ndarray:
+    """|T| of a two-sided family on the scale of a one-sided T: the normal deviate with the same
+    tail, Phi^-1(1 - 2 Phi(-|T|)) (T is close to standard normal under the null), so that no
+    family dominates the maximum because its statistic is an absolute value."""
+    return stats.norm.isf(np.clip(2 * stats.norm.sf(np.abs(t)), 1e-300, 1 - 1e-16))
+
+
+def maxt_test(means: Mapping[str, np.ndarray], two_sided: Collection[str] = (), permutations: int = 10_000,
+              seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(T, p, p_adjusted), each [sources, families]: for every family f of ``means`` (h [rounds,
+    sources], the same rounds for all) and source s, the standardised departure T_s,f = sum_k c_k,s,f
+    / sqrt(sum_k mean_j c_k,j,f^2) with c the values centred within their round (for the
+    ``two_sided`` families, |T| on a one-sided scale: ``_one_sided_scale``), its permutation p-value,
+    and the p-value adjusted for every source x family by Westfall and Young's step-down maxT.
+
+    Under the null that the sources are exchangeable, each round's labels are a random permutation,
+    the same for every family, whatever the correlations inside a source or between families. From
+    ``permutations`` seeded draws of those permutations: p_s,f = (1 + #{T*_j,f >= T_s,f}) / (1 +
+    ``permutations`` x S) over every draw and source j (T*_j,f has one law for every j); with the
+    hypotheses ordered by T, largest first, p_adjusted of the i-th = (1 + #{draws whose largest T*
+    over the i-th and later hypotheses >= T_i}) / (1 + ``permutations``), made monotone. Flagging
+    p_adjusted < alpha keeps the family-wise error rate across all sources x families at most alpha,
+    and families that move together (influence, TracIn, DTV) cost nothing, where Holm pays for each.
+    A source far out in every round reaches a T that few draws reach, so its adjusted p is near
+    the smallest possible, about S^(1-R) (the draws that give one label its values in every round).
+    """
+    families = list(means)
+    centred = np.stack([means[f] - means[f].mean(axis=1, keepdims=True) for f in families], axis=-1)
+    n_rounds, n_sources, n_families = centred.shape
+    standardised = centred / _permutation_sd(centred)
+    sided = np.array([f in two_sided for f in families])
+
+    def statistic(x: np.ndarray) -> np.ndarray:
+        return np.where(sided, _one_sided_scale(x), x)
+
+    observed = statistic(standardised.sum(axis=0))  # [S, F]
+    rng = np.random.default_rng(seed)
+    labels = rng.permuted(np.broadcast_to(np.arange(n_sources), (permutations, n_rounds, n_sources)), axis=2)
+    null = np.zeros((permutations, n_sources, n_families))
+    for k in range(n_rounds):
+        null += standardised[k][labels[:, k]]
+    null = statistic(null)
+    tolerance = 1e-9
+    pooled = np.sort(null.reshape(-1, n_families), axis=0)
+    exceed = np.stack([len(pooled) - np.searchsorted(pooled[:, j], observed[:, j] - tolerance)
+                       for j in range(n_families)], axis=1)
+    p = (1 + exceed) / (1 + len(pooled))
+    order = np.argsort(-observed.ravel(), kind="stable")
+    successive = np.maximum.accumulate(null.reshape(permutations, -1)[:, order[::-1]], axis=1)[:, ::-1]
+    ranked = (1 + (successive >= observed.ravel()[order] - tolerance).sum(axis=0)) / (1 + permutations)
+    adjusted = np.empty(len(order))
+    adjusted[order] = np.maximum.accumulate(ranked)
+    return observed, p, adjusted.reshape(n_sources, n_families)
 
 
 def episode_starts(rounds: np.ndarray, sources: np.ndarray, episodes: np.ndarray,
@@ -257,50 +323,51 @@ decides it), and the exact test is used alone (``verdict``)."""
 
 
 EXACT_SHARE = 0.8
-"""The exact test's share of alpha where both tests run: with 7 sources and 17 families its smallest
-p-value after 5 rounds (7^-5) still passes Holm at 0.01."""
+"""The exact test's share of alpha where both tests run (a weighted Bonferroni over the two
+procedures): with 7 sources its smallest adjusted p-value after 4 rounds (about 7^-3) passes 0.01."""
 
 
-def exact_rounds_needed(n_sources: int, n_tests: int, alpha: float, share: float = 1.0) -> int:
-    """The fewest rounds R at which the exact test's smallest p-value, n_sources^-R, divided by its
-    ``share`` of alpha, passes Holm's first step over ``n_tests`` tests (alpha / n_tests): before
-    that, the exact test alone cannot flag any source, however broken."""
-    return math.floor(math.log(n_tests / (alpha * share)) / math.log(n_sources)) + 1
+def rounds_needed(n_sources: int, alpha: float, share: float = 1.0) -> int:
+    """The fewest rounds R at which the exact test's smallest adjusted p-value, about n_sources^(1-R)
+    (a draw that gives one label the broken source's values in every round), divided by its
+    ``share`` of alpha, is below alpha: before that, the exact test alone cannot flag any source,
+    however broken."""
+    return math.floor(math.log(1 / (alpha * share)) / math.log(n_sources)) + 2
 
 
 def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Sequence[str] = (),
             alpha: float = 0.01, outlier_means: Mapping[str, np.ndarray] | None = None,
-            floors: Mapping[str, np.ndarray] | None = None) -> pd.DataFrame:
-    """One row per source: the p-value of every family, Holm-adjusted across sources x families,
+            floors: Mapping[str, np.ndarray] | None = None, permutations: int = 10_000) -> pd.DataFrame:
+    """One row per source: the p-value of every family, adjusted across sources x families,
     ``flagged`` (some adjusted p < ``alpha``), its ``signature`` (the flagging families,
     ``;``-joined, with their adjusted p in ``signature_p``), and the ``fault_class`` and ``reading``
     of that signature (``reading``).
 
-    A family's p-value is the exact ``source_test`` of ``means[family]`` (h [rounds, sources] per
-    episode start round); with ``outlier_means`` (normal-score means per collection round, which
-    callers give once every source has ``MIN_EPISODES`` episodes, with each family's
-    ``episode_floor`` in ``floors``), min(p_exact / w, p_outlier /
-    (1 - w)) with w = ``EXACT_SHARE`` (a weighted Bonferroni over the two tests, valid whatever
-    their dependence): the exact test finds a modest departure that holds round after round, the
-    outlier test a large one in a round or two."""
+    The exact test is ``maxt_test`` of ``means`` (h [rounds, sources] per family, per episode start
+    round), its p-values adjusted by step-down maxT. With ``outlier_means`` (normal-score means per
+    collection round, which callers give once every source has ``MIN_EPISODES`` episodes, with each
+    family's ``episode_floor`` in ``floors``), the outlier test runs beside it, Holm-adjusted, and a
+    source x family's adjusted p is min(p_maxT / w, p_Holm / (1 - w)) with w = ``EXACT_SHARE`` (each
+    procedure at its share of alpha, so the family-wise error rate is at most alpha whatever their
+    dependence); the unadjusted ``p_<family>`` columns combine alike. The exact test finds a modest
+    departure that holds round after round, the outlier test a large one in a round or two."""
     families = list(means)
     n_sources = len(sources)
-
-    def p_values(family: str) -> np.ndarray:
-        exact = source_test(means[family], two_sided=family in two_sided)[1]
-        if outlier_means is None:
-            return exact
-        outlier = outlier_test(outlier_means[family], family in two_sided, (floors or {}).get(family, 0.0))[1]
-        return np.minimum(1.0, np.minimum(exact / EXACT_SHARE, outlier / (1 - EXACT_SHARE)))
-
-    raw = np.column_stack([p_values(f) for f in families]) if families else np.ones((n_sources, 0))
-    adjusted = holm(raw)
+    if families:
+        _, raw, adjusted = maxt_test(means, two_sided, permutations)
+    else:
+        raw = adjusted = np.ones((n_sources, 0))
+    if outlier_means is not None and families:
+        outlier = np.column_stack([outlier_test(outlier_means[f], f in two_sided, (floors or {}).get(f, 0.0))[1]
+                                   for f in families])
+        raw = np.minimum(1.0, np.minimum(raw / EXACT_SHARE, outlier / (1 - EXACT_SHARE)))
+        adjusted = np.minimum(1.0, np.minimum(adjusted / EXACT_SHARE, holm(outlier) / (1 - EXACT_SHARE)))
     flags = adjusted < alpha
     out = pd.DataFrame({"source": list(sources)})
     for j, family in enumerate(families):
         out[f"p_{family}"] = raw[:, j]
     out["flagged"] = flags.any(axis=1)
-    out["p_holm_min"] = adjusted.min(axis=1) if families else 1.0
+    out["p_adjusted_min"] = adjusted.min(axis=1) if families else 1.0
     signatures = [[families[j] for j in np.argsort(adjusted[i]) if flags[i, j]] for i in range(n_sources)]
     out["signature"] = [";".join(s) for s in signatures]
     out["signature_p"] = [";".join(f"{adjusted[i, families.index(f)]:.2g}" for f in s) for i, s in enumerate(signatures)]
@@ -309,5 +376,5 @@ def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Seque
     out["reading"] = [r[1] for r in readings]
     out["rounds"] = len(next(iter(means.values()))) if families else 0
     out["test"] = "exact" if outlier_means is None else "exact+outlier"
-    first = ["source", "rounds", "flagged", "signature", "signature_p", "fault_class", "reading", "p_holm_min", "test"]
+    first = ["source", "rounds", "flagged", "signature", "signature_p", "fault_class", "reading", "p_adjusted_min", "test"]
     return out[first + [c for c in out.columns if c not in first]]

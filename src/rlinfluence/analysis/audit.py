@@ -23,7 +23,7 @@ obs-shift, dynamics, reward-model, termination), which ask whether a record agre
 that collected it and with the other sources' data rather than how it moved the update.
 
 With no scorer named, an audit gives the *verdict* (``rlinfluence.sources.verdict``): every family
-(every scorer but random) tested per source, Holm-corrected across sources x families, and for each
+(every scorer but random) tested per source, adjusted across sources x families, and for each
 flagged source its signature (the families that flag it) read as a likely fault class.
 
 A round is scored into a *harm table*, one row per record: ``round``, ``source`` (the training env,
@@ -71,10 +71,10 @@ from rlinfluence.sources import (  # noqa: F401
     MIN_EPISODES,
     episode_floor,
     episode_starts,
-    exact_rounds_needed,
     group_means,
     holm,
     normal_scores,
+    rounds_needed,
     source_test,
     verdict,
 )
@@ -254,24 +254,24 @@ FAMILY_EXCLUDED = ("random",)
 
 
 def verdict_table(table: pd.DataFrame, families: Sequence[str], alpha: float = 0.01) -> pd.DataFrame:
-    """``rlinfluence.sources.verdict`` of a harm table over ``families``, with each source's records:
-    the exact test on each source's means per episode start round (``source_means``), and once every
-    source has ``MIN_EPISODES`` episodes in the table, the outlier test on its mean normal scores
-    per collection round (``normal_scores``, floored by ``episode_floor``) beside it."""
+    """``rlinfluence.sources.verdict`` of a harm table over ``families``, with each source's records
+    as normal scores within their round (``normal_scores``): the exact test on each source's means
+    per episode start round (``episode_starts``), and once every source has ``MIN_EPISODES``
+    episodes in the table, the outlier test on its means per collection round (floored by
+    ``episode_floor``) beside it."""
     families = [f for f in families if f not in FAMILY_EXCLUDED]
     judged, sources = _judged(table)
     if len(sources) < 3:
         raise UserError(f"the verdict compares each source with 2 or more others: this run has {len(sources)} "
                         "untrusted source(s) (test them with one --scorer, which needs 2)")
     rounds, source, episode = (judged[c].to_numpy() for c in ("round", "source", "episode"))
-    starts = episode_starts(rounds, source, episode)  # the exact test's units (``source_means``), once for all
+    starts = episode_starts(rounds, source, episode)  # the exact test's units, once for all families
     enough = judged.groupby("source")["episode"].nunique().min() >= MIN_EPISODES
     means, outlier_means, floors = {}, {}, {}
     for family in families:
-        values = judged[family].to_numpy(dtype=float)
-        means[family] = group_means(starts, source, values, sources)[1]
-        if enough:  # the outlier test's units: mean normal scores per collection round, and their floor
-            z = normal_scores(rounds, values)
+        z = normal_scores(rounds, judged[family].to_numpy(dtype=float))
+        means[family] = group_means(starts, source, z, sources)[1]
+        if enough:  # the outlier test's units: means per collection round, and their floor
             outlier_means[family] = group_means(rounds, source, z, sources)[1]
             floors[family] = episode_floor(source, episode, z, sources)
     out = verdict(means, sources, TWO_SIDED, alpha, outlier_means if enough else None, floors)
@@ -437,12 +437,11 @@ def audit_run(run_dir: str | Path, rounds: Sequence[int] = (), scorer: str | Non
 def unreachable_note(sources: pd.DataFrame, alpha: float) -> str:
     """A verdict that flagged nothing: whether any flag was reachable ("" when it was)."""
     n_sources, rounds = len(sources), int(sources["rounds"].iloc[0])
-    n_tests = n_sources * sum(c.startswith("p_") and c != "p_holm_min" for c in sources.columns)
-    needed = exact_rounds_needed(n_sources, n_tests, alpha)
+    needed = rounds_needed(n_sources, alpha)
     if sources["test"].iloc[0] != "exact" or rounds >= needed:
         return ""
-    return (f"no flag was reachable: with {n_sources} sources and {n_tests} tests the exact test needs {needed} "
-            f"rounds (this audit has {rounds}), and the outlier test needs {MIN_EPISODES} episodes per source\n")
+    return (f"no flag was reachable: with {n_sources} sources the exact test needs {needed} rounds (this audit has "
+            f"{rounds}), and the outlier test needs {MIN_EPISODES} episodes per source\n")
 
 
 def is_verdict(sources: pd.DataFrame) -> bool:
@@ -455,15 +454,15 @@ def ranking_scorer(sources: pd.DataFrame) -> str:
     family that flags a source most strongly (the first of the verdict's families if none does)."""
     if not is_verdict(sources):
         return str(sources["scorer"].iloc[0])
-    flagged = sources[sources["flagged"]].sort_values("p_holm_min", kind="stable")
+    flagged = sources[sources["flagged"]].sort_values("p_adjusted_min", kind="stable")
     if len(flagged):
         return str(flagged["signature"].iloc[0]).split(";")[0]
-    return next(c[2:] for c in sources.columns if c.startswith("p_") and c != "p_holm_min")
+    return next(c[2:] for c in sources.columns if c.startswith("p_") and c != "p_adjusted_min")
 
 
 def plot_sources(sources: pd.DataFrame, alpha: float) -> bytes:
     """PNG: each source's mean harm with its 95% interval (or, for a verdict, -log10 of its smallest
-    Holm-adjusted p over the families against -log10 alpha), flagged sources in red."""
+    adjusted p over the families against -log10 alpha), flagged sources in red."""
     from rlinfluence.analysis.report import figure_png, new_figure
 
     fig, axes = new_figure(max(4.0, 0.6 * len(sources) + 2), 3.2)
@@ -471,10 +470,10 @@ def plot_sources(sources: pd.DataFrame, alpha: float) -> bytes:
     colors = ["C3" if f else "C0" for f in sources["flagged"]]
     x = np.arange(len(sources))
     if is_verdict(sources):
-        ax.bar(x, -np.log10(sources["p_holm_min"].clip(lower=1e-300)), color=colors)
+        ax.bar(x, -np.log10(sources["p_adjusted_min"].clip(lower=1e-300)), color=colors)
         ax.axhline(-np.log10(alpha), color="k", lw=0.8, ls="--")
         ax.set_xticks(x, [str(s) for s in sources["source"]])
-        ax.set(xlabel="source (training env)", ylabel="-log10 smallest Holm p",
+        ax.set(xlabel="source (training env)", ylabel="-log10 smallest adjusted p",
                title=f"red: flagged by some family; dashed: alpha {alpha}")
         return figure_png(fig)
     mean = sources["mean_score"].to_numpy()
@@ -510,16 +509,17 @@ def audit_section(sources: pd.DataFrame, found: pd.DataFrame, alpha: float) -> S
 
     flagged = [str(s) for s in sources.loc[sources["flagged"], "source"]]
     if is_verdict(sources):
-        families = [c[2:] for c in sources.columns if c.startswith("p_") and c != "p_holm_min"]
+        families = [c[2:] for c in sources.columns if c.startswith("p_") and c != "p_adjusted_min"]
         section = Section("audit", "Audit: which worker is broken, and what kind of fault it is", paragraphs=[
             f"Each family ({', '.join(families)}) scores every record; each source's mean per round (over its episodes "
-            "that started in the round) is tested against the other sources' by an exact permutation test within "
-            "rounds, and once every source has 5 episodes its mean normal score by a t test beside it (test: "
-            f"{sources['test'].iloc[0]}); the p-values are Holm-corrected across sources x families: a run with no "
-            f"broken source has a flag with probability at most {alpha}. A flagged source's signature (the families "
+            "that started in the round, as normal scores within their round) is tested against the other sources' by "
+            "an exact permutation test within rounds (step-down maxT across sources x families), and once every "
+            "source has 5 episodes its mean normal score by a t test beside it (Holm; test: "
+            f"{sources['test'].iloc[0]}): a run with no broken source has a flag with probability at most {alpha}. "
+            "A flagged source's signature (the families "
             "that flag it) is read as the likely fault.",
             f"Flagged sources: {', '.join(flagged) or 'none'}."])
-        section.tables.append(Table("Sources", ["source", "records", "rounds", "flagged", "signature (Holm p)",
+        section.tables.append(Table("Sources", ["source", "records", "rounds", "flagged", "signature (adjusted p)",
                                                 "fault class", "reading"],
                                     [[str(r.source), int(r.records), int(r.rounds), "yes" if r.flagged else "",
                                       " ".join(f"{f} ({q})" for f, q in zip(str(r.signature).split(";"),
@@ -527,7 +527,7 @@ def audit_section(sources: pd.DataFrame, found: pd.DataFrame, alpha: float) -> S
                                                                              strict=True)) if r.flagged else "",
                                       r.fault_class if r.flagged else "", r.reading if r.flagged else ""]
                                      for r in sources.itertuples()]))
-        section.figures["sources"] = (plot_sources(sources, alpha), "Smallest Holm-adjusted p per source.")
+        section.figures["sources"] = (plot_sources(sources, alpha), "Smallest adjusted p per source.")
         _detection_tables(section, found)
         return section
     section = Section("audit", "Audit: which training envs push the updates the wrong way", paragraphs=[
