@@ -13,9 +13,8 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-from minigrid.wrappers import ImgObsWrapper
 
-from rlinfluence.errors import UserError
+from rlinfluence.errors import UserError, require_module
 from rlinfluence.presets import PRESETS, EnvPreset  # noqa: F401  (importable from here)
 
 # Environment families registered by importing their package.
@@ -29,6 +28,7 @@ def check_env_id(env_id: str) -> None:
     """Raise ``UserError`` naming ``env_id`` if gymnasium does not know it."""
     for prefix, module in _PLUGINS.items():
         if env_id.startswith(prefix):
+            require_module(module, "envs")
             importlib.import_module(module)
     try:
         spec = gym.spec(env_id)
@@ -67,9 +67,16 @@ def make_env(env_id: str, **kwargs: Any) -> gym.Env:
     space = env.observation_space
     if isinstance(space, gym.spaces.Discrete):
         env = OneHotObservation(env)
-    elif isinstance(space, gym.spaces.Dict) and "image" in space.spaces:
+    elif _is_image_dict(space):
+        from minigrid.wrappers import ImgObsWrapper  # only MiniGrid's envs have such spaces
+
         env = ImgObsWrapper(env)
     return env
+
+
+def _is_image_dict(space: gym.Space) -> bool:
+    """A dict observation with an ``image`` entry (MiniGrid's), which ``make_env`` reduces to the image."""
+    return isinstance(space, gym.spaces.Dict) and "image" in space.spaces
 
 
 def mc_unavailable_reason(env_id: str) -> str | None:
@@ -82,7 +89,8 @@ def mc_unavailable_reason(env_id: str) -> str | None:
     try:
         if not isinstance(env.action_space, gym.spaces.Discrete):
             return f"{env_id} has continuous actions ({env.action_space})"
-        if isinstance(env.unwrapped.observation_space, gym.spaces.Discrete) or isinstance(env, ImgObsWrapper):
+        unwrapped = env.unwrapped.observation_space
+        if isinstance(unwrapped, gym.spaces.Discrete) or _is_image_dict(unwrapped):
             return None
         return (f"{env_id} has continuous observations ({env.observation_space}); Monte-Carlo "
                 "advantages need a small discrete state space (FrozenLake, MiniGrid)")

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from rlinfluence.errors import UserError
+from rlinfluence.errors import UserError, require_module
 from rlinfluence.experiments.comparison import markdown_table
 from rlinfluence.experiments.statistics import (
     DEFAULT_REPS,
@@ -112,6 +112,7 @@ def aggregate(folders: Sequence[str | Path], out: str | Path, reps: int = DEFAUL
     a line per bootstrap step, which take a while at many replications)."""
     from rlinfluence.analysis.report import Section, Table, write_html
 
+    require_module("rliable", "aggregate")  # its plots: refuse before any work, not after the bootstrap
     envs, reference, methods, matrices, paired = score_matrices(folders)
     pairing = "paired" if paired else "unpaired"
     for kind in KINDS:
