@@ -161,13 +161,33 @@ def test_attribute_a_saved_round(tmp_path):
     table = pd.read_parquet(run / "attribution_round_1_return_snapshot_chunk.parquet")
     assert len(table) == 128 and sorted(table["rank"]) == list(range(1, 129))
     assert list(table.columns) == ["round", "env", "step", "episode", "obs_summary", "obs", "action", "reward",
-                                   "advantage", "return", "corrupted", "score", "rank"]  # as the README lists them
+                                   "advantage", "return", "corrupted", "score", "rank", "kept"]  # as the README lists them
     out = rlinfluence("attribute", run, "--round", "0", "--mode", "full", "--target", "action",
                       "--state-index", "3", "--out", tmp_path / "full.parquet")
     assert out.returncode == 0, out.stderr
     assert pd.read_parquet(tmp_path / "full.parquet")["score"].abs().sum() > 0
     _assert_one_line_error(rlinfluence("attribute", run, "--round", "9"), "no saved buffer for round 9", "0..1")
     _assert_one_line_error(rlinfluence("attribute", run, "--round", "1", "--target", "action"), "--state-index")
+
+
+def test_a_filtered_runs_saved_rounds_keep_the_scores_it_dropped_by(tmp_path):
+    """IIF drops the lowest of its own scores (its chunk permutation, from its generator): the saved
+    round carries them, every dropped record scores at most every kept negative one, and attribute's
+    table has them beside its re-scoring."""
+    import pandas as pd
+
+    from rlinfluence.checkpoint import load_round
+
+    assert rlinfluence("train", *TINY, "--save-buffers", "--filter", "iif", "--drop-pct", "20",
+                       "--run-root", tmp_path).returncode == 0
+    run = _run_dir(tmp_path)
+    saved = load_round(run, 1)
+    scores, keep = saved.filter_scores, saved.keep
+    assert scores is not None and scores.shape == keep.shape and (~keep).sum() > 0
+    assert scores[~keep].max() <= scores[keep & (scores < 0)].min()
+    assert rlinfluence("attribute", run, "--round", "1").returncode == 0
+    table = pd.read_parquet(run / "attribution_round_1_return_snapshot_chunk.parquet")
+    assert table["filter_score"].tolist() == scores.tolist() and table["kept"].tolist() == keep.tolist()
 
 
 def test_help_states_each_default_once(monkeypatch, capsys):

@@ -86,6 +86,10 @@ class SavedRound:
     """the trainer's state at theta(k) (policy, optimiser, generator), for ``retrain``"""
     tracin: torch.Tensor | None = None
     """full local TracIn of the records as recorded in training (``PPOConfig.tracin``), or None"""
+    filter_scores: torch.Tensor | None = None
+    """the per-record scores (flat order) the run's filter computed in training and dropped by, or
+    None: a re-scoring draws another chunk permutation (IIF's comes from the filter's generator), so
+    only these say exactly why a record was dropped"""
 
     def retrain(self, keep: torch.Tensor | None = None, lr_scale: float = 1.0, n_epochs: int | None = None
                 ) -> dict[str, float]:
@@ -128,7 +132,7 @@ def load_round(run_dir: str | Path, round_index: int) -> SavedRound:
         schedule = [MinibatchStep(int(e), idx, float(lr)) for e, idx, lr in zip(
             tensors["schedule_epochs"], tensors["schedule_indices"], tensors["schedule_lr"], strict=True)]
     return SavedRound(trainer, RolloutBuffer.from_tensors(tensors), tensors["keep"], schedule, state,
-                      tensors.get("tracin"))
+                      tensors.get("tracin"), tensors.get("filter_scores"))
 
 
 def _check_buffer_fits(tensors: dict[str, torch.Tensor], trainer: PPO, path: Path) -> None:

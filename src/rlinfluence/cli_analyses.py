@@ -130,6 +130,9 @@ def attribute(a: AttributeArgs) -> int:
             max_grad_norm=cfg.max_grad_norm, optimizer=trainer.optimizer if cfg.optimizer == "adam" else None,
         )
     table = attribution_table(buffer, scores)
+    table["kept"] = saved.keep.numpy()  # whether the run's update used the record
+    if saved.filter_scores is not None:  # the scores the run's filter dropped by, in training
+        table["filter_score"] = saved.filter_scores.numpy()
     out.parent.mkdir(parents=True, exist_ok=True)
     trainer_norm = "minibatch" if cfg.normalize_advantage else "none"  # what full mode retraces
     _write_attribution(out, table, {

@@ -235,7 +235,7 @@ class PPO:
         if self.run is not None:
             self.run.log_round(metrics, filter_stats=context.stats.keys(), scores=context.scores)
             if cfg.save_buffers:
-                self.run.save_buffer(buffer.round, self._buffer_tensors(buffer, keep))
+                self.run.save_buffer(buffer.round, self._buffer_tensors(buffer, keep, context.scores))
             if cfg.save_frames:
                 save_frames(self.run.path, buffer.round, self.last_frames.flat())
             if cfg.save_checkpoints:
@@ -489,9 +489,12 @@ class PPO:
         return self._evaluator.evaluate(self.policy, n_episodes, generator)
 
     # -- state --------------------------------------------------------------------------
-    def _buffer_tensors(self, buffer: RolloutBuffer, keep: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _buffer_tensors(self, buffer: RolloutBuffer, keep: torch.Tensor, filter_scores: torch.Tensor | None
+                        ) -> dict[str, torch.Tensor]:
         tensors = buffer.tensors()
         tensors["keep"] = torch.as_tensor(keep, dtype=torch.bool)
+        if filter_scores is not None:  # what the filter dropped by (its own chunk permutation and target)
+            tensors["filter_scores"] = filter_scores.detach().double().reshape(-1)
         if self.tracin is not None:
             tensors["tracin"] = self.tracin.scores()
         if self.schedule:
