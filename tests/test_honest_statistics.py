@@ -183,3 +183,21 @@ def test_the_docs_tables_are_the_ones_their_committed_data_gives():
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
+
+
+def test_a_reference_that_did_not_improve_leaves_80_percent_undefined_everywhere_and_few_seeds_are_named():
+    from rlinfluence.experiments.comparison import few_seeds_note, robust_cells
+
+    row = {"method": "iif", "seeds": 2, "reached80_n": 2, "rounds80_mean": 1.0, "rounds80_lo": 1.0, "rounds80_hi": 1.0,
+           "log_ratio80": float("nan"), "log_ratio80_lo": float("nan"), "log_ratio80_hi": float("nan"),
+           "verdict80": "undefined: the reference did not improve", "poi_auc": 1.0, "poi_auc_lo": 1.0,
+           "poi_auc_hi": 1.0, "diff_auc": float("nan"), "diff_auc_lo": float("nan"), "diff_auc_hi": float("nan"),
+           "iqm_auc_norm": float("nan"), "iqm_auc_norm_lo": float("nan"), "iqm_auc_norm_hi": float("nan"),
+           "iqm_final_norm": float("nan"), "iqm_final_norm_lo": float("nan"), "iqm_final_norm_hi": float("nan"),
+           "approx_kl_mean": 0.01}
+    cells = robust_cells(row, "ppo")
+    assert cells[1:3] == ["undefined", "undefined"] and cells[5].endswith("(raw returns)") and cells[6] == "undefined"
+    assert "2/2" not in " ".join(cells)
+    defined = robust_cells({**row, "verdict80": "faster", "reached80_n": 1}, "ppo")
+    assert defined[1] == "1/2" and defined[2].startswith(">= ") and "raw" not in defined[5]
+    assert "2 seed pairs" in few_seeds_note(2) and few_seeds_note(5) == ""

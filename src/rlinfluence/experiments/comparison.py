@@ -541,6 +541,7 @@ def write_summary(
     lines += [
         "", "## Against the reference, every seed counted", "",
         *robust_note(reference, reps, len(seeds)), "",
+        *([few_seeds_note(len(seeds)), ""] if few_seeds_note(len(seeds)) else []),
     ]
     lines += markdown_table(robust_columns(reference), [robust_cells(r, reference) for r in rows])
     lines += ["", "**Reading** (rounds to 80% against the reference, every seed counted):", "",
@@ -611,20 +612,35 @@ def summary_table(out: Path) -> Any:
         table.add_column(column, overflow="fold")
     for row in rows:
         table.add_row(*robust_cells(row, reference))
+    table.caption = few_seeds_note(int(rows[0]["seeds"])) if rows else ""
     return table
 
 
 def robust_cells(row: dict[str, Any], reference: str) -> list[str]:
-    """One method's row of the robust table."""
+    """One method's row of the robust table. Where the reference did not improve, 80% of its range
+    is undefined: so are the seeds that reached it and the rounds to it (every seed "reaches" a
+    level at its own start), and P(>) says that it compares raw returns."""
     n = row["seeds"]
-    censored = row["reached80_n"] < n
-    rounds = f"{'>= ' if censored else ''}{_interval(row, 'rounds80_mean', '.1f', 'rounds80')}"
+    if str(row["verdict80"]).startswith("undefined"):
+        reached, rounds, raw = "undefined", "undefined", " (raw returns)"
+    else:
+        censored = row["reached80_n"] < n
+        reached, rounds, raw = f"{row['reached80_n']}/{n}", \
+            f"{'>= ' if censored else ''}{_interval(row, 'rounds80_mean', '.1f', 'rounds80')}", ""
     if row["method"] == reference:
-        return [row["method"], f"{row['reached80_n']}/{n}", rounds, "-", "reference", "-", "-",
+        return [row["method"], reached, rounds, "-", "reference", "-", "-",
                 _interval(row, "iqm_auc_norm"), _interval(row, "iqm_final_norm"), f"{row['approx_kl_mean']:.3g}"]
-    return [row["method"], f"{row['reached80_n']}/{n}", rounds, _interval(row, "log_ratio80"), row["verdict80"],
-            _interval(row, "poi_auc"), _interval(row, "diff_auc"), _interval(row, "iqm_auc_norm"),
+    return [row["method"], reached, rounds, _interval(row, "log_ratio80"), row["verdict80"],
+            _interval(row, "poi_auc") + raw, _interval(row, "diff_auc"), _interval(row, "iqm_auc_norm"),
             _interval(row, "iqm_final_norm"), f"{row['approx_kl_mean']:.3g}"]
+
+
+def few_seeds_note(n_seeds: int) -> str:
+    """A word on n where it is too small for an interval to say much ("" from 5 seeds)."""
+    if n_seeds >= 5:
+        return ""
+    return (f"Only {n_seeds} seed pair{'s' if n_seeds != 1 else ''}: an interval over so few seeds says little (a t "
+            "interval needs 2, and P(>) can only be 0, 0.5 or 1 with 2); run 5 or more before reading a difference.")
 
 
 def _chosen_text(point: dict[str, Any] | None, tuned: bool = True, reference: str = "ppo") -> str:
