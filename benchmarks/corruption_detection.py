@@ -33,8 +33,8 @@ from corruption import BONUS, CONDITIONS  # noqa: E402  (benchmarks/corruption.p
 
 from rlinfluence.analysis.audit import SCORERS, detection, harm_table  # noqa: E402
 from rlinfluence.checkpoint import load_round  # noqa: E402
-from rlinfluence.experiments.statistics import ci95  # noqa: E402
 from rlinfluence.ppo import PPO, PPOConfig  # noqa: E402
+from rlinfluence.statistics import ci95  # noqa: E402
 
 STUDIES = Path(__file__).parent / "studies"
 ENVS = "CartPole-v1,FrozenLake-v1,Acrobot-v1,MiniGrid-Empty-8x8-v0,LunarLander-v3"

@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from filelock import FileLock  # noqa: E402
 
-from rlinfluence.experiments.statistics import clopper_pearson  # noqa: E402
+from rlinfluence.statistics import clopper_pearson  # noqa: E402
 
 STUDIES = Path(__file__).parent / "studies"
 ENVS = ("CartPole-v1", "Acrobot-v1", "LunarLander-v3", "MiniGrid-Empty-8x8-v0")

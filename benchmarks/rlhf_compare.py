@@ -23,7 +23,7 @@ A pair whose standard run gained nothing has no level; a pair whose IIF run neve
 level has no reduction: both are counted and printed, and the reduction's interval is over the
 pairs where both runs reached it only (a censored pair is IIF's worst case, so that mean is
 optimistic for IIF). Across seeds: means with 95% t intervals
-(``rlinfluence.experiments.statistics.ci95``); the
+(``rlinfluence.statistics.ci95``); the
 paired difference iif - std of the final test reward and of its mean over the evaluations, with
 the number of seeds where IIF is higher; and, unpaired, rliable's probability of improvement
 P(iif > std) (every IIF seed against every standard seed). With 3 seeds these intervals are wide.
@@ -45,7 +45,7 @@ import numpy as np
 import pandas as pd
 
 from rlinfluence.experiments.metrics import first_reach, smooth
-from rlinfluence.experiments.statistics import ci95, probability_of_improvement
+from rlinfluence.statistics import ci95, probability_of_improvement
 
 FRACTION = 0.8
 UNPAIRED_SETTINGS = ("filter", "run_root", "method", "drop_pct", "drop_mode", "target", "target_source",

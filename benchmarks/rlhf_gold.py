@@ -42,8 +42,8 @@ import numpy as np
 import pandas as pd
 from filelock import FileLock
 
-from rlinfluence.experiments.statistics import ci95, probability_of_improvement
 from rlinfluence.rlhf.report import load_completions, saved_rounds
+from rlinfluence.statistics import ci95, probability_of_improvement
 
 METHODS: dict[str, list[str]] = {
     "grpo": ["--filter", "none"],

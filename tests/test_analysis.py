@@ -411,7 +411,7 @@ def test_a_minigrid_record_says_where_the_goal_is_from_the_agent():
 
 def test_frame_strips_say_the_round_step_not_the_episode_step():
     from rlinfluence.analysis.report import render_html
-    from rlinfluence.analysis.sections import FrameCard, Gallery, Section
+    from rlinfluence.sections import FrameCard, Gallery, Section
 
     png = figure_png_of_one_pixel()
     card = FrameCard("record 5 (env 0, step 624)", "action 1", png, [png, png], [623, 624], 1)

@@ -13,12 +13,12 @@ from rlinfluence.errors import UserError
 from rlinfluence.experiments import CompareConfig, Curve, compare, parse_methods, summarize
 from rlinfluence.experiments import comparison as compare_module
 from rlinfluence.experiments.specs import find_reference, parse_grid, split_specs
-from rlinfluence.experiments.statistics import (
+from rlinfluence.experiments.tuning import at_edge, choose, grid_points, tuning_scores
+from rlinfluence.statistics import (
     ci95,
     interval_estimates,
     probability_of_improvement,
 )
-from rlinfluence.experiments.tuning import at_edge, choose, grid_points, tuning_scores
 
 TINY_SET = ("n_steps=128", "batch_size=32", "n_epochs=2", "eval_envs=2", "tensorboard=false")
 
@@ -297,7 +297,7 @@ def test_legends_define_named_methods(tmp_path):
 def test_a_reference_that_got_worse_gives_no_normalised_scores_and_p_compares_raw_returns(tmp_path):
     """Dividing by a negative span (the reference's plateau below its start) would reverse every
     comparison: the normalised scores are undefined there, and P(improvement) reads raw returns."""
-    from rlinfluence.experiments.statistics import normalise
+    from rlinfluence.statistics import normalise
 
     assert np.isnan(normalise(np.array([1.0, 2.0]), start=0.5, plateau=0.1)).all()
     assert np.isnan(normalise(np.array([1.0]), start=0.5, plateau=0.5)).all()

@@ -146,7 +146,7 @@ def test_compare_with_ray(tmp_path):
 def test_a_bad_value_inside_a_ray_task_is_the_one_line_error(tmp_path):
     ray = pytest.importorskip("ray")
     from rlinfluence.config import check_drop_pct
-    from rlinfluence.experiments.execution import run_calls
+    from rlinfluence.executor import run_calls
 
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:

@@ -21,7 +21,7 @@ from rlinfluence.experiments import (
 from rlinfluence.experiments.comparison import episode_seeds, speed_verdict
 from rlinfluence.experiments.metrics import paired_speed, time_to_level
 from rlinfluence.experiments.published import collect, fill, headline_table
-from rlinfluence.experiments.statistics import (
+from rlinfluence.statistics import (
     interval_estimates,
     probability_of_improvement,
 )

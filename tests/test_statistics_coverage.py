@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from rlinfluence.experiments.statistics import ci95, clopper_pearson, probability_of_improvement
+from rlinfluence.statistics import ci95, clopper_pearson, probability_of_improvement
 
 
 @pytest.mark.parametrize("n", [3, 5, 10])

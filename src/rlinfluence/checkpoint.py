@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,54 +23,13 @@ import torch
 from rlinfluence.buffer import MinibatchStep, RolloutBuffer
 from rlinfluence.config import PPOConfig
 from rlinfluence.errors import UserError
-from rlinfluence.filters import Filter
 from rlinfluence.ppo import PPO
-from rlinfluence.rundir import CheckpointError, RunDirectory, load_checkpoint
+from rlinfluence.rundir import RunDirectory, load_checkpoint
 
-
-def load(path: str | Path, filter: Filter | None = None, **config_overrides: Any) -> PPO:
-    """A trainer restored from ``PPO.save``, writing no run directory."""
-    state = load_checkpoint(path)
-    if "config" not in state:
-        raise UserError(f"{str(path)!r} has no config (it is a run checkpoint: use PPO.resume)")
-    config = dataclasses.replace(PPOConfig.from_dict(state["config"]), **config_overrides)
-    trainer = PPO(config, filter=filter, run_dir=False)
-    trainer.load_state_dict(state, source=repr(str(path)))
-    return trainer
-
-
-def resume(run_dir: str | Path, filter: Filter | None = None) -> PPO:
-    """Continue a run from its newest loadable checkpoint (same config, same directory).
-
-    An unreadable checkpoint (corrupt, truncated, empty, malformed) is skipped, with a warning
-    on stderr, for the next older one; one of another env or network is a ``UserError``, and so
-    is a run trained with a filter object of another class than its config builds, resumed
-    without ``filter=`` (it would continue silently with the wrong filter).
-    """
-    run = RunDirectory.open_existing(run_dir)
-    run.check_writable()
-    config = PPOConfig.from_dict(run.read_config(), source=repr(str(run.path / "config.json")))
-    checkpoints = run.checkpoints()
-    trainer = PPO(config, filter=filter, run_dir=run)
-    skipped: list[str] = []
-    for checkpoint in checkpoints:
-        try:
-            state = load_checkpoint(checkpoint)
-            trainer.load_state_dict(state, source=repr(str(checkpoint)))
-            break
-        except CheckpointError as exc:
-            skipped.append(f"{checkpoint.name} ({exc})")
-    else:
-        raise UserError(f"no checkpoint of {str(run.path)!r} loads; newest: {skipped[0]}")
-    trained_with = state.get("filter_class")
-    if filter is None and trained_with is not None and trained_with != PPO.filter_class(trainer.filter):
-        raise UserError(f"{str(run.path)!r} was trained with the filter {trained_with}, not the "
-                        f"{PPO.filter_class(trainer.filter)} its config builds: pass it, PPO.resume(run_dir, filter=...)")
-    if skipped:
-        print(f"warning: skipped unusable checkpoint {'; '.join(skipped)}; resuming from "
-              f"{checkpoint.name}", file=sys.stderr)
-    run.truncate(trainer.round)
-    return trainer
+load = PPO.load
+"""A trainer restored from ``PPO.save`` (``rlinfluence.restore.load``)."""
+resume = PPO.resume
+"""A run continued from its newest loadable checkpoint (``rlinfluence.restore.resume``)."""
 
 
 @dataclass

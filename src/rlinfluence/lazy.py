@@ -12,13 +12,16 @@ from typing import Any
 def lazy_exports(package: str, homes: Mapping[str, Sequence[str]]
                  ) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
     """(``__getattr__``, ``__dir__``, ``__all__``) for ``package`` whose name N lives in
-    ``package.M`` for every M: (N, ...) of ``homes``."""
+    ``package.M`` for every M: (N, ...) of ``homes`` (or in M itself where M is a full
+    ``rlinfluence.`` module name: a building block below the package)."""
     module_of = {name: module for module, names in homes.items() for name in names}
     exported = sorted(module_of)
 
     def getattr_(name: str) -> Any:
         if name not in module_of:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(importlib.import_module(f"{package}.{module_of[name]}"), name)
+        module = module_of[name]
+        return getattr(importlib.import_module(module if module.startswith("rlinfluence.") else f"{package}.{module}"),
+                       name)
 
     return getattr_, lambda: exported, exported

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from rlinfluence import restore
 from rlinfluence.buffer import MinibatchStep, RolloutBuffer
 from rlinfluence.config import FIELD_TYPES, ROBUST_IIF, PPOConfig, coerce  # noqa: F401  (importable from here)
 from rlinfluence.corruptions import Corruptor, check_corruptions
@@ -46,7 +47,7 @@ from rlinfluence.influence.tracin import clip_coefficient
 from rlinfluence.losses import PPOLoss, normalize_advantages, ppo_loss
 from rlinfluence.policies import ActorCritic, make_policy, rollout_actor, tempered
 from rlinfluence.progress import progress_bar
-from rlinfluence.rundir import CheckpointError, RunDirectory
+from rlinfluence.rundir import RunDirectory
 from rlinfluence.seeding import derived_seed
 from rlinfluence.step_control import lookahead
 from rlinfluence.step_control import step_scale as round_step_scale
@@ -525,7 +526,7 @@ class PPO:
     @staticmethod
     def filter_class(filter: Filter) -> str:
         """The filter's class, ``module.QualName``: a checkpoint records it, so that resuming a run
-        trained with a custom filter object without it is refused (``checkpoint.resume``)."""
+        trained with a custom filter object without it is refused (``restore.resume``)."""
         return f"{type(filter).__module__}.{type(filter).__qualname__}"
 
     def load_state_dict(self, state: dict[str, Any], source: str = "checkpoint") -> None:
@@ -535,7 +536,7 @@ class PPO:
         (seed, round), so a resumed run is itself reproducible. A state with missing or malformed
         entries is a ``CheckpointError``, raised before anything is restored.
         """
-        _check_state(state, source)
+        restore.check_state(state, source)
         if state.get("env") != self.config.env:
             raise UserError(f"{source} is for env {state.get('env')!r}, not {self.config.env!r}")
         expected = {k: tuple(v.shape) for k, v in self.policy.state_dict().items()}
@@ -567,37 +568,13 @@ class PPO:
 
     @classmethod
     def load(cls, path: str | Path, filter: Filter | None = None, **config_overrides: Any) -> PPO:
-        """A trainer restored from ``PPO.save``, writing no run directory (``checkpoint.load``)."""
-        from rlinfluence import checkpoint  # checkpoint builds on this module, not the other way
-
-        return checkpoint.load(path, filter, **config_overrides)
+        """A trainer restored from ``PPO.save``, writing no run directory (``restore.load``)."""
+        return restore.load(cls, path, filter, **config_overrides)
 
     @classmethod
     def resume(cls, run_dir: str | Path, filter: Filter | None = None) -> PPO:
-        """Continue a run from its newest loadable checkpoint (``checkpoint.resume``)."""
-        from rlinfluence import checkpoint
-
-        return checkpoint.resume(run_dir, filter)
-
-
-_STATE_KEYS = ("round", "env_steps", "train_seconds", "policy", "optimizer", "generator")
-
-
-def _check_state(state: dict[str, Any], source: str) -> None:
-    """``CheckpointError`` if ``state`` lacks an entry of ``PPO.state_dict`` or one is malformed."""
-    missing = [key for key in _STATE_KEYS if key not in state]
-    if missing:
-        raise CheckpointError(f"{source} lacks {', '.join(missing)} (not a PPO checkpoint)")
-    if not isinstance(state["round"], int) or state["round"] < 0:
-        raise CheckpointError(f"{source} has a malformed round {state['round']!r}")
-    if not isinstance(state["policy"], dict) or not all(isinstance(v, torch.Tensor) for v in state["policy"].values()):
-        raise CheckpointError(f"{source} has a malformed policy state")
-    for key in ("generator", "validation_generator"):
-        if key in state:
-            try:
-                torch.Generator().set_state(state[key])
-            except (RuntimeError, TypeError, ValueError):
-                raise CheckpointError(f"{source} has a malformed RNG state ({key})") from None
+        """Continue a run from its newest loadable checkpoint (``restore.resume``)."""
+        return restore.resume(cls, run_dir, filter)
 
 
 def _check_finite(values: np.ndarray, what: str, round_index: int) -> None:
@@ -609,13 +586,3 @@ def _check_finite(values: np.ndarray, what: str, round_index: int) -> None:
         where = tuple(np.argwhere(bad)[0])
         raise UserError(f"round {round_index}: the env returned a non-finite {what} ({values[where]}) "
                         f"at step {where[0]} of env {where[1]}")
-
-
-
-def __getattr__(name: str) -> Any:
-    # SavedRound and load_round moved to rlinfluence.checkpoint; still importable from here
-    if name in ("SavedRound", "load_round"):
-        from rlinfluence import checkpoint
-
-        return getattr(checkpoint, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -285,7 +285,7 @@ def sources_table(table: pd.DataFrame, scorer: str, alpha: float = 0.01, permuta
     """One row per untrusted source: records, rounds, mean harm with a 95% t interval
     over rounds, the permutation p-value (``source_test``), its Holm-adjusted value across the
     sources and ``flagged`` = adjusted p < ``alpha``."""
-    from rlinfluence.experiments.statistics import ci95
+    from rlinfluence.statistics import ci95
 
     sources, rounds, h = source_means(table, scorer)
     if len(sources) < 2:
@@ -330,9 +330,9 @@ def _scored_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None, wor
     """A run trained with ``--save-buffers``: its saved rounds scored now, by every scorer and check
     for the verdict (``scorer`` None) or where the run has ground truth (for the detection table),
     else by the test's alone; one round per
-    job, in ``workers`` local processes or as Ray tasks (``execution.run_calls``), concatenated
+    job, in ``workers`` local processes or as Ray tasks (``rlinfluence.executor.run_calls``), concatenated
     in round order whichever ran them."""
-    from rlinfluence.experiments.execution import run_calls
+    from rlinfluence.executor import run_calls
     from rlinfluence.rundir import RunDirectory
 
     config = RunDirectory.open_existing(run_dir, tensorboard=False).read_config()
@@ -415,7 +415,7 @@ def audit_run(run_dir: str | Path, rounds: Sequence[int] = (), scorer: str | Non
     ``scorer`` named, ``sources_table`` by that scorer alone. detection: every scorer at every
     level per round (``detection``), where the run has ground truth (``--corrupt``, or a
     ``corrupted`` column); else empty."""
-    from rlinfluence.experiments.execution import check_executor
+    from rlinfluence.executor import check_executor
 
     if not 0 < alpha < 1:
         raise UserError(f"--alpha must be in (0, 1), got {alpha}")
@@ -489,7 +489,7 @@ def plot_sources(sources: pd.DataFrame, alpha: float) -> bytes:
 def detection_summary(found: pd.DataFrame) -> pd.DataFrame:
     """Per scorer and level: the mean AUROC and precision over rounds, each with a 95% t interval
     over rounds clipped to [0, 1]."""
-    from rlinfluence.experiments.statistics import ci95
+    from rlinfluence.statistics import ci95
 
     rows = []
     for (name, level), group in found.groupby(["scorer", "level"], sort=False):

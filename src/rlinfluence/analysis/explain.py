@@ -57,12 +57,12 @@ import pandas as pd
 import torch
 
 from rlinfluence.errors import UserError
-from rlinfluence.experiments.statistics import ci95
 from rlinfluence.influence import ReturnTarget
 from rlinfluence.rundir import RunDirectory
+from rlinfluence.statistics import ci95
 
 if TYPE_CHECKING:
-    from rlinfluence.analysis.sections import Section
+    from rlinfluence.sections import Section
 
 KL_SPIKE = 5.0
 RECOVERS = 0.5

@@ -14,9 +14,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from rlinfluence.analysis.sections import FrameCard, Gallery, Section, Table
 from rlinfluence.buffer import RolloutBuffer
 from rlinfluence.frames import HOW_TO_SAVE, png, record_strip
+from rlinfluence.sections import FrameCard, Gallery, Section, Table
 
 _MAX_OBS_VALUES = 64  # larger observations (images) are summarised, not stored in the table
 

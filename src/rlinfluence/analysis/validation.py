@@ -196,9 +196,9 @@ def validate_rounds(run_dir: str | Path, rounds: Sequence[int], progress: bool =
                     ray_address: str | None = None, **kwargs: object) -> list[RoundValidation]:
     """``validate_round`` for each round (an LDS curve over training), in the order of ``rounds``;
     same keyword arguments. One round per job: in this process (``workers`` 1), in ``workers``
-    local processes or as Ray tasks on ``ray_address`` (``execution.run_calls``), the same
+    local processes or as Ray tasks on ``ray_address`` (``rlinfluence.executor.run_calls``), the same
     results whichever ran them (but the timings). ``progress`` prints each round's LDS as it ends."""
-    from rlinfluence.experiments.execution import check_executor, run_calls
+    from rlinfluence.executor import check_executor, run_calls
 
     check_executor(workers, ray_address)
 

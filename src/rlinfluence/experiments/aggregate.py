@@ -27,13 +27,13 @@ import pandas as pd
 
 from rlinfluence.errors import UserError, require_module
 from rlinfluence.experiments.comparison import markdown_table
-from rlinfluence.experiments.statistics import (
+from rlinfluence.progress import progress_bar
+from rlinfluence.rundir import atomic_write
+from rlinfluence.statistics import (
     DEFAULT_REPS,
     interval_estimates,
     probability_of_improvement,
 )
-from rlinfluence.progress import progress_bar
-from rlinfluence.rundir import atomic_write
 
 KINDS = ("auc", "final")
 
@@ -110,7 +110,8 @@ def aggregate(folders: Sequence[str | Path], out: str | Path, reps: int = DEFAUL
               progress: bool = False) -> Path:
     """Write the aggregate table, plots and HTML page into ``out``; returns ``out`` (``progress``:
     a line per bootstrap step, which take a while at many replications)."""
-    from rlinfluence.analysis.report import Section, Table, write_html
+    from rlinfluence.pages import write_html
+    from rlinfluence.sections import Section, Table
 
     require_module("rliable", "aggregate")  # its plots: refuse before any work, not after the bootstrap
     envs, reference, methods, matrices, paired = score_matrices(folders)

@@ -34,9 +34,9 @@ import numpy as np
 import pandas as pd
 
 from rlinfluence.errors import UserError
+from rlinfluence.executor import check_executor
 from rlinfluence.experiments.execution import (
     Job,
-    check_executor,
     check_existing,
     failure,
     finished,
@@ -61,16 +61,16 @@ from rlinfluence.experiments.specs import (  # noqa: F401  (CompareConfig, episo
     parse_overrides,
     split_specs,
 )
-from rlinfluence.experiments.statistics import (
+from rlinfluence.experiments.tuning import at_edge, choose, grid_points, tuning_scores
+from rlinfluence.progress import progress_bar
+from rlinfluence.rundir import atomic_write
+from rlinfluence.statistics import (
     ci95,
     interval_estimates,
     mean_se,
     normalise,
     probability_of_improvement,
 )
-from rlinfluence.experiments.tuning import at_edge, choose, grid_points, tuning_scores
-from rlinfluence.progress import progress_bar
-from rlinfluence.rundir import atomic_write
 
 
 @dataclass
@@ -671,7 +671,7 @@ def plot_curves(
     others labelled as run at the reference's values)."""
     from matplotlib.figure import Figure
 
-    from rlinfluence.analysis.report import ROUND_LABEL, round_axis
+    from rlinfluence.pages import ROUND_LABEL, round_axis
 
     fig = Figure(figsize=(14, 7), layout="constrained")
     grid = fig.add_gridspec(2, 2)

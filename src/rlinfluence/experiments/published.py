@@ -188,7 +188,7 @@ def detection_table(rows: pd.DataFrame, condition: str = "flip1of8") -> list[str
     (record, episode, source) and the precision at the corrupted fraction (episode, source), each
     a mean over seeds of the seed's mean over rounds, with a 95% t interval over seeds clipped to
     [0, 1] ("undefined" where a level has no corrupted item, e.g. an env for episode corruptions)."""
-    from rlinfluence.experiments.statistics import ci95
+    from rlinfluence.statistics import ci95
 
     rows = _conditions(rows)
     body = []

@@ -29,15 +29,12 @@ from typing import Annotated, Any, Literal
 from rlinfluence.config import FIELD_TYPES, FILTER_NAMES, ROBUST_IIF, PPOConfig, coerce
 from rlinfluence.errors import UserError
 from rlinfluence.helptext import EmptyMeansNone, StatedDefault
+from rlinfluence.statistics import DEFAULT_REPS, MAX_REPS  # noqa: F401  (importable from here)
 
 Clock = Literal["wall", "cpu"]
 """Which seconds the RT figures use: wall time, or process CPU time (robust to other load)."""
 TuneMetric = Literal["auc", "final", "rounds80"]
 """A tuning score (``rlinfluence.experiments.tuning``)."""
-DEFAULT_REPS = 2000
-"""Bootstrap replications of every interval (``rlinfluence.experiments.statistics``)."""
-MAX_REPS = 1_000_000
-"""More replications than this take minutes per interval and change nothing a table shows."""
 
 
 def check_bootstrap_reps(reps: int) -> None:

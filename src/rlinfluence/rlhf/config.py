@@ -222,7 +222,7 @@ class RLHFConfig:
                             "--task sentiment-gold --filter iif --target seq --target-source fresh")
         if self.method is not None:
             check_plain_name("method", self.method)
-        from rlinfluence.rlhf.model import resolve_device  # torch: imported when a run is validated
+        from rlinfluence.device import resolve_device  # torch: imported when a run is validated
 
         resolve_device(self.device)  # CUDA asked for on a machine without it: fail before loading anything
 

@@ -29,9 +29,11 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
-from scipy import stats
 
-from rlinfluence.experiments.specs import DEFAULT_REPS
+DEFAULT_REPS = 2000
+"""Bootstrap replications of every interval (this module's)."""
+MAX_REPS = 1_000_000
+"""More replications than this take minutes per interval and change nothing a table shows."""
 
 Interval = tuple[float, float, float]
 
@@ -50,6 +52,8 @@ def ci95(values: Sequence[float], bounds: tuple[float, float] = (-math.inf, math
     at skewness 1; a percentile bootstrap covers 0.74 at 3 seeds), tested in
     tests/test_statistics_coverage.py."""
     mean, se = mean_se(values)
+    from scipy import stats  # scipy on first use: the command line's parsers import this module
+
     t = stats.t.ppf(0.975, len(values) - 1) if len(values) > 1 else math.nan
     return mean, float(np.clip(mean - t * se, *bounds)), float(np.clip(mean + t * se, *bounds))
 
@@ -64,6 +68,8 @@ def normalise(returns: np.ndarray, start: float, plateau: float) -> np.ndarray:
 
 def iqm(scores: np.ndarray) -> float:
     """Interquartile mean of all entries: the mean of the middle 50% (trim 25% each side)."""
+    from scipy import stats
+
     return float(stats.trim_mean(np.asarray(scores, float), 0.25, axis=None))
 
 
@@ -113,6 +119,8 @@ def clopper_pearson(wins: float, n: int, level: float = 0.95) -> tuple[float, fl
     """Exact binomial interval of a proportion from ``wins`` of ``n`` (a tie counted as half a win:
     the lower bound from the wins rounded down, the upper from them rounded up): 5 of 5 gives
     [0.48, 1.00], never [1, 1]."""
+    from scipy import stats
+
     tail = (1 - level) / 2
     low_k, high_k = math.floor(wins), math.ceil(wins)
     low = float(stats.beta.ppf(tail, low_k, n - low_k + 1)) if low_k > 0 else 0.0
