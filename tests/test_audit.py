@@ -64,7 +64,8 @@ def test_audit_flags_the_flipped_env_and_no_env_of_clean_runs(tmp_path, capsys):
     (["--alpha", "2"], "--alpha must be in (0, 1), got 2"),
     (["--scorer", "oracle"], "unknown scorer 'oracle'"),
     (["--scorer", "influence-trusted"], "unknown scorer 'influence-trusted'"),
-    (["--permutations", "0"], "--permutations must be >= 1"),
+    (["--permutations", "0"], "--permutations must be in [1, 1000000], got 0"),
+    (["--permutations", "100000000"], "--permutations must be in [1, 1000000], got 100000000"),
     (["--workers", "0"], "--workers must be >= 1, got 0"),
     (["--ray-address", "127.0.0.1:1"], "--ray-address 127.0.0.1:1: no Ray cluster answers there"),
 ])

@@ -86,6 +86,8 @@ Scorer = Callable[["SavedRound"], np.ndarray]
 Level = Literal["record", "episode", "source"]
 LEVELS: tuple[Level, ...] = ("record", "episode", "source")
 SCORES_DIR = Path("audit") / "scores"
+MAX_PERMUTATIONS = 1_000_000
+"""The most permutations ``--permutations`` takes (a bound, so that a typo does not hang the audit)."""
 
 
 def _trusted(saved: SavedRound) -> torch.Tensor:
@@ -419,8 +421,9 @@ def audit_run(run_dir: str | Path, rounds: Sequence[int] = (), scorer: str | Non
 
     if not 0 < alpha < 1:
         raise UserError(f"--alpha must be in (0, 1), got {alpha}")
-    if permutations < 1:
-        raise UserError(f"--permutations must be >= 1, got {permutations}")
+    if not 1 <= permutations <= MAX_PERMUTATIONS:
+        raise UserError(f"--permutations must be in [1, {MAX_PERMUTATIONS}], got {permutations} (p-values are "
+                        f"resolved to 1/(1 + permutations); more take minutes and change no flag at alpha >= 1e-4)")
     check_executor(workers, ray_address)
     run_dir = Path(run_dir)
     if _saved_rounds(run_dir):
