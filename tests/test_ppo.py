@@ -174,3 +174,17 @@ def test_evaluation_does_not_change_training():
         trainer.train_round()
         trainer.train_round()
     torch.testing.assert_close(with_eval.policy.state_dict(), without.policy.state_dict())
+
+
+def test_async_envs_give_the_same_numbers_as_sync_ones():
+    """--vec-env async steps each env in its own process: the same transitions, the same policy."""
+    runs = []
+    for vec_env in ("sync", "async"):
+        config = PPOConfig(env="CartPole-v1", n_envs=2, n_steps=64, batch_size=32, total_timesteps=256,
+                           eval_episodes=0, vec_env=vec_env, seed=4, progress=False)
+        trainer = PPO(config, run_dir=False).learn()
+        runs.append((trainer.last_buffer.flat("obs").clone(), trainer.policy.state_dict()))
+        trainer.env.close()
+    (obs_sync, params_sync), (obs_async, params_async) = runs
+    assert torch.equal(obs_sync, obs_async)
+    assert all(torch.equal(params_sync[k], params_async[k]) for k in params_sync)

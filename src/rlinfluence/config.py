@@ -70,7 +70,11 @@ class PPOConfig:
     total_timesteps: int = 100_000
     """environment steps to train for; rounds = ceil(total_timesteps / (n_steps * n_envs))"""
     n_envs: int = 1
-    """parallel environments (gymnasium SyncVectorEnv)"""
+    """parallel environments"""
+    vec_env: Literal["sync", "async"] = "sync"
+    """sync: the envs step in this process, one after the other (gymnasium SyncVectorEnv); async:
+    each in its own process (AsyncVectorEnv), for envs whose step is slow; the same numbers either way
+    (the CPU clock then counts this process only, not the env workers)"""
     n_steps: int = 2048
     """steps per environment per round"""
     batch_size: int = 64

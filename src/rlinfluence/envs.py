@@ -8,6 +8,7 @@ hyperparameters; any other id runs with ``PPOConfig``'s generic (Stable-Baseline
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -98,12 +99,25 @@ def mc_unavailable_reason(env_id: str) -> str | None:
         env.close()
 
 
-def make_vec_env(env_id: str, n_envs: int, render_mode: str | None = None) -> gym.vector.SyncVectorEnv:
-    """``n_envs`` copies in one process. SAME_STEP autoreset, as SB3: a finished episode's last
-    observation comes in ``info["final_obs"]`` and the returned observation starts the next one.
-    ``render_mode="rgb_array"``: ``render()`` returns every copy's frame (``--save-frames``)."""
+def make_vec_env(env_id: str, n_envs: int, render_mode: str | None = None, asynchronous: bool = False
+                 ) -> gym.vector.VectorEnv:
+    """``n_envs`` copies, stepped in this process (SyncVectorEnv) or, ``asynchronous``, each in its
+    own process (AsyncVectorEnv: for envs whose step is slow; the same transitions). SAME_STEP
+    autoreset, as SB3: a finished episode's last observation comes in ``info["final_obs"]`` and the
+    returned observation starts the next one. ``render_mode="rgb_array"``: ``render()`` returns
+    every copy's frame (``--save-frames``)."""
     kwargs = {"render_mode": render_mode} if render_mode else {}
-    return gym.vector.SyncVectorEnv(
-        [lambda: make_env(env_id, **kwargs) for _ in range(n_envs)],
-        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
-    )
+    factories = [functools.partial(make_env, env_id, **kwargs) for _ in range(n_envs)]
+    if asynchronous:
+        return gym.vector.AsyncVectorEnv(factories, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    return gym.vector.SyncVectorEnv(factories, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+
+def base_observation_space(env_id: str) -> gym.Space:
+    """The observation space ``env_id`` has before ``make_env``'s wrappers (a one-hot Box is a
+    Discrete space underneath)."""
+    env = make_env(env_id)
+    try:
+        return env.unwrapped.observation_space
+    finally:
+        env.close()

@@ -37,7 +37,7 @@ from rlinfluence import restore
 from rlinfluence.buffer import MinibatchStep, RolloutBuffer
 from rlinfluence.config import FIELD_TYPES, ROBUST_IIF, PPOConfig, coerce  # noqa: F401  (importable from here)
 from rlinfluence.corruptions import Corruptor, check_corruptions
-from rlinfluence.envs import make_env, make_vec_env
+from rlinfluence.envs import base_observation_space, make_env, make_vec_env
 from rlinfluence.errors import UserError
 from rlinfluence.evaluation import Evaluator
 from rlinfluence.filters import Filter, FilterContext, make_filter
@@ -110,10 +110,11 @@ class PPO:
         self.generator = torch.Generator().manual_seed(config.seed)
 
         render_mode = "rgb_array" if config.save_frames else None
-        self.stream = EnvStream(make_vec_env(config.env, config.n_envs, render_mode), self.generator)
+        asynchronous = config.vec_env == "async"
+        self.stream = EnvStream(make_vec_env(config.env, config.n_envs, render_mode, asynchronous), self.generator)
         self.last_frames: FrameRecorder | None = None  # the last collection's frames (save_frames)
         self.env.action_space.seed(config.seed)
-        discrete_obs = isinstance(self.env.envs[0].unwrapped.observation_space, gym.spaces.Discrete)
+        discrete_obs = isinstance(base_observation_space(config.env), gym.spaces.Discrete)
         action_space = self.env.single_action_space
         self.corruptor = Corruptor(check_corruptions(config.corrupt, config.n_envs, config.trusted_envs, config.env,
                                                      discrete_obs, self.env.single_observation_space.shape[-1]),
@@ -126,7 +127,8 @@ class PPO:
         self.past_policies: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=lag + 1)
         # the validation rollout has its own envs and noise, so the training stream stays the same
         self.validation_stream = (
-            EnvStream(make_vec_env(config.env, config.n_envs), torch.Generator().manual_seed(derived_seed(config.seed, 0, 3)))
+            EnvStream(make_vec_env(config.env, config.n_envs, asynchronous=asynchronous),
+                      torch.Generator().manual_seed(derived_seed(config.seed, 0, 3)))
             if config.validation_steps and getattr(self.filter, "uses_validation", False) else None
         )
         self.policy: ActorCritic = make_policy(
