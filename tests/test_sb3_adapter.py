@@ -466,3 +466,13 @@ def test_the_audit_callback_leaves_sb3_training_unchanged(tmp_path):
         assert torch.equal(value, audited.policy.state_dict()[name]), name
     with pytest.raises(ValueError, match="unknown scorer 'tracin'"):
         AuditCallback(tmp_path, scorers=("tracin",))
+
+
+def test_attribute_refuses_a_buffer_the_policy_no_longer_collects():
+    """After learn() the policy has been updated on model.rollout_buffer: scoring it there would be
+    attribution at theta(k+1). One clear error; check_policy=False scores anyway."""
+    model = make_model("CartPole-v1", n_envs=2, n_steps=48)
+    model.learn(96)
+    with pytest.raises(ValueError, match="not the one that collected this rollout buffer"):
+        attribute(model)
+    assert attribute(model, check_policy=False).shape == (96,)

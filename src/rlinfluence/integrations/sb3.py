@@ -174,6 +174,24 @@ def _records(buffer: RolloutBuffer, adapter: SB3PolicyAdapter) -> tuple[torch.Te
     return obs, actions, advantages
 
 
+POLICY_TOLERANCE = 1e-4
+"""The largest |logged log-prob - the policy's log-prob| of a record that ``attribute`` takes as the
+same policy (float32 rounding between SB3's rollout and a recomputation is ~1e-6)."""
+
+
+def _check_collected_by(adapter: SB3PolicyAdapter, buffer: RolloutBuffer, obs: torch.Tensor,
+                        actions: torch.Tensor) -> None:
+    """``ValueError`` unless the adapter's policy gives the buffer's logged log-probs: it collected it."""
+    logged = torch.as_tensor(_flat(buffer, "log_probs").reshape(len(obs)), device=obs.device)
+    with torch.no_grad():
+        gap = float((adapter.log_prob(obs, actions).double() - logged.double()).abs().max())
+    if not gap <= POLICY_TOLERANCE:
+        raise ValueError(f"the model's policy is not the one that collected this rollout buffer (its log-probs differ "
+                         f"from the logged ones by up to {gap:.3g}): after learn() the policy has been updated on it. "
+                         "Attribute at the end of a rollout (a callback's _on_rollout_end, as InfluenceFilterCallback "
+                         "does), or pass check_policy=False to score at the current policy anyway")
+
+
 def next_permutation(n: int) -> np.ndarray:
     """The permutation SB3's next ``RolloutBuffer.get()`` will draw (``np.random.permutation(n)``
     on NumPy's global state), computed on a copy of that state: nothing is consumed."""
@@ -220,6 +238,7 @@ def attribute(
     chunk_size: int | None = None,
     order: np.ndarray | torch.Tensor | None = None,
     ent_coef: float | None = None,
+    check_policy: bool = True,
     **kwargs: Any,
 ) -> torch.Tensor:
     """Snapshot influence of every record of ``rollout_buffer`` (default ``model.rollout_buffer``)
@@ -239,11 +258,17 @@ def attribute(
     ``snapshot_influence``. ``ent_coef`` (default ``model.ent_coef``) adds the entropy term of
     SB3's loss. Other keyword arguments go to ``snapshot_influence``. NumPy's and torch's global
     random states are left untouched.
+
+    ``check_policy``: refuse (``ValueError``) a buffer whose logged log-probs the model's policy
+    does not give (by more than ``POLICY_TOLERANCE``): after ``learn()`` the policy has been updated
+    on ``model.rollout_buffer``, and scoring at theta(k+1) would silently answer another question.
     """
     buffer = model.rollout_buffer if rollout_buffer is None else rollout_buffer
     adapter = SB3PolicyAdapter(model.policy)
     obs, actions, advantages = _records(buffer, adapter)
     n = len(advantages)
+    if check_policy:
+        _check_collected_by(adapter, buffer, obs, actions)
     norm = _resolve_norm(model, advantage_norm)
     chunk = chunk_size or getattr(model, "batch_size", None) or n
     if norm == "chunk" and order is None:
