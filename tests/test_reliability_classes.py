@@ -303,3 +303,16 @@ def test_a_second_resume_of_a_running_run_is_refused(tmp_path, capsys):
     assert len(err) == 1 and "another training is running in" in err[0], err
     assert (run / "metrics.csv").read_text() == metrics and sorted(p.name for p in run.rglob("*")) == before
     assert main(["train", "--resume", str(run), "--total-timesteps", "512"]) == 0  # released: it resumes
+
+
+def test_an_atomic_write_leaves_the_permissions_an_ordinary_write_gives(tmp_path):
+    """mkstemp creates owner-only files: the output must not stay 0600 in a shared run folder."""
+    import os
+
+    from rlinfluence.rundir import atomic_write
+
+    ordinary = tmp_path / "ordinary.txt"
+    ordinary.write_text("x")
+    atomic = tmp_path / "atomic.txt"
+    atomic_write(atomic, lambda p: p.write_text("x"))
+    assert os.stat(atomic).st_mode & 0o777 == os.stat(ordinary).st_mode & 0o777

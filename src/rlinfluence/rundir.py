@@ -103,6 +103,16 @@ def run_lock(path: Path, what: str) -> Iterator[None]:
         os.close(fd)
 
 
+def _process_umask() -> int:
+    """The process's umask (read by setting it and setting it back: there is no getter)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _process_umask()
+
+
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """Call ``write(tmp)`` on a temporary sibling of ``path``, fsync it, then rename it onto
     ``path``; an ``OSError`` (full disk, read-only folder) is a ``UserError`` naming ``path``.
@@ -110,7 +120,9 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     The temporary file is created exclusively under an unpredictable name (``mkstemp``), so a
     link planted at a predictable name cannot redirect the write, and the rename replaces a link
     at ``path`` rather than writing through it; a folder that is a link (``audit/`` planted to
-    point elsewhere) is refused."""
+    point elsewhere) is refused. The file ends with the permissions an ordinary write would give it
+    (0666 less the umask), not ``mkstemp``'s owner-only 0600, so that a shared run folder stays
+    readable."""
     path = Path(path)
     if path.parent.is_symlink():
         raise UserError(f"cannot write {str(path)!r}: its folder is a link ({str(path.parent)!r} -> "
@@ -124,6 +136,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     try:
         write(tmp)
         _fsync(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
         if os.name == "posix":  # the rename itself (Windows cannot open a folder to fsync it)
             _fsync(path.parent)
