@@ -476,3 +476,20 @@ def test_attribute_refuses_a_buffer_the_policy_no_longer_collects():
     with pytest.raises(ValueError, match="not the one that collected this rollout buffer"):
         attribute(model)
     assert attribute(model, check_policy=False).shape == (96,)
+
+
+def test_the_audit_callback_refuses_a_fractional_env_and_a_folder_another_training_wrote(tmp_path):
+    """corrupted_envs=[1.7] is not env 1; a second training into a folder that holds the first's
+    rounds would make the audit mix the two: both are one clear error."""
+    from rlinfluence.integrations.sb3 import AuditCallback
+
+    with pytest.raises(ValueError, match="corrupted_envs holds 1.7"):
+        AuditCallback(tmp_path, corrupted_envs=[1.7])
+    first = make_model("CartPole-v1", n_envs=2, n_steps=48)
+    callback = AuditCallback(tmp_path)
+    first.learn(96, callback=callback)
+    first.learn(96, callback=callback, reset_num_timesteps=False)  # the same training, continued
+    assert len(list((tmp_path / "audit" / "scores").glob("round_*.parquet"))) == 2  # one rollout each
+    second = make_model("CartPole-v1", n_envs=2, n_steps=48)
+    with pytest.raises(ValueError, match="from another training"):
+        second.learn(96, callback=AuditCallback(tmp_path))

@@ -46,6 +46,7 @@ stable-baselines3 is optional; this module needs it (``pip install "rlinfluence[
 
 from __future__ import annotations
 
+import numbers
 import time
 import warnings
 import zlib
@@ -567,6 +568,9 @@ class AuditCallback(BaseCallback):
             raise ValueError(f"unknown scorer {unknown[0] if unknown else None!r} for SB3 rollouts "
                              f"(choose from {', '.join(AUDIT_SCORERS)})")
         self.folder = Path(path) / "audit" / "scores"
+        not_index = [e for e in corrupted_envs if isinstance(e, bool) or not isinstance(e, numbers.Integral)]
+        if not_index:
+            raise ValueError(f"corrupted_envs holds {not_index[0]!r}: vec env indices are integers")
         self.scorers, self.corrupted_envs = tuple(scorers), tuple(int(e) for e in corrupted_envs)
         self.rounds = 0
         self._episodes: np.ndarray | None = None  # per env: episodes started so far
@@ -576,6 +580,12 @@ class AuditCallback(BaseCallback):
         bad = [e for e in self.corrupted_envs if not 0 <= e < n_envs]
         if bad:
             raise ValueError(f"corrupted_envs holds {bad[0]}, not a vec env index of this model (0..{n_envs - 1})")
+        # rounds this callback did not write (another training into the same folder) would be audited with its own
+        others = sorted(f.name for f in self.folder.glob("round_*.parquet")
+                        if not f.stem.removeprefix("round_").isdigit() or int(f.stem.removeprefix("round_")) >= self.rounds)
+        if others:
+            raise ValueError(f"{str(self.folder)!r} already holds {others[0]} from another training: an audit would mix "
+                             "the two; give this training its own path")
         self.folder.mkdir(parents=True, exist_ok=True)
 
     def _on_step(self) -> bool:
