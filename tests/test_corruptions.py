@@ -112,6 +112,9 @@ def test_corruptions_combine_and_a_spec_prints_as_parsed():
     (["--corrupt", "reward-flip:envs=1", "--n-envs", "1"], "it needs --n-envs > 1 (got 1)"),
     (["--trusted-envs", "4"], "trusted_envs must be in [0, n_envs - 1]"),
     (["--scoring-target", "trusted"], "scoring_target trusted needs trusted_envs >= 1"),
+    (["--scoring-target", "trusted", "--trusted-envs", "1"], "--filter none scores nothing against it"),
+    (["--optimizer", "sgd", "--scoring-target", "trusted", "--trusted-envs", "1", "--filter", "dtv"],
+     "--filter dtv scores nothing against it"),
     (["--corrupt", "stale:frac=0.1,lag=1"], "rounds to 0 envs"),
     (["--corrupt", "stale:frac=0.5,lag=0"], "lag must be >= 1, got 0"),
 ])

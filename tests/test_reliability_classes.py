@@ -316,3 +316,15 @@ def test_an_atomic_write_leaves_the_permissions_an_ordinary_write_gives(tmp_path
     atomic = tmp_path / "atomic.txt"
     atomic_write(atomic, lambda p: p.write_text("x"))
     assert os.stat(atomic).st_mode & 0o777 == os.stat(ordinary).st_mode & 0o777
+
+
+def test_the_python_api_refuses_a_choice_the_command_line_would():
+    """tyro checks a Literal option on the command line; PPOConfig built in Python must too."""
+    import pytest
+
+    from rlinfluence.errors import UserError
+    from rlinfluence.ppo import PPO, PPOConfig
+
+    for field, value in (("optimizer", "rmsprop"), ("scoring_target", "Trusted"), ("vec_env", "threads")):
+        with pytest.raises(UserError, match=f"{field} must be one of"):
+            PPO(PPOConfig(env="CartPole-v1", **{field: value}), run_dir=False)

@@ -217,6 +217,13 @@ class PPOConfig:
         return [f"iif-robust sets {key}={robust}, got {key}={getattr(self, key)}" for key, robust in ROBUST_IIF.items()
                 if getattr(self, key) not in (defaults[key], robust)]
 
+    def check_filter_options(self) -> None:
+        """``UserError`` for an option the configured filter ignores (a filter object given to the
+        trainer reads what it wants, so only the trainer's own filter is checked)."""
+        if self.scoring_target == "trusted" and self.filter not in ("iif", "random"):
+            raise UserError(f"scoring_target trusted sets the return target of iif (and random's matched count); "
+                            f"--filter {self.filter} scores nothing against it")
+
     @classmethod
     def for_env(cls, env: str, **overrides: Any) -> PPOConfig:
         """The paper's preset for ``env`` (if it has one), then ``overrides``; with
@@ -244,6 +251,9 @@ class PPOConfig:
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise UserError(f"{f.name} must be a finite number, got {value}")
+            choices = literal_choices(FIELD_TYPES[f.name])  # the Python API, where tyro checked nothing
+            if choices and value not in choices:
+                raise UserError(f"{f.name} must be one of {', '.join(map(str, choices))}, got {value!r}")
         positive_ints = ("total_timesteps", "n_envs", "n_steps", "batch_size", "n_epochs",
                          "eval_envs", "torch_threads")
         for name in positive_ints:
@@ -350,6 +360,14 @@ class PPOConfig:
 
 
 FIELD_TYPES: dict[str, Any] = typing.get_type_hints(PPOConfig)
+
+
+def literal_choices(annotation: Any) -> tuple[Any, ...]:
+    """The values a field typed ``Literal[...]`` (possibly ``Annotated``) may take; () for any
+    other type (a union with a Literal, as ``float | Literal["auto"]``, is checked by its own rule)."""
+    while typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return typing.get_args(annotation) if typing.get_origin(annotation) is Literal else ()
 
 ROBUST_IIF: dict[str, Any] = {"drop_pct": "auto"}
 """What ``--filter iif-robust`` sets on top of iif: the option that did best against tuned PPO

@@ -92,6 +92,8 @@ class PPO:
         run_dir: str | Path | RunDirectory | None | Literal[False] = None,
     ):
         config.validate()
+        if filter is None:
+            config.check_filter_options()
         self.config = config
         self.filter = filter if filter is not None else make_filter(
             config.filter, drop_pct=config.drop_pct, seed=derived_seed(config.seed, 0, 2),
