@@ -328,3 +328,28 @@ def test_the_python_api_refuses_a_choice_the_command_line_would():
     for field, value in (("optimizer", "rmsprop"), ("scoring_target", "Trusted"), ("vec_env", "threads")):
         with pytest.raises(UserError, match=f"{field} must be one of"):
             PPO(PPOConfig(env="CartPole-v1", **{field: value}), run_dir=False)
+
+
+def test_a_checkpoint_of_another_format_and_an_rlhf_config_with_an_unknown_choice_are_refused(tmp_path):
+    """A checkpoint written by a newer layout is refused before anything is restored, not loaded
+    in part; a resumed LM config.json with "algo": "bogus" does not train."""
+    import pytest
+    import torch
+
+    from rlinfluence.errors import UserError
+    from rlinfluence.ppo import PPO, PPOConfig
+    from rlinfluence.rlhf.config import RLHFConfig
+    from rlinfluence.rundir import CheckpointError
+
+    trainer = PPO(PPOConfig(env="CartPole-v1", n_steps=64, batch_size=64, total_timesteps=64, eval_episodes=0,
+                            progress=False), run_dir=False)
+    path = tmp_path / "model.pt"
+    trainer.save(path)
+    assert PPO.load(path).round == 0
+    state = torch.load(path, weights_only=True)
+    torch.save({**state, "format": "rlinfluence-ppo-v9"}, path)
+    with pytest.raises(CheckpointError, match="checkpoint format 'rlinfluence-ppo-v9'"):
+        PPO.load(path)
+    for field, value in (("algo", "bogus"), ("filter", "bogus")):
+        with pytest.raises(UserError, match=f"{field} must be one of"):
+            RLHFConfig(**{field: value}).validate()

@@ -511,7 +511,7 @@ class PPO:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue training; loadable with ``torch.load(weights_only=True)``."""
         return {
-            "format": "rlinfluence-ppo-v1",
+            "format": restore.CHECKPOINT_FORMAT,
             "env": self.config.env,
             "round": self.round,
             "env_steps": self.env_steps,

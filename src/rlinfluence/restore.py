@@ -25,10 +25,16 @@ if TYPE_CHECKING:
     from rlinfluence.ppo import PPO
 
 STATE_KEYS = ("round", "env_steps", "train_seconds", "policy", "optimizer", "generator")
+CHECKPOINT_FORMAT = "rlinfluence-ppo-v1"
+"""The layout of ``PPO.state_dict`` this version writes and reads (a checkpoint without the key
+predates it and is read as this one); another is refused rather than half-restored."""
 
 
 def check_state(state: dict[str, Any], source: str) -> None:
     """``CheckpointError`` if ``state`` lacks an entry of ``PPO.state_dict`` or one is malformed."""
+    if state.get("format", CHECKPOINT_FORMAT) != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{source} has checkpoint format {state.get('format')!r}; this version of rlinfluence "
+                              f"reads format {CHECKPOINT_FORMAT} (upgrade rlinfluence to load it)")
     missing = [key for key in STATE_KEYS if key not in state]
     if missing:
         raise CheckpointError(f"{source} lacks {', '.join(missing)} (not a PPO checkpoint)")

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import tyro
 
-from rlinfluence.config import check_drop_pct, check_plain_name
+from rlinfluence.config import check_drop_pct, check_plain_name, literal_choices
 from rlinfluence.errors import UserError
 from rlinfluence.helptext import StatedDefault
 
@@ -165,6 +166,11 @@ class RLHFConfig:
 
     def validate(self) -> None:
         """``UserError`` naming the first invalid value."""
+        hints = typing.get_type_hints(RLHFConfig)
+        for f in dataclasses.fields(self):  # a resumed config.json or the Python API: tyro checked nothing
+            choices = literal_choices(hints[f.name])
+            if choices and getattr(self, f.name) not in choices:
+                raise UserError(f"{f.name} must be one of {', '.join(map(str, choices))}, got {getattr(self, f.name)!r}")
         for name in ("rounds", "prompts_per_round", "response_length", "val_prompts", "test_prompts",
                      "ppo_epochs", "mini_batch_size", "lora_r", "records_per_pass", "torch_threads"):
             value = getattr(self, name)
