@@ -168,6 +168,9 @@ def test_a_stray_corrupt_tuning_table_is_one_line(capsys, compare_folder, tmp_pa
 def test_intervene_refuses_a_run_listed_twice_and_diagnose_a_negative_top(capsys, run_copy):
     assert_refused(capsys, ["intervene", run_copy, run_copy], "twice")
     assert_refused(capsys, ["intervene", run_copy, str(run_copy) + "/"], "twice")
+    namesake = run_copy.parent / "elsewhere" / run_copy.name  # another run, the same folder name
+    shutil.copytree(run_copy, namesake)
+    assert_refused(capsys, ["intervene", run_copy, namesake], "share the folder name")
     assert_refused(capsys, ["diagnose", run_copy, "--round", "1", "--top", "-1"], "--top must be >= 1")
 
 

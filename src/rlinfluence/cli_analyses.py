@@ -320,6 +320,11 @@ def intervene(a: InterveneArgs) -> int:
     repeated = next((r for r in a.run_dirs if [Path(x).resolve() for x in a.run_dirs].count(Path(r).resolve()) > 1), None)
     if repeated is not None:
         raise UserError(f"intervene lists {repeated!r} twice: every run would be counted twice")
+    names = [Path(r).resolve().name for r in a.run_dirs]
+    shared = next((r for r, name in zip(a.run_dirs, names, strict=True) if names.count(name) > 1), None)
+    if shared is not None:
+        raise UserError(f"two runs share the folder name {Path(shared).resolve().name!r} ({shared!r} and another): "
+                        "the results name each run by its folder, so they would be reported as one; rename one")
     if a.out:
         check_output_dir(a.out)
     for run_dir in a.run_dirs:
