@@ -356,3 +356,18 @@ def test_a_checkpoint_of_another_format_and_an_rlhf_config_with_an_unknown_choic
     for field, value in (("algo", "bogus"), ("filter", "bogus")):
         with pytest.raises(UserError, match=f"{field} must be one of"):
             RLHFConfig(**{field: value}).validate()
+
+
+def test_a_stray_copy_in_buffers_is_not_a_round(capsys, run_copy):
+    """`round_0001 (copy).safetensors` beside the saved rounds: attribute, report and audit read
+    the rounds and leave the copy out, instead of a traceback from parsing its name."""
+    import shutil
+
+    from rlinfluence import cli
+    from rlinfluence.rundir import RunDirectory
+
+    buffers = run_copy / "buffers"
+    shutil.copy(buffers / "round_0001.safetensors", buffers / "round_0001 (copy).safetensors")
+    assert RunDirectory.open_existing(run_copy, tensorboard=False).saved_buffer_rounds() == [0, 1]
+    assert cli.main(["attribute", str(run_copy), "--round", "9"]) == 2
+    assert "saved rounds: 0..1" in capsys.readouterr().err

@@ -26,6 +26,7 @@ import csv
 import io
 import json
 import os
+import re
 import secrets
 import tempfile
 import time
@@ -187,6 +188,15 @@ def check_output_dir(path: str | Path, flag: str = "--out") -> Path:
 
 def round_name(round_index: int) -> str:
     return f"round_{round_index:04d}"
+
+
+_ROUND_FILE = re.compile(r"round_(\d+)")
+
+
+def saved_round_numbers(folder: Path, suffix: str) -> list[int]:
+    """The k of every ``folder/round_<k><suffix>``, sorted; other files (copies, strays) are left out."""
+    found = (_ROUND_FILE.fullmatch(p.name[: -len(suffix)]) for p in folder.glob(f"round_*{suffix}"))
+    return sorted(int(m.group(1)) for m in found if m)
 
 
 class RunDirectory:
@@ -393,12 +403,17 @@ class RunDirectory:
         atomic_write(path, lambda p: save_file(tensors, str(p)))
         return path
 
+    def saved_buffer_rounds(self) -> list[int]:
+        """The rounds whose buffer is saved (``buffers/round_NNNN.safetensors``), in order; a file
+        named otherwise (a copy, ``round_0001 (copy).safetensors``) is not a round and is left out."""
+        return saved_round_numbers(self.path / "buffers", ".safetensors")
+
     def load_buffer(self, round_index: int) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         path = self.buffer_path(round_index)
         if not path.is_file():
-            saved = sorted(int(p.stem.split("_")[1]) for p in (self.path / "buffers").glob("round_*.safetensors"))
+            saved = self.saved_buffer_rounds()
             hint = f"saved rounds: {saved[0]}..{saved[-1]}" if saved else "train with --save-buffers"
             raise UserError(f"no saved buffer for round {round_index} in {str(self.path)!r} ({hint})")
         try:

@@ -66,6 +66,7 @@ from rlinfluence.consistency import (
 from rlinfluence.errors import UserError
 from rlinfluence.filters import FilterContext, InfluenceScorer
 from rlinfluence.influence import ReturnTarget, ZeroTargetGradient, gradient_alignment
+from rlinfluence.rundir import saved_round_numbers
 from rlinfluence.seeding import derived_seed
 from rlinfluence.sources import (  # noqa: F401
     MIN_EPISODES,
@@ -316,7 +317,7 @@ HARM_TABLE_COLUMNS = ("round", "source", "episode", "step", "trusted")
 
 
 def _saved_rounds(run_dir: Path) -> list[int]:
-    return sorted(int(p.stem.split("_")[1]) for p in (run_dir / "buffers").glob("round_*.safetensors"))
+    return saved_round_numbers(run_dir / "buffers", ".safetensors")
 
 
 def round_harm_table(run_dir: str | Path, round_index: int, scorers: Sequence[str]) -> pd.DataFrame:

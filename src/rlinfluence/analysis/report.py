@@ -146,8 +146,7 @@ def influence_section(run_dir: str | Path, n_rounds: int = 6, advantage_norm: st
 def saved_rounds(run: RunDirectory) -> list[int]:
     """Rounds k whose buffer and theta(k) checkpoint are both saved."""
     found = []
-    for path in sorted((run.path / "buffers").glob("round_*.safetensors")):
-        k = int(path.stem.split("_")[1])
+    for k in run.saved_buffer_rounds():
         if run.checkpoint_path(k).is_file():
             found.append(k)
     return found
