@@ -371,3 +371,9 @@ def test_a_stray_copy_in_buffers_is_not_a_round(capsys, run_copy):
     assert RunDirectory.open_existing(run_copy, tensorboard=False).saved_buffer_rounds() == [0, 1]
     assert cli.main(["attribute", str(run_copy), "--round", "9"]) == 2
     assert "saved rounds: 0..1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("folder", ["audit", "analyses"])
+def test_an_output_folder_that_is_a_file_is_refused_before_the_scoring(capsys, run_copy, folder):
+    (run_copy / folder).write_text("not a folder")
+    assert_refused(capsys, ["audit", run_copy], f"{folder}' is a file")

@@ -184,12 +184,16 @@ class DiagnoseArgs:
     """also write RUN_DIR/analyses/diagnosis_round_K.html"""
 
 
-def _check_writes_into(run_dir: str) -> None:
-    """``UserError`` before any work if an analysis could not write its results into ``run_dir``
-    (and its analyses folder): a read-only run would otherwise fail after all the computing."""
+def _check_writes_into(run_dir: str, *subfolders: str) -> None:
+    """``UserError`` before any work if an analysis could not write its results into ``run_dir``,
+    its analyses folder or its own ``subfolders`` (``audit``): one that is not writable, or is a
+    file or a link where the folder goes, would otherwise fail after all the computing."""
     from rlinfluence.analysis.report import ANALYSES_DIR
 
-    for folder in (Path(run_dir), Path(run_dir) / ANALYSES_DIR):
+    for folder in (Path(run_dir), *(Path(run_dir) / name for name in (ANALYSES_DIR, *subfolders))):
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            raise UserError(f"{str(folder)!r} is a {'link' if folder.is_symlink() else 'file'}: the analysis writes "
+                            "its results into a real folder there")
         if folder.is_dir() and not os.access(folder, os.W_OK):
             raise UserError(f"{str(folder)!r} is not writable: the analysis writes its results there")
 

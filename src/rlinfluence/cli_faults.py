@@ -69,7 +69,7 @@ def audit(a: AuditArgs) -> int:
     )
     from rlinfluence.analysis.report import ANALYSES_DIR, save_section
 
-    _check_writes_into(a.run_dir)
+    _check_writes_into(a.run_dir, "audit")
     sources, found, table = audit_run(a.run_dir, a.rounds, a.scorer, a.alpha, a.permutations, a.seed, a.workers,
                                       a.ray_address)
     folder = Path(a.run_dir) / "audit"
