@@ -448,14 +448,14 @@ def test_audit_of_an_sb3_run_flags_the_flipped_env_and_no_env_of_clean_runs(tmp_
     assert (np.diff(first["episode"].to_numpy().reshape(4, 64), axis=1) >= 0).all()  # episodes counted per env
     assert cli.main(["audit", str(tmp_path / "flip"), "--scorer", "negative-advantage", "--by", "episode"]) == 0
     out = capsys.readouterr().out
-    sources = pd.read_csv(tmp_path / "flip" / "audit" / "sources.csv")
+    sources = pd.read_csv(tmp_path / "flip" / "audit" / "sources_negative-advantage.csv")
     assert sources["flagged"].tolist() == [False, True, False, False], out
     assert (tmp_path / "flip" / "audit" / "detection.csv").is_file() and "the 10 most harmful episodes" in out
     for seed in (4, 5):
         _audited_cartpole(tmp_path / f"clean{seed}", seed=seed)
         for scorer in ("influence", "negative-advantage"):
             assert cli.main(["audit", str(tmp_path / f"clean{seed}"), "--scorer", scorer]) == 0
-            assert not pd.read_csv(tmp_path / f"clean{seed}" / "audit" / "sources.csv")["flagged"].any()
+            assert not pd.read_csv(tmp_path / f"clean{seed}" / "audit" / f"sources_{scorer}.csv")["flagged"].any()
 
 
 def test_the_audit_callback_leaves_sb3_training_unchanged(tmp_path):

@@ -75,8 +75,10 @@ def audit(a: AuditArgs) -> int:
     folder = Path(a.run_dir) / "audit"
     folder.mkdir(exist_ok=True)
     section = audit_section(sources, found, a.alpha)
-    atomic_write(folder / "sources.csv", lambda p: sources.to_csv(p, index=False))
-    atomic_write(folder / "sources.png", lambda p: p.write_bytes(section.figures["sources"][0]))
+    # the verdict's table, or one scorer's beside it (named by the scorer: neither overwrites the other)
+    stem = "sources" if a.scorer is None else f"sources_{a.scorer}"
+    atomic_write(folder / f"{stem}.csv", lambda p: sources.to_csv(p, index=False))
+    atomic_write(folder / f"{stem}.png", lambda p: p.write_bytes(section.figures["sources"][0]))
     save_section(Path(a.run_dir) / ANALYSES_DIR, section)  # `rlinfluence report` shows it
     flagged = sources[sources["flagged"]]["source"].tolist()
     if is_verdict(sources):
@@ -90,7 +92,7 @@ def audit(a: AuditArgs) -> int:
     else:
         print(sources.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
         print(f"flagged (Holm-adjusted p < {a.alpha}): {', '.join(f'source {s}' for s in flagged) or 'none'}")
-    written = ["sources.csv", "sources.png"]
+    written = [f"{stem}.csv", f"{stem}.png"]
     if len(found):
         atomic_write(folder / "detection.csv", lambda p: found.to_csv(p, index=False))
         written.append("detection.csv")
