@@ -1,6 +1,7 @@
 """Numbers a reviewer would sign: censoring, pairing, reproducible intervals, held-out episodes."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -201,3 +202,17 @@ def test_a_reference_that_did_not_improve_leaves_80_percent_undefined_everywhere
     defined = robust_cells({**row, "verdict80": "faster", "reached80_n": 1}, "ppo")
     assert defined[1] == "1/2" and defined[2].startswith(">= ") and "raw" not in defined[5]
     assert "2 seed pairs" in few_seeds_note(2) and few_seeds_note(5) == ""
+
+
+def test_a_censored_ratio_of_rounds_reads_as_a_bound():
+    """A method that never reached 80% on some seeds counts rounds + 1 there: its ratio is a lower
+    bound, and the reading says "at least"; a censored reference makes it "at most"."""
+    from rlinfluence.experiments.comparison import censoring_bound, reading_lines
+
+    assert [censoring_bound(*x) for x in ((2, 2, 2), (0, 2, 2), (2, 1, 2), (1, 1, 2))] == \
+        ["", "at least ", "at most ", "roughly "]
+    common = {"seeds": 2, "log_ratio80": math.log(1 / 1.8), "log_ratio80_lo": float("nan"),
+              "log_ratio80_hi": float("nan"), "poi_auc": 0.0}
+    rows = [{"method": "ppo", "reached80_n": 2, "verdict80": "reference", **common},
+            {"method": "iif", "reached80_n": 0, "verdict80": "reaches it on fewer seeds", **common}]
+    assert "needs at least 1.80x ppo's rounds" in reading_lines(rows, "ppo")[0]

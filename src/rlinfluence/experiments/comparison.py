@@ -577,6 +577,16 @@ def robust_note(reference: str, reps: int, n_seeds: int) -> list[str]:
     ]
 
 
+def censoring_bound(reached: int, reference_reached: int, seeds: int) -> str:
+    """How a ratio of rounds reads when some runs never got there (counted as rounds + 1, fewer
+    than they would need): the method's censored runs make its ratio a lower bound ("at least "),
+    the reference's an upper one ("at most "), both a figure that bounds nothing ("roughly ")."""
+    method_censored, reference_censored = reached < seeds, reference_reached < seeds
+    if method_censored and reference_censored:
+        return "roughly "
+    return "at least " if method_censored else "at most " if reference_censored else ""
+
+
 def reading_lines(rows: Sequence[dict[str, Any]], reference: str) -> list[str]:
     """One sentence per method against ``reference``, from its row's figures and verdict."""
     ref = next(r for r in rows if r["method"] == reference)
@@ -592,7 +602,8 @@ def reading_lines(rows: Sequence[dict[str, Any]], reference: str) -> list[str]:
             continue
         rounds = [math.exp(-r[k]) for k in ("log_ratio80", "log_ratio80_hi", "log_ratio80_lo")]
         interval = f", 95% interval [{rounds[1]:.2f}x, {rounds[2]:.2f}x]" if not math.isnan(rounds[1]) else ""
-        out.append(f"{r['method']}: {phrase.get(r['verdict80'], r['verdict80'])}: needs {rounds[0]:.2f}x "
+        out.append(f"{r['method']}: {phrase.get(r['verdict80'], r['verdict80'])}: needs "
+                   f"{censoring_bound(r['reached80_n'], ref['reached80_n'], r['seeds'])}{rounds[0]:.2f}x "
                    f"{reference}'s rounds (geometric mean over seeds{interval}; reached on {r['reached80_n']}/"
                    f"{r['seeds']} seeds, {reference} {ref['reached80_n']}/{r['seeds']}); paired P(auc > {reference}) "
                    f"{r['poi_auc']:.2f}.")
