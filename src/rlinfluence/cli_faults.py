@@ -46,13 +46,15 @@ class AuditArgs:
     alpha: float = 0.01
     """family-wise error rate of the flags across the sources"""
     permutations: int = 2000
-    """permutation draws of the --scorer test where it is not exact (the verdict's test has none)"""
+    """permutation draws of the --scorer test where it is not exact (the verdict's maxT draws 10,000)"""
     seed: int = 0
     """seed of the --scorer test's permutations and bootstrap intervals"""
     workers: int = 1
     """local worker processes, each scoring one saved round at a time (the same tables as 1)"""
     ray_address: str | None = None
     """score the saved rounds as Ray tasks on this cluster (auto or HOST:PORT) instead"""
+    progress: bool = True
+    """show the scoring's progress on stderr (a line per round when not on a terminal)"""
 
 
 def audit(a: AuditArgs) -> int:
@@ -71,7 +73,7 @@ def audit(a: AuditArgs) -> int:
 
     _check_writes_into(a.run_dir, "audit")
     sources, found, table = audit_run(a.run_dir, a.rounds, a.scorer, a.alpha, a.permutations, a.seed, a.workers,
-                                      a.ray_address)
+                                      a.ray_address, progress=a.progress)
     folder = Path(a.run_dir) / "audit"
     folder.mkdir(exist_ok=True)
     section = audit_section(sources, found, a.alpha)

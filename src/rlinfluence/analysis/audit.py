@@ -66,6 +66,7 @@ from rlinfluence.consistency import (
 from rlinfluence.errors import UserError
 from rlinfluence.filters import FilterContext, InfluenceScorer
 from rlinfluence.influence import ReturnTarget, ZeroTargetGradient, gradient_alignment
+from rlinfluence.progress import progress_bar
 from rlinfluence.rundir import saved_round_numbers
 from rlinfluence.seeding import derived_seed
 from rlinfluence.sources import (  # noqa: F401
@@ -329,7 +330,7 @@ def round_harm_table(run_dir: str | Path, round_index: int, scorers: Sequence[st
 
 
 def _scored_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None, workers: int,
-                   ray_address: str | None) -> tuple[pd.DataFrame, list[str], str | None]:
+                   ray_address: str | None, progress: bool = False) -> tuple[pd.DataFrame, list[str], str | None]:
     """A run trained with ``--save-buffers``: its saved rounds scored now, by every scorer and check
     for the verdict (``scorer`` None) or where the run has ground truth (for the detection table),
     else by the test's alone; one round per
@@ -347,7 +348,10 @@ def _scored_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None, wor
     if absent:
         raise UserError(f"round {absent[0]} of {str(run_dir)!r} is not saved (saved: {saved[0]}..{saved[-1]})")
     scorers = available if config.get("corrupt") or scorer is None else [scorer]
-    tables = run_calls(round_harm_table, [(run_dir, k, scorers) for k in rounds or saved], workers, ray_address)
+    todo = list(rounds or saved)
+    with progress_bar(progress, f"audit: scoring {len(todo)} saved rounds", len(todo)) as advance:
+        tables = run_calls(round_harm_table, [(run_dir, k, scorers) for k in todo], workers, ray_address,
+                           on_done=lambda table: advance(f"round {int(table['round'].iloc[0])}"))
     return pd.concat(tables, ignore_index=True), scorers, scorer
 
 
@@ -408,13 +412,13 @@ def _written_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None
 
 def audit_run(run_dir: str | Path, rounds: Sequence[int] = (), scorer: str | None = None,
               alpha: float = 0.01, permutations: int = 2000, seed: int = 0, workers: int = 1,
-              ray_address: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+              ray_address: str | None = None, progress: bool = False) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(sources, detection, harm table) of a run's rounds (default: all).
 
     The harm table comes from the run's saved rounds (``--save-buffers``), scored one round per
     job in this process (``workers`` 1), in ``workers`` local processes or as Ray tasks on
     ``ray_address``, the same table whichever ran them; or from the tables written during
-    training (``SCORES_DIR``). sources: the verdict over every family (``verdict_table``), or with
+    training (``SCORES_DIR``); ``progress``: a line per round scored. sources: the verdict over every family (``verdict_table``), or with
     ``scorer`` named, ``sources_table`` by that scorer alone. detection: every scorer at every
     level per round (``detection``), where the run has ground truth (``--corrupt``, or a
     ``corrupted`` column); else empty."""
@@ -428,7 +432,7 @@ def audit_run(run_dir: str | Path, rounds: Sequence[int] = (), scorer: str | Non
     check_executor(workers, ray_address)
     run_dir = Path(run_dir)
     if _saved_rounds(run_dir):
-        table, scorers, scorer = _scored_rounds(run_dir, list(rounds), scorer, workers, ray_address)
+        table, scorers, scorer = _scored_rounds(run_dir, list(rounds), scorer, workers, ray_address, progress)
     else:  # read, not scored: nothing to distribute
         table, scorers, scorer = _written_rounds(run_dir, list(rounds), scorer)
     found = detection(table, scorers) if "corrupted" in table else \
