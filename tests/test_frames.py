@@ -139,3 +139,15 @@ def test_rlhf_report_shows_kept_and_dropped_completions_side_by_side(tmp_path):
     assert f"kept: {n_kept} of 6" in side_by_side and f"dropped: {6 - n_kept} of 6" in side_by_side
     assert side_by_side.count("<tr>") == 2 + 6  # two header rows, every completion once
     assert str(completions["prompt"].iloc[0]) in side_by_side
+
+
+def test_rendering_frames_is_left_out_of_the_training_clocks(cartpole_run):
+    """--save-frames renders every step; that time is logged as frames_seconds and not counted in
+    train_seconds (the clock the speed comparisons read)."""
+    import pandas as pd
+
+    metrics = pd.read_csv(cartpole_run / "metrics.csv")
+    assert (metrics["frames_seconds"] > 0).all()
+    rounds = metrics["train_seconds"].diff().fillna(metrics["train_seconds"])
+    stages = metrics[["collect_seconds", "filter_seconds", "update_seconds"]].sum(axis=1)
+    assert ((rounds - stages).abs() < 0.05).all()  # training = the stages, rendering excluded

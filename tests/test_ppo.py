@@ -10,7 +10,7 @@ from rlinfluence.rundir import load_checkpoint
 from .conftest import tiny_config
 
 WALL_CLOCK = ("train_seconds", "train_cpu_seconds", "collect_seconds", "filter_seconds", "update_seconds",
-              "eval_seconds", "steps_per_second")
+              "eval_seconds", "steps_per_second", "frames_seconds")
 
 
 def _metrics(run_dir):

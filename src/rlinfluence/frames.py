@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -75,14 +76,19 @@ class FrameRecorder:
         # (the "dummy" driver would be silent too, but highway-env then renders black frames)
         os.environ.setdefault("SDL_VIDEODRIVER", "offscreen")
         self._frames: np.ndarray | None = None
+        # the time spent rendering: not training, so the trainer leaves it out of its clocks
+        self.seconds, self.cpu_seconds = 0.0, 0.0
 
     def capture(self, step: int, envs: gym.vector.VectorEnv) -> None:
         """Render every env of the vector env ``envs`` (built with ``render_mode="rgb_array"``)
         as the frames of ``step``."""
+        start, cpu = time.perf_counter(), time.process_time()
         frames = [downscale(np.asarray(f)) for f in envs.render()]
         if self._frames is None:
             self._frames = np.zeros((self.n_steps, self.n_envs, *frames[0].shape), dtype=np.uint8)
         self._frames[step] = np.stack(frames)
+        self.seconds += time.perf_counter() - start
+        self.cpu_seconds += time.process_time() - cpu
 
     def flat(self) -> np.ndarray:
         """The frames ``[N, H, W, 3]`` in flat (env-major) order."""

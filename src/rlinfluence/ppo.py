@@ -195,6 +195,7 @@ class PPO:
         """One round: collect -> advantages -> filter -> update -> evaluate -> log."""
         cfg = self.config
         t0, cpu0 = time.perf_counter(), time.process_time()
+        self.last_frames = None
         buffer = self.collect()
         buffer.compute_advantages(cfg.gamma, cfg.gae_lambda)
         validation = None
@@ -212,8 +213,11 @@ class PPO:
         update_stats = self.update(buffer, keep, context.sample_weights, lr_scale=step_scale)
         self._check_weights(buffer.round)
         t3 = time.perf_counter()
-        self.train_seconds += t3 - t0
-        self.train_cpu_seconds += time.process_time() - cpu0
+        # rendering --save-frames is not training: out of both clocks
+        frames_seconds, frames_cpu = (self.last_frames.seconds, self.last_frames.cpu_seconds) \
+            if self.last_frames is not None else (0.0, 0.0)
+        self.train_seconds += t3 - t0 - frames_seconds
+        self.train_cpu_seconds += time.process_time() - cpu0 - frames_cpu
 
         eval_returns = self.evaluate()
         t4 = time.perf_counter()
@@ -224,11 +228,12 @@ class PPO:
             "validation_env_steps": self.validation_env_steps,
             "train_seconds": self.train_seconds,
             "train_cpu_seconds": self.train_cpu_seconds,
-            "collect_seconds": t1 - t0,
+            "collect_seconds": t1 - t0 - frames_seconds,
+            "frames_seconds": frames_seconds,
             "filter_seconds": t2 - t1,
             "update_seconds": t3 - t2,
             "eval_seconds": t4 - t3,
-            "steps_per_second": len(buffer) / (t3 - t0),
+            "steps_per_second": len(buffer) / (t3 - t0 - frames_seconds),
             "eval_return_mean": float(eval_returns.mean()) if eval_returns.size else float("nan"),
             "eval_return_std": float(eval_returns.std()) if eval_returns.size else float("nan"),
             "train_return_mean": float(np.mean(self.stream.finished_returns)) if self.stream.finished_returns else float("nan"),
