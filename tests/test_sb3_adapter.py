@@ -451,6 +451,8 @@ def test_audit_of_an_sb3_run_flags_the_flipped_env_and_no_env_of_clean_runs(tmp_
     sources = pd.read_csv(tmp_path / "flip" / "audit" / "sources_negative-advantage.csv")
     assert sources["flagged"].tolist() == [False, True, False, False], out
     assert (tmp_path / "flip" / "audit" / "detection.csv").is_file() and "the 10 most harmful episodes" in out
+    assert cli.main(["report", str(tmp_path / "flip")]) == 0  # no run of our trainer: a report of its audit
+    assert "Audit" in (tmp_path / "flip" / "report.html").read_text()
     for seed in (4, 5):
         _audited_cartpole(tmp_path / f"clean{seed}", seed=seed)
         for scorer in ("influence", "negative-advantage"):

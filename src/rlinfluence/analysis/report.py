@@ -153,7 +153,16 @@ def saved_rounds(run: RunDirectory) -> list[int]:
 
 
 def build_report(run_dir: str | Path, out: str | Path | None = None, score_rounds: int = 6) -> tuple[Path, list[Section]]:
-    """Write the run's report (default ``RUN_DIR/report.html``); returns its path and sections."""
+    """Write the run's report (default ``RUN_DIR/report.html``); returns its path and sections. A
+    folder that is no run of our trainer but holds saved analyses (a Stable-Baselines3 run's
+    ``audit`` written by ``AuditCallback`` and ``rlinfluence audit``) gets a report of those."""
+    folder = Path(run_dir)
+    if not (folder / "config.json").is_file() and (folder / ANALYSES_DIR).is_dir():
+        sections = load_sections(folder / ANALYSES_DIR)
+        if sections:
+            path = write_html(Path(out) if out else folder / "report.html", f"rlinfluence report: {folder.name}",
+                              sections)
+            return path, sections
     run = RunDirectory.open_existing(run_dir, tensorboard=False)
     config = run.read_config()
     sections = [learning_section(run, config)]
