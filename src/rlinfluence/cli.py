@@ -189,7 +189,8 @@ def rlhf(args: RLHFArgs) -> int:
 
 
 COMMANDS: dict[str, tuple[type, Callable[[Any], int], str]] = {
-    "train": (TrainArgs, train, "train PPO on a gymnasium env (paper presets for its six environments)"),
+    "train": (TrainArgs, train, "train PPO on a gymnasium env (paper presets for its six environments; the "
+                                "defaults shown are --env's: give --env X before --help for X's preset)"),
     "compare": (CompareConfig, compare, "multi-seed comparison against a reference: SE/RT metrics, IQM, "
                 "P(improvement), curves.png"),
     "aggregate": (AggregateArgs, aggregate, "several compare folders (one per env) -> IQM, P(improvement), "
