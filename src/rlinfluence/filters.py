@@ -514,6 +514,12 @@ class OracleFilter(_Seeded):
 
 
 
+def _normal(scores: np.ndarray) -> np.ndarray:
+    """[N, families] each column as normal scores within the round (``rlinfluence.sources.normal_scores``):
+    computed once when a round is recorded, as a round's normal scores never change."""
+    return np.column_stack([normal_scores(np.zeros(len(scores)), scores[:, j]) for j in range(scores.shape[1])])
+
+
 class QuarantineFilter:
     """Drops every record of the sources (training envs) that the audit's test flags over the last
     ``window`` rounds, until they test clean again: the verdict of ``rlinfluence.sources`` each round
@@ -535,7 +541,7 @@ class QuarantineFilter:
     def __init__(self, window: int = 6, alpha: float = 0.01, attribution: bool = False, trusted_envs: int = 0):
         self.window, self.alpha, self.attribution, self.trusted_envs = window, alpha, attribution, trusted_envs
         self.families = [*self.CHEAP, *(self.ATTRIBUTION if attribution else ())]
-        # the records of the last rounds (round -> source, episode, start round, scores [N, families])
+        # the records of the last rounds (round -> source, episode, start round, normal scores [N, families])
         # and the round each running episode started in
         self.records: dict[int, dict[str, torch.Tensor]] = {}
         self.first_seen: dict[tuple[int, int], int] = {}
@@ -564,16 +570,14 @@ class QuarantineFilter:
         self.records[buffer.round] = {"source": torch.from_numpy(source[untrusted]),
                                       "episode": torch.from_numpy(episode[untrusted]),
                                       "start": torch.from_numpy(start[untrusted]),
-                                      "scores": torch.from_numpy(self._scores(buffer, context)[untrusted])}
+                                      "normal_scores": torch.from_numpy(_normal(self._scores(buffer, context)[untrusted]))}
         oldest = buffer.round - self.window + 1
         self.records = {k: r for k, r in self.records.items() if k >= oldest}
         kept = list(self.records.values())
         starts = torch.cat([r["start"] for r in kept]).numpy()
         sources = torch.cat([r["source"] for r in kept]).numpy()
         episodes = torch.cat([r["episode"] for r in kept]).numpy()
-        # each record as its normal score within its round: the units of both tests
-        z = np.column_stack([np.concatenate([normal_scores(np.zeros(len(r["source"])), r["scores"][:, j].numpy())
-                                             for r in kept]) for j in range(len(self.families))])
+        z = torch.cat([r["normal_scores"] for r in kept]).numpy()  # the units of both tests
         in_window = starts >= oldest
         means = {family: group_means(starts[in_window], sources[in_window], z[in_window, j], range(n_sources))[1]
                  for j, family in enumerate(self.families)}
@@ -598,6 +602,9 @@ class QuarantineFilter:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.records = {int(k): dict(r) for k, r in state.get("records", {}).items()}
+        for r in self.records.values():  # a checkpoint that kept the raw scores
+            if "scores" in r:
+                r["normal_scores"] = torch.from_numpy(_normal(r.pop("scores").numpy()))
         seen = state.get("first_seen", torch.zeros(0, 3, dtype=torch.int64))
         self.first_seen = {(int(s), int(e)): int(k) for s, e, k in seen.tolist()}
 
