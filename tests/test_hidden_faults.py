@@ -17,10 +17,11 @@ from sklearn.preprocessing import StandardScaler
 from rlinfluence import cli
 from rlinfluence.analysis.audit import audit_run
 from rlinfluence.checkpoint import load_round
-from rlinfluence.consistency import _features, _folds, consistency_scores, model_checks
+from rlinfluence.consistency import _features, _folds, consistency_scores, model_checks, policy_checks
 from rlinfluence.ppo import PPO, PPOConfig
 from rlinfluence.sources import (
     KIND_CLASS,
+    calibration_test,
     episode_floor,
     maxt_test,
     normal_scores,
@@ -158,6 +159,69 @@ def test_the_policy_and_observation_checks_equal_a_brute_force_recomputation():
     centre = np.median(x, axis=0)
     scale = 1.4826 * np.median(np.abs(x - centre), axis=0)
     assert scores["obs-shift"] == pytest.approx(np.log1p(((x - centre) / scale) ** 2).mean(axis=1))
+
+
+def _confident_round(corrupt=(), env="CartPole-v1", sharpen=300.0, n_steps=512):
+    """Round 0 with the policy's action head scaled up: a policy that prefers some actions strongly,
+    where sampling hotter than logged changes which actions are taken."""
+    config = PPOConfig(env=env, n_envs=4, n_steps=n_steps, batch_size=64, total_timesteps=4 * n_steps,
+                       eval_episodes=0, corrupt=tuple(corrupt), seed=3, progress=False)
+    trainer = PPO(config, run_dir=False)
+    with torch.no_grad():
+        trainer.policy.action_head.weight.mul_(sharpen)
+    return trainer, trainer.collect()
+
+
+def test_action_calibration_is_the_randomised_pit_of_the_logged_action():
+    """U - 1/2 with U in [P(a' ranks before a), P(a' ranks before a) + pi(a|s)], the actions ranked by
+    probability, most likely first: brute force from the logits."""
+    trainer, buffer = _confident_round(sharpen=30.0)
+    pit = policy_checks(trainer.policy, buffer, 2)["action-calibration"] + 0.5
+    obs, actions = buffer.flat("obs"), buffer.flat("actions")
+    with torch.no_grad():
+        probs = torch.softmax(trainer.policy.action_head(trainer.policy.actor(obs)).double(), -1).numpy()
+    for i in range(0, len(buffer), 29):
+        a = int(actions[i])
+        before = sum(probs[i, b] for b in range(2) if probs[i, b] > probs[i, a] or (probs[i, b] == probs[i, a] and b < a))
+        assert before - 1e-9 <= pit[i] <= before + probs[i, a] + 1e-9
+
+
+@pytest.mark.parametrize("env", ["CartPole-v1", "Pendulum-v1"])
+def test_action_calibration_is_uniform_for_a_worker_that_samples_what_it_logs(env):
+    """The null the calibration test assumes, on a confident policy (Discrete) and a Gaussian one:
+    U uniform on (0, 1) over 2048 records, and every env's z = sum (U - 1/2) / sqrt(n / 12) modest."""
+    trainer, buffer = _confident_round(env=env)
+    u = policy_checks(trainer.policy, buffer, 2 if env == "CartPole-v1" else None)["action-calibration"]
+    assert scipy_stats.kstest(u + 0.5, "uniform").pvalue > 1e-3
+    per_env = u.reshape(buffer.n_envs, -1)
+    p = calibration_test(per_env.sum(axis=1), np.full(buffer.n_envs, per_env.shape[1]), 1 / 12)
+    assert p.min() > 1e-3
+
+
+def test_the_calibration_test_flags_a_worker_that_samples_hotter_than_it_logs():
+    """logp-mismatch at temperature 3 on a confident policy: the log-prob check passes (the logged
+    log-prob is the policy's), the calibration test flags the worker alone."""
+    trainer, buffer = _confident_round(["logp-mismatch:envs=1,temperature=3"], n_steps=2048)
+    scores = policy_checks(trainer.policy, buffer, 2)
+    assert (scores["logp-gap"] == 0).all()
+    per_env = scores["action-calibration"].reshape(buffer.n_envs, -1)
+    p = calibration_test(per_env.sum(axis=1), np.full(buffer.n_envs, per_env.shape[1]), 1 / 12)
+    bad = int(np.flatnonzero(trainer.corruptor.broken_envs)[0])
+    assert p[bad] < 1e-6 and np.delete(p, bad).min() > 1e-3
+
+
+def test_the_calibration_test_runs_at_its_share_of_alpha():
+    """With calibration p-values for a family, its adjusted p = min(p_maxT / 0.9, Holm(p_cal) / 0.1)
+    and every other family's is p_maxT / 0.9; z = sum / sqrt(n variance), two-sided."""
+    assert calibration_test(np.array([3.0, -3.0, 0.0]), np.array([12, 12, 0]), 1 / 12) == pytest.approx(
+        [2 * scipy_stats.norm.sf(3.0), 2 * scipy_stats.norm.sf(3.0), 1.0])
+    h = np.random.default_rng(2).normal(size=(5, 7))
+    cal = np.array([0.5, 0.5, 1e-5, 0.5, 0.5, 0.5, 0.5])
+    out = verdict({"dynamics": h, "action-calibration": h[:, ::-1]}, range(7), calibrated={"action-calibration": cal})
+    _, _, adjusted = maxt_test({"dynamics": h, "action-calibration": h[:, ::-1]})
+    assert out["flagged"].tolist() == [s == 2 for s in range(7)] and out.loc[0, "test"] == "exact+calibration"
+    assert out.loc[2, "p_adjusted_min"] == pytest.approx(min(7 * 1e-5 / 0.1, adjusted[2].min() / 0.9))
+    assert out.loc[2, "signature"] == "action-calibration"
 
 
 def test_the_folds_split_the_episodes_in_halves_when_the_ids_advance_with_the_sources():

@@ -14,6 +14,16 @@ sign or size as such; they ask whether the records agree with themselves:
     action-surprise  -log pi(a|s) - H(pi(.|s)): how much less likely the logged action is than a
                      sample of pi(.|s) would be on average (mean 0 for actions sampled from pi;
                      two-sided: a worker sampling colder than it logs scores below 0)
+    action-calibration
+                     U - 1/2, U the randomised probability integral transform of the logged action
+                     under pi(.|s): for Discrete, U = P(a' ranks before a) + V pi(a|s), the actions
+                     ranked by probability (most likely first, ties by index), V ~ U(0, 1) seeded by
+                     the round; for a diagonal Gaussian, U = F_chi2(d)(sum_d z_d^2), where
+                     sum_d z_d^2 = 2 (action-surprise) + d. When the worker sampled the action it logged
+                     from the policy it logged, every record's U is uniform on (0, 1) and independent
+                     of the others (``rlinfluence.sources.calibration_test`` needs nothing else);
+                     a worker that samples hotter than it logs, or logs another action than it
+                     sampled, scores above 0 (two-sided)
     obs-shift        mean_d log(1 + z_d^2), z_d = (o_d - median_d) / scale_d, scale_d = 1.4826 MAD_d
                      (the standard deviation where the MAD is 0), both over the pooled records of
                      the round (the log keeps a clean source's rare extreme states from
@@ -42,31 +52,54 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from scipy import stats
 from sklearn.linear_model import LogisticRegression, Ridge
 from sklearn.preprocessing import StandardScaler
 
 from rlinfluence.buffer import RolloutBuffer
 
 MODEL_CHECKS = ("dynamics", "action-fit", "reward-model", "termination")
-POLICY_CHECKS = ("logp-gap", "value-gap", "action-surprise")
+POLICY_CHECKS = ("logp-gap", "value-gap", "action-surprise", "action-calibration")
 CHECKS = (*POLICY_CHECKS, "obs-shift", *MODEL_CHECKS)
 STATISTICS = ("negative-advantage", "abs-advantage", "td-error", "reward-extremes")
-TWO_SIDED = frozenset({"action-surprise", "termination"})
+TWO_SIDED = frozenset({"action-surprise", "action-calibration", "termination"})
 """Checks whose per-source mean departs from the others' in either direction when a source is broken."""
+RAW_SCALE = frozenset(TWO_SIDED)
+"""Checks that the tests take as they are, not as normal scores within the round: residuals whose mean
+is 0 under the null, where a few large values are the signal (a termination the model did not
+expect, an action the policy almost never takes) and ranks would flatten them."""
+CALIBRATED = {"action-calibration": 1 / 12}
+"""Checks whose every record has a known null law: mean 0 and this variance, independently of the
+others (``rlinfluence.sources.calibration_test``)."""
 GAP_TOLERANCE = 1e-3
 
 
 @torch.no_grad()
-def policy_checks(policy: torch.nn.Module, buffer: RolloutBuffer) -> dict[str, np.ndarray]:
-    """``logp-gap``, ``value-gap`` and ``action-surprise`` of every record (flat order) at ``policy``."""
+def policy_checks(policy: torch.nn.Module, buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.ndarray]:
+    """``logp-gap``, ``value-gap``, ``action-surprise`` and ``action-calibration`` of every record
+    (flat order) at ``policy``; ``n_actions``: the size of a Discrete action space (None for a
+    diagonal Gaussian policy)."""
     obs, actions = buffer.flat("obs"), buffer.flat("actions")
     logp, entropy, values = policy.evaluate_actions(obs, actions)
     logp, entropy, values = (x.double().numpy() for x in (logp, entropy, values))
     logp_gap = np.abs(buffer.flat("logp").double().numpy() - logp)
     value_gap = np.abs(buffer.flat("values").double().numpy() - values)
+    surprise = -logp - entropy
+    if n_actions is not None:
+        every = torch.stack([policy.evaluate_actions(obs, torch.full_like(actions, a))[0] for a in range(n_actions)], 1)
+        probs = torch.softmax(every.double(), dim=1).numpy()  # renormalised: float rounding of the log-probs
+        taken = actions.reshape(len(actions)).long().numpy()
+        p_taken = probs[np.arange(len(taken)), taken][:, None]
+        index = np.arange(n_actions)[None, :]
+        before = (probs > p_taken) | ((probs == p_taken) & (index < taken[:, None]))
+        v = np.random.default_rng([int(buffer.round), 29]).random(len(taken))
+        pit = (probs * before).sum(axis=1) + v * p_taken[:, 0]
+    else:
+        dims = int(np.prod(actions.shape[1:])) if actions.dim() > 1 else 1
+        pit = stats.chi2.cdf(np.maximum(2 * surprise + dims, 0.0), dims)
     return {"logp-gap": np.where(logp_gap > GAP_TOLERANCE, logp_gap, 0.0),
             "value-gap": np.where(value_gap > GAP_TOLERANCE * (1 + np.abs(values)), value_gap, 0.0),
-            "action-surprise": -logp - entropy}
+            "action-surprise": surprise, "action-calibration": pit - 0.5}
 
 
 def obs_shift(buffer: RolloutBuffer) -> np.ndarray:
@@ -185,7 +218,7 @@ def statistic_scores(buffer: RolloutBuffer, gamma: float) -> dict[str, np.ndarra
 def consistency_scores(policy: torch.nn.Module, buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.ndarray]:
     """Every check of the module docstring for every record of ``buffer`` (flat order), at ``policy``
     = theta(k), the policy that collected it."""
-    return {**policy_checks(policy, buffer), "obs-shift": obs_shift(buffer), **model_checks(buffer, n_actions)}
+    return {**policy_checks(policy, buffer, n_actions), "obs-shift": obs_shift(buffer), **model_checks(buffer, n_actions)}
 
 
 def action_count(policy: torch.nn.Module) -> int | None:

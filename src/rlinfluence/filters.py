@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -27,7 +27,9 @@ import torch
 from rlinfluence.buffer import RolloutBuffer
 from rlinfluence.config import AUTO, FILTER_NAMES, check_drop_pct  # noqa: F401  (importable from here)
 from rlinfluence.consistency import (
+    CALIBRATED,
     CHECKS,
+    RAW_SCALE,
     STATISTICS,
     TWO_SIDED,
     action_count,
@@ -46,6 +48,7 @@ from rlinfluence.influence import (
 )
 from rlinfluence.sources import (
     MIN_EPISODES,
+    calibration_test,
     episode_floor,
     episode_starts,
     group_means,
@@ -514,10 +517,11 @@ class OracleFilter(_Seeded):
 
 
 
-def _normal(scores: np.ndarray) -> np.ndarray:
-    """[N, families] each column as normal scores within the round (``rlinfluence.sources.normal_scores``):
-    computed once when a round is recorded, as a round's normal scores never change."""
-    return np.column_stack([normal_scores(np.zeros(len(scores)), scores[:, j]) for j in range(scores.shape[1])])
+def _units(scores: np.ndarray, families: Sequence[str]) -> np.ndarray:
+    """[N, families] each column as normal scores within the round (``rlinfluence.sources.normal_scores``;
+    the ``RAW_SCALE`` checks as they are): computed once when a round is recorded, as they never change."""
+    return np.column_stack([scores[:, j] if family in RAW_SCALE else normal_scores(np.zeros(len(scores)), scores[:, j])
+                            for j, family in enumerate(families)])
 
 
 class QuarantineFilter:
@@ -570,14 +574,14 @@ class QuarantineFilter:
         self.records[buffer.round] = {"source": torch.from_numpy(source[untrusted]),
                                       "episode": torch.from_numpy(episode[untrusted]),
                                       "start": torch.from_numpy(start[untrusted]),
-                                      "normal_scores": torch.from_numpy(_normal(self._scores(buffer, context)[untrusted]))}
+                                      "units": torch.from_numpy(_units(self._scores(buffer, context)[untrusted], self.families))}
         oldest = buffer.round - self.window + 1
         self.records = {k: r for k, r in self.records.items() if k >= oldest}
         kept = list(self.records.values())
         starts = torch.cat([r["start"] for r in kept]).numpy()
         sources = torch.cat([r["source"] for r in kept]).numpy()
         episodes = torch.cat([r["episode"] for r in kept]).numpy()
-        z = torch.cat([r["normal_scores"] for r in kept]).numpy()  # the units of both tests
+        z = torch.cat([r["units"] for r in kept]).numpy()  # the units of every test
         in_window = starts >= oldest
         means = {family: group_means(starts[in_window], sources[in_window], z[in_window, j], range(n_sources))[1]
                  for j, family in enumerate(self.families)}
@@ -589,7 +593,15 @@ class QuarantineFilter:
                              for j, family in enumerate(self.families)}
             floors = {family: episode_floor(sources, episodes, z[:, j], range(n_sources))
                       for j, family in enumerate(self.families)}
-        flagged = verdict(means, range(n_sources), TWO_SIDED, self.alpha, outlier_means, floors, self.PERMUTATIONS)
+        calibrated = {}
+        for j, family in enumerate(self.families):
+            if family in CALIBRATED:
+                known = ~np.isnan(z[:, j])
+                sums = np.bincount(sources[known], z[known, j], minlength=n_sources)[:n_sources]
+                calibrated[family] = calibration_test(sums, np.bincount(sources[known], minlength=n_sources)[:n_sources],
+                                                      CALIBRATED[family])
+        flagged = verdict(means, range(n_sources), TWO_SIDED, self.alpha, outlier_means, floors, self.PERMUTATIONS,
+                          calibrated)
         quarantined = [int(s) for s in flagged.loc[flagged["flagged"], "source"]]
         context.stats["quarantined"] = float(len(quarantined))
         context.stats["quarantined_sources"] = " ".join(map(str, quarantined))
@@ -602,9 +614,9 @@ class QuarantineFilter:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.records = {int(k): dict(r) for k, r in state.get("records", {}).items()}
-        for r in self.records.values():  # a checkpoint that kept the raw scores
-            if "scores" in r:
-                r["normal_scores"] = torch.from_numpy(_normal(r.pop("scores").numpy()))
+        if any("units" not in r or r["units"].shape[1] != len(self.families) for r in self.records.values()):
+            raise UserError("this checkpoint's quarantine window holds the scores of another set of checks (written "
+                            "by an older rlinfluence): resume it with the version that wrote it, or train again")
         seen = state.get("first_seen", torch.zeros(0, 3, dtype=torch.int64))
         self.first_seen = {(int(s), int(e)): int(k) for s, e, k in seen.tolist()}
 

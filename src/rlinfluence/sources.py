@@ -246,6 +246,19 @@ def outlier_test(h: np.ndarray, two_sided: bool = False, floor: np.ndarray | flo
     return t, p
 
 
+def calibration_test(sums: np.ndarray, counts: np.ndarray, variance: float) -> np.ndarray:
+    """[sources] two-sided p-values of z_s = ``sums``_s / sqrt(``counts``_s ``variance``): per source,
+    the sum of its records' scores against a null in which every record scores independently with
+    mean 0 and ``variance`` (``rlinfluence.consistency.CALIBRATED``: a worker that samples the
+    actions it logs from the policy it logs). The null is each record's own, so no other source is
+    needed as a yardstick and no round sets a floor: a source whose records are off by a tenth of
+    their spread stands out after a few hundred records. p = 2 Phi(-|z_s|) (the scores are bounded:
+    the normal law of their sum is close from a few dozen records); a source without records: 1."""
+    sums, counts = np.asarray(sums, float), np.asarray(counts, float)
+    z = np.divide(sums, np.sqrt(counts * variance), out=np.zeros_like(sums), where=counts > 0)
+    return np.minimum(1.0, 2 * stats.norm.sf(np.abs(z)))
+
+
 def holm(p_values: np.ndarray) -> np.ndarray:
     """Holm's step-down adjusted p-values (family-wise error rate across the tests), any shape."""
     p = np.asarray(p_values, float)
@@ -291,7 +304,8 @@ def reading(signature: Sequence[str], p_values: Mapping[str, float] | None = Non
         return "", ""
     supported = flagged | {f for f, p in (p_values or {}).items() if p < SUPPORT}
     model = {"dynamics", "action-fit"}
-    model_family = bool(flagged & model) or ("action-surprise" in flagged and bool(supported & model))
+    unlikely = {"action-surprise", "action-calibration"}  # actions the policy would rarely sample
+    model_family = bool(flagged & model) or (bool(flagged & unlikely) and bool(supported & model))
     if flagged & {"logp-gap", "value-gap"}:
         return "stale-policy", ("its logged log-probs or values are not the current policy's: a stale or lagging "
                                 "worker, or one that logs another policy's numbers")
@@ -299,14 +313,14 @@ def reading(signature: Sequence[str], p_values: Mapping[str, float] | None = Non
         return "observation", ("its observations are distributed unlike the other workers': check its observation "
                                "preprocessing (scaling, feature order)")
     if model_family:
-        if "action-surprise" in supported:
+        if supported & unlikely:
             return "action", ("its transitions do not follow from its logged actions, and those actions are unlikely "
                               "under the policy: the logged actions are not the executed ones (an action-mapping or "
                               "logging bug)")
         return "action", ("its transitions do not follow from its logged (state, action) though its actions look "
                           "like the policy's: the env executes another action than the logged one (an actuator or "
                           "clipping bug), or its observations are out of step (a lag)")
-    if "action-surprise" in flagged:
+    if flagged & unlikely:
         return "sampling", ("its actions are not samples of the policy it logs, though its transitions are consistent: "
                             "it samples from another distribution (temperature, an inference engine)")
     if "termination" in flagged:
@@ -328,6 +342,8 @@ decides it), and the exact test is used alone (``verdict``)."""
 EXACT_SHARE = 0.8
 """The exact test's share of alpha where both tests run (a weighted Bonferroni over the two
 procedures): with 7 sources its smallest adjusted p-value after 4 rounds (about 7^-3) passes 0.01."""
+CALIBRATION_SHARE = 0.1
+"""The calibration test's share of alpha where it runs; the exact and outlier tests share the rest as above."""
 
 
 def rounds_needed(n_sources: int, alpha: float, share: float = 1.0) -> int:
@@ -340,7 +356,8 @@ def rounds_needed(n_sources: int, alpha: float, share: float = 1.0) -> int:
 
 def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Sequence[str] = (),
             alpha: float = 0.01, outlier_means: Mapping[str, np.ndarray] | None = None,
-            floors: Mapping[str, np.ndarray] | None = None, permutations: int = 10_000) -> pd.DataFrame:
+            floors: Mapping[str, np.ndarray] | None = None, permutations: int = 10_000,
+            calibrated: Mapping[str, np.ndarray] | None = None) -> pd.DataFrame:
     """One row per source: the p-value of every family, adjusted across sources x families,
     ``flagged`` (some adjusted p < ``alpha``), its ``signature`` (the flagging families,
     ``;``-joined, with their adjusted p in ``signature_p``), and the ``fault_class`` and ``reading``
@@ -353,7 +370,10 @@ def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Seque
     source x family's adjusted p is min(p_maxT / w, p_Holm / (1 - w)) with w = ``EXACT_SHARE`` (each
     procedure at its share of alpha, so the family-wise error rate is at most alpha whatever their
     dependence); the unadjusted ``p_<family>`` columns combine alike. The exact test finds a modest
-    departure that holds round after round, the outlier test a large one in a round or two."""
+    departure that holds round after round, the outlier test a large one in a round or two. With
+    ``calibrated`` (per family of ``CALIBRATED``, the p-values of ``calibration_test`` per source),
+    that test runs at ``CALIBRATION_SHARE`` of alpha for its family, Holm over sources, and the
+    other two at the rest."""
     families = list(means)
     n_sources = len(sources)
     if families:
@@ -365,6 +385,13 @@ def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Seque
                                    for f in families])
         raw = np.minimum(1.0, np.minimum(raw / EXACT_SHARE, outlier / (1 - EXACT_SHARE)))
         adjusted = np.minimum(1.0, np.minimum(adjusted / EXACT_SHARE, holm(outlier) / (1 - EXACT_SHARE)))
+    if calibrated:
+        rest = 1 - CALIBRATION_SHARE
+        raw, adjusted = np.minimum(1.0, raw / rest), np.minimum(1.0, adjusted / rest)
+        for family, p in calibrated.items():
+            j = families.index(family)
+            raw[:, j] = np.minimum(raw[:, j], np.minimum(1.0, np.asarray(p) / CALIBRATION_SHARE))
+            adjusted[:, j] = np.minimum(adjusted[:, j], np.minimum(1.0, holm(p) / CALIBRATION_SHARE))
     flags = adjusted < alpha
     out = pd.DataFrame({"source": list(sources)})
     for j, family in enumerate(families):
@@ -378,6 +405,6 @@ def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Seque
     out["fault_class"] = [r[0] for r in readings]
     out["reading"] = [r[1] for r in readings]
     out["rounds"] = len(next(iter(means.values()))) if families else 0
-    out["test"] = "exact" if outlier_means is None else "exact+outlier"
+    out["test"] = "+".join(["exact"] + ["outlier"] * (outlier_means is not None) + ["calibration"] * bool(calibrated))
     first = ["source", "rounds", "flagged", "signature", "signature_p", "fault_class", "reading", "p_adjusted_min", "test"]
     return out[first + [c for c in out.columns if c not in first]]

@@ -56,7 +56,9 @@ from sklearn.metrics import roc_auc_score
 
 from rlinfluence.analysis.report import Section
 from rlinfluence.consistency import (
+    CALIBRATED,
     CHECKS,
+    RAW_SCALE,
     STATISTICS,
     TWO_SIDED,
     action_count,
@@ -71,6 +73,7 @@ from rlinfluence.rundir import saved_round_numbers
 from rlinfluence.seeding import derived_seed
 from rlinfluence.sources import (  # noqa: F401
     MIN_EPISODES,
+    calibration_test,
     episode_floor,
     episode_starts,
     group_means,
@@ -259,10 +262,11 @@ FAMILY_EXCLUDED = ("random",)
 
 def verdict_table(table: pd.DataFrame, families: Sequence[str], alpha: float = 0.01) -> pd.DataFrame:
     """``rlinfluence.sources.verdict`` of a harm table over ``families``, with each source's records
-    as normal scores within their round (``normal_scores``): the exact test on each source's means
-    per episode start round (``episode_starts``), and once every source has ``MIN_EPISODES``
-    episodes in the table, the outlier test on its means per collection round (floored by
-    ``episode_floor``) beside it."""
+    as normal scores within their round (``normal_scores``; the ``RAW_SCALE`` checks as they are):
+    the exact test on each source's means per episode start round (``episode_starts``), once every
+    source has ``MIN_EPISODES`` episodes in the table the outlier test on its means per collection
+    round (floored by ``episode_floor``) beside it, and for the ``CALIBRATED`` checks the
+    calibration test of each source's records against their known null."""
     families = [f for f in families if f not in FAMILY_EXCLUDED]
     judged, sources = _judged(table)
     if len(sources) < 3:
@@ -273,12 +277,18 @@ def verdict_table(table: pd.DataFrame, families: Sequence[str], alpha: float = 0
     enough = judged.groupby("source")["episode"].nunique().min() >= MIN_EPISODES
     means, outlier_means, floors = {}, {}, {}
     for family in families:
-        z = normal_scores(rounds, judged[family].to_numpy(dtype=float))
+        values = judged[family].to_numpy(dtype=float)
+        z = values if family in RAW_SCALE else normal_scores(rounds, values)
         means[family] = group_means(starts, source, z, sources)[1]
         if enough:  # the outlier test's units: means per collection round, and their floor
             outlier_means[family] = group_means(rounds, source, z, sources)[1]
             floors[family] = episode_floor(source, episode, z, sources)
-    out = verdict(means, sources, TWO_SIDED, alpha, outlier_means if enough else None, floors)
+    calibrated = {}
+    for family in [f for f in families if f in CALIBRATED]:
+        per_source = judged[family].astype(float).groupby(judged["source"]).agg(["sum", "count"]).reindex(sources)
+        calibrated[family] = calibration_test(per_source["sum"].to_numpy(), per_source["count"].to_numpy(),
+                                              CALIBRATED[family])
+    out = verdict(means, sources, TWO_SIDED, alpha, outlier_means if enough else None, floors, calibrated=calibrated)
     counts = table[~table["trusted"]].groupby("source").size()
     out.insert(1, "records", [int(counts[s]) for s in sources])  # source, records, rounds, flagged, ...
     return out
