@@ -128,6 +128,9 @@ def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path) -> d
                 row[f"round_{family}"] = k + 1
         if k == rounds - 1:
             row["final_flagged"] = " ".join(map(str, flagged["source"].astype(int)))
+    within = pd.concat(tables[:5], ignore_index=True)
+    # how many records the fault changed in the rounds of the target (0: nothing to find yet)
+    row["corrupted_within_5"] = int(within["corrupted"].sum()) if "corrupted" in within else 0
     row["train_cpu_s"], row["audit_cpu_s"] = train_cpu, time.process_time() - cpu1
     shutil.rmtree(scratch, ignore_errors=True)
     append_row(out / "runs.csv", row)

@@ -107,6 +107,18 @@ def test_done_flags_move_ends_between_terminated_and_truncated_and_nothing_else(
     assert torch.equal(getattr(faulty, moved_to)[:, bad], clean.dones[:, bad])
 
 
+def test_the_truncations_check_is_each_ends_type_and_sets_apart_a_worker_that_bootstraps_its_falls():
+    """CartPole's early episodes all end by a fall: the share of ends reported as truncations is 1 for
+    the termination-as-truncation worker and 0 for the others; records that end nothing are NaN."""
+    trainer, faulty = _round(["done-flag:envs=1,mode=termination-as-truncation"])
+    scores = consistency_scores(trainer.policy, faulty, 2)["truncations"].reshape(faulty.n_envs, -1)
+    ends = faulty.dones.T.numpy().astype(bool)
+    assert np.isnan(scores[~ends]).all() and ends.any(axis=1).all()
+    bad = int(np.flatnonzero(trainer.corruptor.broken_envs)[0])
+    shares = np.array([np.nanmean(row) for row in scores])
+    assert shares[bad] == 1.0 and (np.delete(shares, bad) == 0.0).all()
+
+
 def test_obs_bug_scale_swap_and_lag_change_the_logged_observations_as_stated():
     _, clean = _round()
     for mode in ("scale", "swap"):

@@ -18,7 +18,7 @@ sign or size as such; they ask whether the records agree with themselves:
                      U - 1/2, U the randomised probability integral transform of the logged action
                      under pi(.|s): for Discrete, U = P(a' ranks before a) + V pi(a|s), the actions
                      ranked by probability (most likely first, ties by index), V ~ U(0, 1) seeded by
-                     the round; for a diagonal Gaussian, U = F_chi2(d)(sum_d z_d^2), where
+                     the round and the observations; for a diagonal Gaussian, U = F_chi2(d)(sum_d z_d^2), where
                      sum_d z_d^2 = 2 (action-surprise) + d. When the worker sampled the action it logged
                      from the policy it logged, every record's U is uniform on (0, 1) and independent
                      of the others (``rlinfluence.sources.calibration_test`` needs nothing else);
@@ -28,6 +28,13 @@ sign or size as such; they ask whether the records agree with themselves:
                      (the standard deviation where the MAD is 0), both over the pooled records of
                      the round (the log keeps a clean source's rare extreme states from
                      outweighing a broken source's steady shift)
+    truncations      at a record that ends an episode, 1 if the end is reported as a time-limit
+                     truncation and 0 if as a termination (NaN elsewhere): a source's mean is the
+                     share of its episode ends that it bootstraps through. Under the null the
+                     sources share one time limit and one task, so one share out of line (two-sided)
+                     points at its done flags: terminal states reported as truncations (a share above
+                     the others', which may be 0 before any episode reaches the limit), or time limits
+                     reported as terminal (a share below)
     dynamics         a one-step model o' - o ~ ridge(phi(o, a)), phi = [o, a, o (x) a] (a one-hot
                      for Discrete), fit on the pooled records and cross-fitted over two folds of
                      episodes: each record's mean squared standardised error on the fold it was
@@ -48,6 +55,7 @@ it. The fits are deterministic.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 
 import numpy as np
@@ -60,14 +68,15 @@ from rlinfluence.buffer import RolloutBuffer
 
 MODEL_CHECKS = ("dynamics", "action-fit", "reward-model", "termination")
 POLICY_CHECKS = ("logp-gap", "value-gap", "action-surprise", "action-calibration")
-CHECKS = (*POLICY_CHECKS, "obs-shift", *MODEL_CHECKS)
+CHECKS = (*POLICY_CHECKS, "obs-shift", "truncations", *MODEL_CHECKS)
 STATISTICS = ("negative-advantage", "abs-advantage", "td-error", "reward-extremes")
-TWO_SIDED = frozenset({"action-surprise", "action-calibration", "termination"})
+TWO_SIDED = frozenset({"action-surprise", "action-calibration", "truncations", "termination"})
 """Checks whose per-source mean departs from the others' in either direction when a source is broken."""
-RAW_SCALE = frozenset(TWO_SIDED)
-"""Checks that the tests take as they are, not as normal scores within the round: residuals whose mean
-is 0 under the null, where a few large values are the signal (a termination the model did not
-expect, an action the policy almost never takes) and ranks would flatten them."""
+RAW_SCALE = frozenset({"action-calibration", "truncations"})
+"""Checks that the tests take as they are, not as normal scores within the round: bounded scores whose
+size carries the signal, which ranks would flatten (a uniform U, or a 0/1 end type whose ties would
+all share one rank). Unbounded checks stay normal scores: one huge value (a termination the model did
+not expect, an action the policy almost never takes) would decide a source's mean."""
 CALIBRATED = {"action-calibration": 1 / 12}
 """Checks whose every record has a known null law: mean 0 and this variance, independently of the
 others (``rlinfluence.sources.calibration_test``)."""
@@ -92,7 +101,9 @@ def policy_checks(policy: torch.nn.Module, buffer: RolloutBuffer, n_actions: int
         p_taken = probs[np.arange(len(taken)), taken][:, None]
         index = np.arange(n_actions)[None, :]
         before = (probs > p_taken) | ((probs == p_taken) & (index < taken[:, None]))
-        v = np.random.default_rng([int(buffer.round), 29]).random(len(taken))
+        # V seeded by the round and a checksum of the observations: reproducible, independent of the
+        # sampling noise, and different in every run (one V for every run would tie their audits)
+        v = np.random.default_rng([int(buffer.round), zlib.crc32(obs.numpy().tobytes())]).random(len(taken))
         pit = (probs * before).sum(axis=1) + v * p_taken[:, 0]
     else:
         dims = int(np.prod(actions.shape[1:])) if actions.dim() > 1 else 1
@@ -112,6 +123,13 @@ def obs_shift(buffer: RolloutBuffer) -> np.ndarray:
     if not varying.any():
         return np.zeros(len(buffer))
     return np.log1p(((x[:, varying] - centre[varying]) / scale[varying]) ** 2).mean(axis=1)
+
+
+def truncations(buffer: RolloutBuffer) -> np.ndarray:
+    """``truncations`` of every record (flat order): 1.0 for a reported truncation, 0.0 for a reported
+    termination, NaN for a record that does not end its episode."""
+    terminated, truncated = buffer.flat("terminated").numpy(), buffer.flat("truncated").numpy()
+    return np.where(terminated | truncated, truncated.astype(np.float64), np.nan)
 
 
 def _features(obs: np.ndarray, actions: np.ndarray, n_actions: int | None) -> np.ndarray:
@@ -218,7 +236,8 @@ def statistic_scores(buffer: RolloutBuffer, gamma: float) -> dict[str, np.ndarra
 def consistency_scores(policy: torch.nn.Module, buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.ndarray]:
     """Every check of the module docstring for every record of ``buffer`` (flat order), at ``policy``
     = theta(k), the policy that collected it."""
-    return {**policy_checks(policy, buffer, n_actions), "obs-shift": obs_shift(buffer), **model_checks(buffer, n_actions)}
+    return {**policy_checks(policy, buffer, n_actions), "obs-shift": obs_shift(buffer), "truncations": truncations(buffer),
+            **model_checks(buffer, n_actions)}
 
 
 def action_count(policy: torch.nn.Module) -> int | None:

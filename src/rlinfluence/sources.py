@@ -323,7 +323,7 @@ def reading(signature: Sequence[str], p_values: Mapping[str, float] | None = Non
     if flagged & unlikely:
         return "sampling", ("its actions are not samples of the policy it logs, though its transitions are consistent: "
                             "it samples from another distribution (temperature, an inference engine)")
-    if "termination" in flagged:
+    if flagged & {"termination", "truncations"}:
         return "done-flags", ("its episode ends disagree with the states they happen in: check its terminated / "
                               "truncated flags")
     if flagged & {"reward-model", "reward-extremes", "td-error"}:
