@@ -17,7 +17,13 @@ from sklearn.preprocessing import StandardScaler
 from rlinfluence import cli
 from rlinfluence.analysis.audit import audit_run
 from rlinfluence.checkpoint import load_round
-from rlinfluence.consistency import _features, _folds, consistency_scores, model_checks, policy_checks
+from rlinfluence.consistency import (
+    _features,
+    _folds,
+    consistency_scores,
+    model_checks,
+    policy_checks,
+)
 from rlinfluence.ppo import PPO, PPOConfig
 from rlinfluence.sources import (
     KIND_CLASS,

@@ -529,9 +529,10 @@ class QuarantineFilter:
     ``window`` rounds, until they test clean again: the verdict of ``rlinfluence.sources`` each round
     on the cheap families (the consistency checks and the reward, value and advantage statistics of
     ``rlinfluence.consistency``; with ``attribution``, influence and dtv too): the exact test of
-    each source's units (the mean normal score of its records whose episode started in round k),
-    and once every source has ``MIN_EPISODES`` episodes in the window the outlier test of its mean
-    normal scores beside it, adjusted across sources x families at ``alpha``. The last ``trusted_envs`` envs are never
+    each source's units (the mean normal score of its records whose episode started in round k;
+    the ``RAW_SCALE`` checks as they are), once every source has ``MIN_EPISODES`` episodes in the
+    window the outlier test of its means beside it, and the calibration test of its
+    ``action-calibration``, adjusted across sources x families at ``alpha``. The last ``trusted_envs`` envs are never
     tested nor quarantined. Logs ``quarantined`` (how many sources) and ``quarantined_sources``
     (their ids, space-separated)."""
 

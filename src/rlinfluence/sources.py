@@ -176,11 +176,20 @@ def group_means(groups: np.ndarray, sources: np.ndarray, values: np.ndarray, col
     """(groups, h): h [groups, len(columns)] = the mean of ``values`` over the records of each
     (group, source), NaN values left out; a source without a scored record in a group gets that
     group's mean over the other sources (a neutral value: centred, 0)."""
-    frame = pd.DataFrame({"group": groups, "source": sources, "value": values})
-    h = frame.groupby(["group", "source"])["value"].mean().unstack("source").reindex(columns=list(columns))
-    out = h.to_numpy(dtype=float)
+    values = np.asarray(values, dtype=float)
+    labels, row = np.unique(np.asarray(groups), return_inverse=True)
+    columns, sources = np.asarray(list(columns)), np.asarray(sources)
+    order = np.argsort(columns, kind="stable")
+    at = np.minimum(np.searchsorted(columns, sources, sorter=order), len(columns) - 1)
+    col = np.where(columns[order[at]] == sources, order[at], -1)  # -1: a source outside the columns
+    scored = (col >= 0) & ~np.isnan(values)
+    cell = row.ravel()[scored] * len(columns) + col[scored]
+    size = len(labels) * len(columns)
+    sums = np.bincount(cell, values[scored], minlength=size).reshape(len(labels), len(columns))
+    counts = np.bincount(cell, minlength=size).reshape(len(labels), len(columns))
+    out = np.divide(sums, counts, out=np.full(sums.shape, np.nan), where=counts > 0)
     row_means = np.nanmean(np.where(np.isnan(out).all(axis=1, keepdims=True), 0.0, out), axis=1, keepdims=True)
-    return h.index.to_numpy(), np.where(np.isnan(out), row_means, out)
+    return labels, np.where(np.isnan(out), row_means, out)
 
 
 def normal_scores(rounds: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -204,14 +213,20 @@ def episode_floor(sources: np.ndarray, episodes: np.ndarray, z: np.ndarray, colu
     floor of ``outlier_test``'s spread: where the sources' means happen to cluster (a rare event,
     say a goal reached, in a few episodes: most sources have none and the same mean), the spread
     between sources alone would make any source with the event look far out."""
-    frame = pd.DataFrame({"source": sources, "episode": episodes, "z": z}).dropna()
-    means = frame.groupby(["source", "episode"])["z"].mean()
-    of = means.index.get_level_values("source").to_numpy()
-    counts = means.groupby(level="source").size().reindex(list(columns)).fillna(0).to_numpy(float)
+    z = np.asarray(z, dtype=float)
+    scored = ~np.isnan(z)
+    source, episode = np.asarray(sources)[scored], np.asarray(episodes)[scored]
+    source_ids, source_code = np.unique(source, return_inverse=True)
+    episode_ids, episode_code = np.unique(episode, return_inverse=True)
+    pairs, first, pair_of = np.unique(source_code.ravel() * len(episode_ids) + episode_code.ravel(),
+                                      return_index=True, return_inverse=True)
+    means = np.bincount(pair_of, z[scored], minlength=len(pairs)) / np.bincount(pair_of, minlength=len(pairs))
+    of = source[first]  # each (source, episode)'s source
+    counts = np.array([np.sum(of == c) for c in columns], dtype=float)
     harmonic = np.mean(1 / np.maximum(counts, 1))
     floors = []
-    for s in columns:
-        others = means.to_numpy()[of != s]
+    for c in columns:
+        others = means[of != c]
         floors.append(float(np.sqrt(others.var(ddof=1) * harmonic)) if len(others) > 1 else 0.0)
     return np.array(floors)
 
