@@ -277,6 +277,26 @@ def test_the_dynamics_check_is_cross_fitted_on_the_other_folds_episodes():
     alternatives = [((model.predict(scaler.transform(_features(obs, np.full(len(obs), a), 2)[test])) - y[test]) ** 2)
                     .mean(axis=1) for a in (0.0, 1.0)]
     assert checks["action-fit"][test] == pytest.approx(dynamics[test] - np.mean(alternatives, axis=0))
+    # lag-fit: that mean minus the error with the previous record's action, where the episode had one
+    actions = buffer.flat("actions").double().numpy()
+    episode = buffer.flat("episode_ids").numpy()
+    previous = (step > 0) & (episode == np.roll(episode, 1))
+    with_previous = model.predict(scaler.transform(_features(obs, np.roll(actions, 1), 2)[test]))
+    expected = np.mean(alternatives, axis=0) - ((with_previous - y[test]) ** 2).mean(axis=1)
+    assert checks["lag-fit"][test & previous] == pytest.approx(expected[previous[test]])
+    assert np.isnan(checks["lag-fit"][~previous]).all()
+
+
+def test_lag_fit_sets_apart_a_worker_whose_observations_run_a_step_behind():
+    """obs-bug lag: the previous record's action explains the logged transitions, so the worker's
+    lag-fit stands far above the others'; a miswired actuator's does not."""
+    for mode, far in (("obs-bug:envs=1,mode=lag", True), ("action-mismatch:envs=1,mode=actuator", False)):
+        trainer, buffer = _round([mode], seed=4)
+        lag = model_checks(buffer, 2)["lag-fit"].reshape(buffer.n_envs, -1)
+        means = np.array([np.nanmean(row) for row in lag])
+        bad = int(np.flatnonzero(trainer.corruptor.broken_envs)[0])
+        others = np.delete(means, bad)
+        assert ((means[bad] - others.mean()) / others.std(ddof=1) > 5) == far, (mode, means)
 
 
 @pytest.mark.parametrize("two_sided", [False, True])
@@ -432,6 +452,8 @@ def test_an_audit_that_could_not_flag_anything_says_so():
 def test_a_signature_is_read_as_its_fault_class():
     assert reading(["dtv", "dynamics", "action-surprise"])[0] == "action"
     assert reading(["obs-shift", "dynamics"])[0] == "observation"
+    assert reading(["dynamics", "action-fit", "lag-fit"])[0] == "observation"
+    assert reading(["dynamics", "action-fit"], {"lag-fit": 0.001})[0] == "action"  # lag-fit must flag
     assert reading(["logp-gap"])[0] == "stale-policy"
     assert reading(["action-surprise"])[0] == "sampling"
     assert reading(["termination", "td-error"])[0] == "done-flags"

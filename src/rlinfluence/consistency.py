@@ -44,6 +44,12 @@ sign or size as such; they ask whether the records agree with themselves:
                      Box, the actions of four seeded shuffles of the round's records): how much the
                      logged action fails to explain the transition, within the same state (a state
                      that is hard to predict raises both terms alike)
+    lag-fit          the dynamics error with the logged action minus the error with the action of
+                     the record before it in the episode (NaN at an episode's first record): above 0
+                     when the previous action explains the transition better than the logged one,
+                     as it does when a worker's observations run one step behind its actions (the
+                     logged o_t is o_(t-1), so the logged transition is the one a_(t-1) caused); an
+                     actuator that executes another action than the logged one fits neither
     reward-model     the same cross-fitted ridge for the reward r ~ phi(o, a): squared standardised error
     termination      cross-fitted logistic regression of the terminated flag on phi(o, a): the
                      calibration residual terminated - P(terminated | o, a), mean 0 for a source
@@ -66,7 +72,7 @@ from sklearn.preprocessing import StandardScaler
 
 from rlinfluence.buffer import RolloutBuffer
 
-MODEL_CHECKS = ("dynamics", "action-fit", "reward-model", "termination")
+MODEL_CHECKS = ("dynamics", "action-fit", "lag-fit", "reward-model", "termination")
 POLICY_CHECKS = ("logp-gap", "value-gap", "action-surprise", "action-calibration")
 CHECKS = (*POLICY_CHECKS, "obs-shift", "truncations", *MODEL_CHECKS)
 STATISTICS = ("negative-advantage", "abs-advantage", "td-error", "reward-extremes")
@@ -180,7 +186,7 @@ def _logistic(x: np.ndarray, y: np.ndarray) -> Callable[[np.ndarray], np.ndarray
 
 
 def model_checks(buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.ndarray]:
-    """``dynamics``, ``action-fit``, ``reward-model`` and ``termination`` of every record (flat order).
+    """``dynamics``, ``action-fit``, ``lag-fit``, ``reward-model`` and ``termination`` of every record (flat order).
     ``n_actions``: the size of a Discrete action space (None for Box)."""
     n, n_steps = len(buffer), buffer.n_steps
     obs = buffer.flat("obs").reshape(n, -1).double().numpy()
@@ -195,7 +201,11 @@ def model_checks(buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.n
     delta = nxt - obs
     spread = delta[has_next].std(axis=0) if has_next.any() else np.zeros(obs.shape[1])
     varying = spread > 1e-8
-    dynamics, action_fit = np.full(n, np.nan), np.full(n, np.nan)
+    episode = buffer.flat("episode_ids").numpy()
+    # the record before in the same env and episode (flat order is env-major)
+    has_previous = (step > 0) & (episode == np.roll(episode, 1))
+    previous_actions = np.roll(actions, 1, axis=0)
+    dynamics, action_fit, lag_fit = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
     if varying.any() and has_next.sum() > 10:
         y = (delta[:, varying] - delta[has_next][:, varying].mean(axis=0)) / spread[varying]
         if n_actions is not None:
@@ -203,10 +213,13 @@ def model_checks(buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.n
         else:
             shuffle = np.random.default_rng([int(buffer.round), 23])
             alternatives = [actions[shuffle.permutation(n)] for _ in range(4)]
-        fitted, *others = _cross_fit(_ridge, phi, y, fold, has_next,
-                                     [phi] + [_features(obs, a, n_actions) for a in alternatives])
+        fitted, previous, *others = _cross_fit(
+            _ridge, phi, y, fold, has_next,
+            [phi, _features(obs, previous_actions, n_actions)] + [_features(obs, a, n_actions) for a in alternatives])
         dynamics = ((fitted - y) ** 2).mean(axis=1)
-        action_fit = dynamics - np.mean([((other - y) ** 2).mean(axis=1) for other in others], axis=0)
+        alternative = np.mean([((other - y) ** 2).mean(axis=1) for other in others], axis=0)
+        action_fit = dynamics - alternative
+        lag_fit = np.where(has_previous, alternative - ((previous - y) ** 2).mean(axis=1), np.nan)
 
     rewards = buffer.flat("rewards").double().numpy()
     reward_spread = rewards.std()
@@ -218,7 +231,7 @@ def model_checks(buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.n
 
     terminated = buffer.flat("terminated").numpy().astype(np.float64)
     (p,) = _cross_fit(_logistic, phi, terminated, fold, np.ones(n, bool), [phi])
-    return {"dynamics": dynamics, "action-fit": action_fit, "reward-model": reward_model,
+    return {"dynamics": dynamics, "action-fit": action_fit, "lag-fit": lag_fit, "reward-model": reward_model,
             "termination": terminated - p}
 
 

@@ -307,7 +307,8 @@ def reading(signature: Sequence[str], p_values: Mapping[str, float] | None = Non
 
     The rules go from the most specific evidence to the least: a logged log-prob or value that
     theta(k) does not give (the worker's policy is not the trainer's), observations distributed
-    unlike the others', transitions that the logged (state, action) do not explain (with actions
+    unlike the others', transitions that the action before the logged one explains (observations a
+    step behind), transitions that the logged (state, action) do not explain (with actions
     unlikely under the policy: logged actions that are not the executed ones; with likely ones: an
     actuator that executes another action, or observations out of step), actions unlikely under the
     policy that explains the transitions (a sampler that differs from the logged policy), episode
@@ -318,7 +319,7 @@ def reading(signature: Sequence[str], p_values: Mapping[str, float] | None = Non
     if not flagged:
         return "", ""
     supported = flagged | {f for f, p in (p_values or {}).items() if p < SUPPORT}
-    model = {"dynamics", "action-fit"}
+    model = {"dynamics", "action-fit", "lag-fit"}
     unlikely = {"action-surprise", "action-calibration"}  # actions the policy would rarely sample
     model_family = bool(flagged & model) or (bool(flagged & unlikely) and bool(supported & model))
     if flagged & {"logp-gap", "value-gap"}:
@@ -327,6 +328,9 @@ def reading(signature: Sequence[str], p_values: Mapping[str, float] | None = Non
     if "obs-shift" in flagged or (model_family and "obs-shift" in supported):
         return "observation", ("its observations are distributed unlike the other workers': check its observation "
                                "preprocessing (scaling, feature order)")
+    if "lag-fit" in flagged:  # flagged, not merely supported: an actuator can lean that way by chance
+        return "observation", ("its transitions follow from the action before the logged one: its observations run "
+                               "a step behind its actions (a stale observation buffer, an off-by-one in a wrapper)")
     if model_family:
         if supported & unlikely:
             return "action", ("its transitions do not follow from its logged actions, and those actions are unlikely "
