@@ -128,9 +128,6 @@ def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path) -> d
                 row[f"round_{family}"] = k + 1
         if k == rounds - 1:
             row["final_flagged"] = " ".join(map(str, flagged["source"].astype(int)))
-    within = pd.concat(tables[:5], ignore_index=True)
-    # how many records the fault changed in the rounds of the target (0: nothing to find yet)
-    row["corrupted_within_5"] = int(within["corrupted"].sum()) if "corrupted" in within else 0
     row["train_cpu_s"], row["audit_cpu_s"] = train_cpu, time.process_time() - cpu1
     shutil.rmtree(scratch, ignore_errors=True)
     append_row(out / "runs.csv", row)
@@ -315,6 +312,7 @@ def rounds_figure(runs: pd.DataFrame, path: Path) -> None:
 
 def summary(args: argparse.Namespace) -> None:
     runs = pd.read_csv(Path(args.out) / "runs.csv").drop_duplicates(["env", "fault", "seed"], keep="last")
+    runs = runs.drop(columns=["corrupted_within_5"], errors="ignore")  # every record of a broken env: not what changed
     runs = runs.sort_values(["env", "fault", "seed"], kind="stable")
     families = [c[6:] for c in runs.columns if c.startswith("round_")]
     if args.data:
@@ -328,6 +326,11 @@ def summary(args: argparse.Namespace) -> None:
             k = int(group["false_flags"].fillna("").astype(str).str.strip().ne("").sum())
             low, high = clopper_pearson(k, n)
             print(f"{env}/clean/runs_with_a_false_flag: {k}/{n} [{low:.2f}, {high:.2f}]")
+            for look in (WITHIN, int(group["rounds"].max())):  # one audit of each run, not one after every round
+                k = int(group["false_flags"].fillna("").astype(str).str.split().apply(
+                    lambda flags, look=look: any(f.split(":")[0] == str(look) for f in flags)).sum())
+                low, high = clopper_pearson(k, n)
+                print(f"{env}/clean/false_flag_in_the_audit_of_round_{look}: {k}/{n} [{low:.2f}, {high:.2f}]")
             continue
         within = group["verdict_round"] <= WITHIN
         print(f"{env}/{fault}/flagged_within_{WITHIN}: {int(within.sum())}/{n}")

@@ -390,6 +390,18 @@ def test_maxt_equals_enumerating_every_labelling_of_the_rounds():
     assert (adjusted >= p - 1e-12).all()
 
 
+def test_maxt_drawn_in_blocks_equals_one_draw(monkeypatch):
+    """The null is drawn in blocks to bound memory for many sources: the same p-values as one draw."""
+    import rlinfluence.sources as sources_module
+
+    rng = np.random.default_rng(0)
+    means = {f: rng.normal(size=(5, 9)) + (f == "b") * np.eye(9)[2] for f in "abcd"}
+    whole = maxt_test(means, {"b"}, 3000)
+    monkeypatch.setattr(sources_module, "MAXT_BLOCK", 9 * 4 * 7)  # blocks of 7 draws
+    for one, blocked in zip(whole, maxt_test(means, {"b"}, 3000), strict=True):
+        np.testing.assert_array_equal(one, blocked)
+
+
 def test_maxt_does_not_pay_for_families_that_move_together():
     """The same family tested ten times over: Holm would multiply its p-values by 10, maxT's
     adjusted p-values are those of testing it once."""

@@ -44,12 +44,13 @@ sign or size as such; they ask whether the records agree with themselves:
                      Box, the actions of four seeded shuffles of the round's records): how much the
                      logged action fails to explain the transition, within the same state (a state
                      that is hard to predict raises both terms alike)
-    lag-fit          the dynamics error with the logged action minus the error with the action of
-                     the record before it in the episode (NaN at an episode's first record): above 0
-                     when the previous action explains the transition better than the logged one,
-                     as it does when a worker's observations run one step behind its actions (the
-                     logged o_t is o_(t-1), so the logged transition is the one a_(t-1) caused); an
-                     actuator that executes another action than the logged one fits neither
+    lag-fit          action-fit's mean error over the actions the record could carry minus the error
+                     with the action of the record before it in the episode (NaN at an episode's
+                     first record): high when the previous action explains the transition, as it
+                     does for every record of a worker whose observations run one step behind its
+                     actions (the logged o_t is o_(t-1), so the logged transition is the one a_(t-1)
+                     caused); for a clean worker or a miswired actuator the previous action explains
+                     it only where it happens to equal the action that did
     reward-model     the same cross-fitted ridge for the reward r ~ phi(o, a): squared standardised error
     termination      cross-fitted logistic regression of the terminated flag on phi(o, a): the
                      calibration residual terminated - P(terminated | o, a), mean 0 for a source

@@ -36,6 +36,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+MAXT_BLOCK = 1 << 22
+"""maxT's null is drawn in blocks of at most this many values (32 MiB of float64)."""
 EXACT_LIMIT = 1 << 21
 """The exact null is enumerated when each half of the rounds has at most this many label draws."""
 
@@ -141,19 +143,28 @@ def maxt_test(means: Mapping[str, np.ndarray], two_sided: Collection[str] = (), 
 
     observed = statistic(standardised.sum(axis=0))  # [S, F]
     rng = np.random.default_rng(seed)
-    labels = rng.permuted(np.broadcast_to(np.arange(n_sources), (permutations, n_rounds, n_sources)), axis=2)
-    null = np.zeros((permutations, n_sources, n_families))
-    for k in range(n_rounds):
-        null += standardised[k][labels[:, k]]
-    null = statistic(null)
     tolerance = 1e-9
-    pooled = np.sort(null.reshape(-1, n_families), axis=0)
-    exceed = np.stack([len(pooled) - np.searchsorted(pooled[:, j], observed[:, j] - tolerance)
-                       for j in range(n_families)], axis=1)
-    p = (1 + exceed) / (1 + len(pooled))
     order = np.argsort(-observed.ravel(), kind="stable")
-    successive = np.maximum.accumulate(null.reshape(permutations, -1)[:, order[::-1]], axis=1)[:, ::-1]
-    ranked = (1 + (successive >= observed.ravel()[order] - tolerance).sum(axis=0)) / (1 + permutations)
+    threshold = observed.ravel()[order] - tolerance
+    exceed = np.zeros((n_sources, n_families), dtype=np.int64)
+    reached = np.zeros(len(order), dtype=np.int64)
+    # draws in blocks of at most MAXT_BLOCK null values: memory stays bounded for any number of
+    # sources, and the blocks consume the generator as one draw of them all would
+    block = max(1, MAXT_BLOCK // max(1, n_sources * n_families))
+    for start in range(0, permutations, block):
+        size = min(block, permutations - start)
+        labels = rng.permuted(np.broadcast_to(np.arange(n_sources), (size, n_rounds, n_sources)), axis=2)
+        null = np.zeros((size, n_sources, n_families))
+        for k in range(n_rounds):
+            null += standardised[k][labels[:, k]]
+        null = statistic(null)
+        pooled = np.sort(null.reshape(-1, n_families), axis=0)
+        exceed += np.stack([len(pooled) - np.searchsorted(pooled[:, j], observed[:, j] - tolerance)
+                            for j in range(n_families)], axis=1)
+        successive = np.maximum.accumulate(null.reshape(size, -1)[:, order[::-1]], axis=1)[:, ::-1]
+        reached += (successive >= threshold).sum(axis=0)
+    p = (1 + exceed) / (1 + permutations * n_sources)
+    ranked = (1 + reached) / (1 + permutations)
     adjusted = np.empty(len(order))
     adjusted[order] = np.maximum.accumulate(ranked)
     return observed, p, adjusted.reshape(n_sources, n_families)
