@@ -198,3 +198,21 @@ def test_audit_reads_a_users_own_harm_tables_with_any_source_ids(tmp_path, capsy
     pd.DataFrame({"round": [0], "source": [0]}).to_parquet(scores / "round_000009.parquet")
     assert cli.main(["audit", str(tmp_path / "run")]) == 2
     assert "has no column 'episode'" in capsys.readouterr().err
+
+
+def test_the_sources_plot_shows_the_most_suspect_sources_when_there_are_many():
+    """2,000 sources: the table keeps them all, the plot the 40 with the lowest p (a bar per source
+    would take minutes to draw and could not be read)."""
+    import io
+
+    from PIL import Image
+
+    from rlinfluence.analysis.audit import PLOTTED_SOURCES, plot_sources
+
+    n = 2000
+    rng = np.random.default_rng(0)
+    mean = rng.normal(size=n)
+    sources = pd.DataFrame({"source": range(n), "mean_score": mean, "ci_low": mean - 1, "ci_high": mean + 1,
+                            "p_value": rng.random(n), "flagged": False, "scorer": "harm"})
+    few = Image.open(io.BytesIO(plot_sources(sources.head(PLOTTED_SOURCES), 0.01))).size
+    assert Image.open(io.BytesIO(plot_sources(sources, 0.01))).size == few

@@ -91,6 +91,8 @@ Scorer = Callable[["SavedRound"], np.ndarray]
 Level = Literal["record", "episode", "source"]
 LEVELS: tuple[Level, ...] = ("record", "episode", "source")
 SCORES_DIR = Path("audit") / "scores"
+PLOTTED_SOURCES = 40
+"""The sources plot shows at most this many bars (the lowest p-values); the table keeps every source."""
 MAX_PERMUTATIONS = 1_000_000
 """The most permutations ``--permutations`` takes (a bound, so that a typo does not hang the audit)."""
 
@@ -483,6 +485,11 @@ def plot_sources(sources: pd.DataFrame, alpha: float) -> bytes:
     adjusted p over the families against -log10 alpha), flagged sources in red."""
     from rlinfluence.analysis.report import figure_png, new_figure
 
+    shown = ""
+    if len(sources) > PLOTTED_SOURCES:  # the most suspect ones: a bar per source would be unreadable
+        key = sources["p_adjusted_min" if is_verdict(sources) else "p_value"]
+        sources = sources.loc[key.sort_values(kind="stable").index[:PLOTTED_SOURCES]].sort_index()
+        shown = f" ({PLOTTED_SOURCES} of {len(key)} sources: the lowest p)"
     fig, axes = new_figure(max(4.0, 0.6 * len(sources) + 2), 3.2)
     ax = axes[0, 0]
     colors = ["C3" if f else "C0" for f in sources["flagged"]]
@@ -491,7 +498,7 @@ def plot_sources(sources: pd.DataFrame, alpha: float) -> bytes:
         ax.bar(x, -np.log10(sources["p_adjusted_min"].clip(lower=1e-300)), color=colors)
         ax.axhline(-np.log10(alpha), color="k", lw=0.8, ls="--")
         ax.set_xticks(x, [str(s) for s in sources["source"]])
-        ax.set(xlabel="source (training env)", ylabel="-log10 smallest adjusted p",
+        ax.set(xlabel="source (training env)" + shown, ylabel="-log10 smallest adjusted p",
                title=f"red: flagged by some family; dashed: alpha {alpha}")
         return figure_png(fig)
     mean = sources["mean_score"].to_numpy()
@@ -499,7 +506,7 @@ def plot_sources(sources: pd.DataFrame, alpha: float) -> bytes:
     ax.errorbar(x, mean, yerr=[mean - sources["ci_low"], sources["ci_high"] - mean], fmt="none", ecolor="k", capsize=3)
     ax.axhline(0, color="k", lw=0.6)
     ax.set_xticks(x, [str(s) for s in sources["source"]])
-    ax.set(xlabel="source (training env)", ylabel=f"mean harm ({sources['scorer'].iloc[0]})",
+    ax.set(xlabel="source (training env)" + shown, ylabel=f"mean harm ({sources['scorer'].iloc[0]})",
            title=f"red: flagged (Holm-adjusted p < {alpha}); bars: 95% interval over rounds")
     return figure_png(fig)
 
