@@ -7,11 +7,14 @@ which families, and does its reading name the fault?
 Per env, fault and seed, one run of plain PPO (8 envs x 256 steps a round, the last env trusted,
 PPO's learning rate tuned on clean data where ``studies/<env>.json`` has it, every round saved,
 TracIn recorded) with ``--corrupt <fault>``; and clean runs. After each round r the verdict
-(``rlinfluence.analysis.audit.verdict_table``: every family, each source's mean normal score
-against the other sources' by ``rlinfluence.sources.outlier_test``, Holm over 7 sources x
-families, alpha 0.01) is computed on rounds 0..r. Per run, one row: the
-first round count at which the broken source is flagged by the verdict and by each family, the
-fault class read at that point, and every false flag (a clean source flagged at any check).
+(``rlinfluence.analysis.audit.verdict_table``: every family; the exact, outlier and calibration
+tests at alpha 0.01 across sources x families) is computed on rounds 0..r (with ``--window W``,
+on the last W rounds, as a monitor would). Per run, one row: the first round count at which the
+broken source is flagged by the verdict and by each family, the fault class read at that point,
+and every false flag (a clean source flagged at any check). A fault given ``from=R`` (``--faults``)
+breaks its env at round R: ``summary`` counts its rounds to flag from R (``start``).
+
+    python benchmarks/hidden_faults.py detect --faults 'logp-mismatch:envs=1,temperature=2,from=10' --clean-seeds 0 --rounds 16 --window 6 --out bench_out/hf_late
 Rows are appended to ``<out>/runs.csv`` as runs finish; a re-run skips finished runs, and jobs
 run in ``--workers`` processes, seed by seed, so a cut-off run still covers every env and fault.
 
@@ -88,7 +91,7 @@ def finished(path: Path, keys: list[str]) -> set[tuple]:
     return set(zip(*(prior[k] for k in keys), strict=True))
 
 
-def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path) -> dict:
+def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path, window: int = 0) -> dict:
     """Train, score every round, and check the verdict after each round (module docstring)."""
     from rlinfluence.analysis.audit import harm_table, scorers_of, verdict_table
     from rlinfluence.checkpoint import load_round
@@ -103,17 +106,20 @@ def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path) -> d
     broken = set(np.flatnonzero(trainer.corruptor.broken_envs).tolist()) if fault else set()
     families = [f for f in scorers_of(1) if f != "random"]
     tables = []
-    row: dict = {"env": env, "fault": fault or "clean", "seed": seed, "rounds": rounds,
+    start = max((spec.start for spec in trainer.corruptor.specs), default=0) if fault else 0
+    row: dict = {"env": env, "fault": fault or "clean", "seed": seed, "rounds": rounds, "start": start, "window": window,
                  "broken": " ".join(map(str, sorted(broken))), "verdict_round": np.nan, "reading": "",
                  "reading_right": np.nan, "false_flags": "", "final_flagged": "", "signature": "", "p_at_flag": ""}
     row |= {f"round_{f}": np.nan for f in families}
     cpu1 = time.process_time()
     for k in range(rounds):
         tables.append(harm_table(load_round(trainer.run.path, k), families))
-        verdict = verdict_table(pd.concat(tables, ignore_index=True), families, ALPHA)
+        audited = tables[max(0, k + 1 - window):] if window else tables
+        verdict = verdict_table(pd.concat(audited, ignore_index=True), families, ALPHA)
         flagged = verdict[verdict["flagged"]]
-        found = flagged[flagged["source"].isin(broken)]
-        false = sorted(set(flagged["source"].astype(int)) - broken)
+        active = broken if k >= start else set()  # before a from=R fault begins, every flag is a false one
+        found = flagged[flagged["source"].isin(active)]
+        false = sorted(set(flagged["source"].astype(int)) - active)
         if false:
             row["false_flags"] += f"{k + 1}:{','.join(map(str, false))} "
         if len(found) and np.isnan(row["verdict_round"]):
@@ -139,15 +145,16 @@ def detect(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     done = finished(out / "runs.csv", ["env", "fault", "seed"])
     envs = args.envs.split(",")
+    chosen = args.faults.split(";") if args.faults else list(FAULTS)
     jobs = []
     for seed in range(1, max(args.seeds, args.clean_seeds) + 1):
         for env in envs:
-            faults = (list(FAULTS) if seed <= args.seeds else []) + ([None] if seed <= args.clean_seeds else [])
+            faults = (chosen if seed <= args.seeds else []) + ([None] if seed <= args.clean_seeds else [])
             for fault in faults:
                 if fault == "obs-bug:envs=1,mode=swap" and env == "FrozenLake-v1":
                     continue
                 if (env, fault or "clean", seed) not in done:
-                    jobs.append((env, fault, seed, args.rounds, out))
+                    jobs.append((env, fault, seed, args.rounds, out, args.window))
     print(f"{len(jobs)} runs to go", flush=True)
     with ProcessPoolExecutor(args.workers) as pool:
         for row in pool.map(run_one, *zip(*jobs, strict=True)) if jobs else []:
@@ -313,6 +320,9 @@ def rounds_figure(runs: pd.DataFrame, path: Path) -> None:
 def summary(args: argparse.Namespace) -> None:
     runs = pd.read_csv(Path(args.out) / "runs.csv").drop_duplicates(["env", "fault", "seed"], keep="last")
     runs = runs.drop(columns=["corrupted_within_5"], errors="ignore")  # every record of a broken env: not what changed
+    if "start" in runs:  # a fault that breaks its env at round R: its rounds to flag count from R
+        counted = ["verdict_round"] + [c for c in runs.columns if c.startswith("round_")]
+        runs[counted] = runs[counted].sub(runs["start"], axis=0)
     runs = runs.sort_values(["env", "fault", "seed"], kind="stable")
     families = [c[6:] for c in runs.columns if c.startswith("round_")]
     if args.data:
@@ -371,6 +381,8 @@ def main() -> None:
     d.add_argument("--rounds", type=int, default=8)
     d.add_argument("--workers", type=int, default=2)
     d.add_argument("--out", default="bench_out/hidden_faults")
+    d.add_argument("--faults", default="", help="';'-separated fault specs (default: the module's FAULTS)")
+    d.add_argument("--window", type=int, default=0, help="audit the last W rounds (0: every round so far)")
     s = sub.add_parser("summary")
     s.add_argument("--out", default="bench_out/hidden_faults")
     s.add_argument("--data", default="")

@@ -102,6 +102,27 @@ def test_corruptions_combine_and_a_spec_prints_as_parsed():
             assert flags.all() and (rewards != np.where(corruptor.flipped, -1.0, 1.0)).all()
 
 
+def test_a_fault_given_from_r_breaks_its_envs_at_round_r_and_not_before():
+    """A logged-action mismatch from round 1: round 0 is the clean run's round, unflagged; in round 1
+    the chosen env logs mapped actions and its records are corrupted. The spec prints with its from."""
+    spec = "action-mismatch:envs=1,mode=log,from=1"
+    assert str(parse_corruption(spec)) == spec and parse_corruption(spec).start == 1
+    assert parse_corruption("action-mismatch:envs=1,mode=log").start == 0
+    config = dict(env="CartPole-v1", n_envs=4, n_steps=64, batch_size=64, total_timesteps=512, eval_episodes=0,
+                  seed=3, progress=False)
+    clean, late = (PPO(PPOConfig(**config, corrupt=corrupt), run_dir=False) for corrupt in ((), (spec,)))
+    first_clean, first_late = clean.collect(), late.collect()
+    for name in ("obs", "actions", "logp", "rewards"):
+        assert torch.equal(getattr(first_clean, name), getattr(first_late, name)), name
+    assert not first_late.corrupted.any() and not late.corruptor.broken_envs.any()
+    late.round = clean.round = 1  # the same policy, a round later: only the broken env changes
+    second_clean, second_late = clean.collect(), late.collect()
+    bad = late.corruptor.broken_envs
+    assert bad.sum() == 1 and second_late.corrupted[:, bad].all() and not second_late.corrupted[:, ~bad].any()
+    assert torch.equal(second_late.actions[:, bad], (second_clean.actions[:, bad] + 1) % 2)
+    assert torch.equal(second_late.actions[:, ~bad], second_clean.actions[:, ~bad])
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--corrupt", "label-flip:envs=1"], "unknown corruption 'label-flip'"),
     (["--corrupt", "reward-flip:envs=4"], "envs must be < the 4 envs that may be corrupted"),
@@ -117,6 +138,8 @@ def test_corruptions_combine_and_a_spec_prints_as_parsed():
      "--filter dtv scores nothing against it"),
     (["--corrupt", "stale:frac=0.1,lag=1"], "rounds to 0 envs"),
     (["--corrupt", "stale:frac=0.5,lag=0"], "lag must be >= 1, got 0"),
+    (["--corrupt", "reward-flip:envs=1,from=-1"], "from must be >= 0, got -1"),
+    (["--corrupt", "stale:frac=0.5,lag=1,from=2"], "stale takes frac=..., lag=..., got 'from=2'"),
 ])
 def test_a_bad_corruption_is_one_error_line_and_writes_nothing(tmp_path, capsys, args, message):
     base = ["train", "--env", "FrozenLake-v1", "--n-envs", "4", "--run-root", str(tmp_path / "runs")]

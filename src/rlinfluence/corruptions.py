@@ -22,7 +22,9 @@ so detection can be measured against the truth:
     observation: state 0 with action 0. Only the records that were paid are corrupted.
 The faults below keep the reward plausible (the hidden faults practitioners report). Each breaks
 K whole training envs (a seeded choice of the corruptible ones, as ``reward-flip``), and every
-record of those envs is corrupted (a source-level truth):
+record of those envs is corrupted (a source-level truth). Every kind that breaks whole envs also
+takes ``from=R``: the envs break at round R (a worker that goes wrong mid-run, as a redeployed
+inference server does) and are clean, and not corrupted, before it:
 
 ``action-mismatch:envs=K,mode=M``
     the logged action is not the executed one (a clipping or action-mapping bug). The map: for
@@ -98,6 +100,8 @@ _PARAMETERS: dict[str, dict[str, tuple[type, Callable[[Any], bool], str]]] = {
 }
 SOURCE_KINDS = ("reward-flip", "action-mismatch", "reward-delay", "done-flag", "obs-bug", "logp-mismatch")
 """Kinds that break whole envs (``envs=K``): every record of a broken env is corrupted."""
+_OPTIONAL = {"from": (int, lambda r: r >= 0, ">= 0")}
+"""Parameters every ``SOURCE_KINDS`` spec may add: the round its envs break (0 when not given)."""
 KINDS = tuple(_PARAMETERS)
 
 
@@ -133,6 +137,11 @@ class CorruptionSpec:
     def __getitem__(self, key: str) -> Any:
         return dict(self.params)[key]
 
+    @property
+    def start(self) -> int:
+        """The round the spec's envs break (``from=R``; 0 when not given)."""
+        return int(dict(self.params).get("from", 0))
+
     def __str__(self) -> str:
         return f"{self.kind}:" + ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.params)
 
@@ -142,7 +151,8 @@ def parse_corruption(text: str) -> CorruptionSpec:
     kind, _, rest = text.strip().partition(":")
     if kind not in _PARAMETERS:
         raise UserError(f"unknown corruption {kind!r} in --corrupt {text!r} (kinds: {', '.join(KINDS)})")
-    expected = _PARAMETERS[kind]
+    required = _PARAMETERS[kind]
+    expected = {**required, **(_OPTIONAL if kind in SOURCE_KINDS else {})}
     values: dict[str, float | int | str] = {}
     for pair in filter(None, (p.strip() for p in rest.split(","))):
         key, sep, value = pair.partition("=")
@@ -158,10 +168,10 @@ def parse_corruption(text: str) -> CorruptionSpec:
         if not check(parsed):
             raise UserError(f"--corrupt {text!r}: {key} must be {valid}, got {value}")
         values[key] = parsed
-    missing = [k for k in expected if k not in values]
+    missing = [k for k in required if k not in values]
     if missing:
         raise UserError(f"--corrupt {text!r}: missing {', '.join(f'{k}=...' for k in missing)}")
-    return CorruptionSpec(kind, tuple((k, values[k]) for k in expected))
+    return CorruptionSpec(kind, tuple((k, values[k]) for k in expected if k in values))
 
 
 def check_corruptions(texts: Sequence[str], n_envs: int, trusted_envs: int = 0, env_id: str | None = None,
@@ -235,6 +245,7 @@ class Corruptor:
                 self.broken[spec.kind] = np.zeros(n_envs, dtype=bool)
                 self.broken[spec.kind][rng.choice(corruptible, spec["envs"], replace=False)] = True
         self.by_kind = {spec.kind: spec for spec in self.specs}
+        self.round = 0  # the round being collected (the trainer sets it): a kind breaks its envs from spec.start
         self.corruptible = np.arange(n_envs) < corruptible
         self.trigger = trigger_for(env_id, discrete_obs) if "trigger" in self.by_kind else None
         self.noise = np.random.default_rng([seed, len(self.specs), 1])
@@ -245,8 +256,11 @@ class Corruptor:
         self._previous_ids = np.full(n_envs, -1)
 
     def envs_of(self, kind: str) -> np.ndarray:
-        """[E] the envs that source kind ``kind`` breaks (none without it)."""
-        return self.broken.get(kind, np.zeros(self.n_envs, dtype=bool))
+        """[E] the envs that source kind ``kind`` breaks in the current round (none without it, or
+        before its ``from`` round)."""
+        if kind not in self.broken or self.round < self.by_kind[kind].start:
+            return np.zeros(self.n_envs, dtype=bool)
+        return self.broken[kind]
 
     @property
     def flipped(self) -> np.ndarray:
@@ -255,8 +269,8 @@ class Corruptor:
 
     @property
     def broken_envs(self) -> np.ndarray:
-        """[E] every env that a source kind breaks: all of their records are corrupted."""
-        return np.logical_or.reduce([*self.broken.values(), np.zeros(self.n_envs, dtype=bool)])
+        """[E] every env that a source kind breaks in the current round: all of their records are corrupted."""
+        return np.logical_or.reduce([*map(self.envs_of, self.broken), np.zeros(self.n_envs, dtype=bool)])
 
     def mode(self, kind: str) -> str | None:
         return self.by_kind[kind]["mode"] if kind in self.by_kind else None

@@ -278,6 +278,8 @@ class PPO:
             ("obs", "actions", "logp", "values", "rewards", "terminated", "truncated", "episode_ids", "corrupted")
         )
         corruptor = self.corruptor if stream is self.stream else None
+        if corruptor is not None:
+            corruptor.round = self.round  # a fault given from=R breaks its envs from round R
         stale = corruptor.stale_envs(self.round) if corruptor is not None else np.zeros(cfg.n_envs, dtype=bool)
         stale_act = None
         if stale.any():  # lagging actors: theta(k - L) acts and reports its log-probs and values
