@@ -216,3 +216,16 @@ def test_the_sources_plot_shows_the_most_suspect_sources_when_there_are_many():
                             "p_value": rng.random(n), "flagged": False, "scorer": "harm"})
     few = Image.open(io.BytesIO(plot_sources(sources.head(PLOTTED_SOURCES), 0.01))).size
     assert Image.open(io.BytesIO(plot_sources(sources, 0.01))).size == few
+
+
+def test_the_audit_help_names_every_scorer_it_takes():
+    """--scorer's help lists the scorers and checks by hand: each one the audit takes is named."""
+    import re
+
+    from rlinfluence.analysis.audit import scorers_of
+    from rlinfluence.cli_faults import AuditArgs
+
+    source = __import__("inspect").getsource(AuditArgs)
+    help_text = source.split("scorer: str | None = None")[1].split('"""')[1]
+    named = set(re.findall(r"[a-z][a-z-]+", help_text))
+    assert set(scorers_of(1)) <= named, set(scorers_of(1)) - named

@@ -22,12 +22,13 @@ from rlinfluence.rundir import atomic_write
 class AuditArgs:
     """Which source (training env, worker) of a run is broken, and what kind of fault is it? Every
     saved round is scored by every family (reward statistics, value, advantage, gradient
-    attribution, and consistency checks: logged log-probs and values against theta(k), observation
-    statistics, a one-step dynamics, reward and termination model); each source's mean per round
-    (over its episodes that started in that round) is tested against the other sources' with an
-    exact permutation test within rounds (step-down maxT across sources x families; once every source
-    has 5 episodes, a t test of its mean normal score beside it), and a flagged
-    source's signature is read as a likely fault class (--scorer X: the test by one scorer alone).
+    attribution, and consistency checks: logged log-probs, values and actions against theta(k),
+    observation statistics, episode-end types, a one-step dynamics, reward and termination model);
+    each source's mean per round (over its episodes that started in that round) is tested against
+    the other sources' with an exact permutation test within rounds (step-down maxT across sources
+    x families; once every source has 5 episodes, a t test of its mean normal score beside it; the
+    logged actions' calibration against its known law), and a flagged source's signature is read
+    as a likely fault class (--scorer X: the test by one scorer alone).
     A run trained with --corrupt also gets the detection AUROC and precision of every scorer at
     record, episode and source level. Runs of the Stable-Baselines3 adapter: train with its
     AuditCallback."""
@@ -39,8 +40,8 @@ class AuditArgs:
     scorer: str | None = None
     """test one scorer alone instead of the verdict over every family: influence, influence-chunk,
     influence-trusted (with --trusted-envs), tracin, dtv, negative-advantage, abs-advantage, td-error,
-    reward-extremes, random, or a check: logp-gap, value-gap, action-surprise, obs-shift, dynamics,
-    action-fit, reward-model, termination"""
+    reward-extremes, random, or a check: logp-gap, value-gap, action-surprise, action-calibration,
+    obs-shift, truncations, dynamics, action-fit, lag-fit, reward-model, termination"""
     by: Literal["source", "episode", "record"] = "source"
     """episode or record: also rank those items by harm (audit/ranked_<by>.csv, the 10 worst printed)"""
     alpha: float = 0.01
