@@ -320,6 +320,14 @@ def rounds_figure(runs: pd.DataFrame, path: Path) -> None:
 def summary(args: argparse.Namespace) -> None:
     runs = pd.read_csv(Path(args.out) / "runs.csv").drop_duplicates(["env", "fault", "seed"], keep="last")
     runs = runs.drop(columns=["corrupted_within_5"], errors="ignore")  # every record of a broken env: not what changed
+    # the reading of each flag from its stored signature and p-values, by the current rules
+    from rlinfluence.sources import KIND_CLASS, reading
+    flagged_runs = runs["signature"].fillna("").astype(str).ne("")
+    runs.loc[flagged_runs, "reading"] = [
+        reading(signature.split(";"), json.loads(p_values))[0]
+        for signature, p_values in zip(runs.loc[flagged_runs, "signature"], runs.loc[flagged_runs, "p_at_flag"], strict=True)]
+    runs.loc[flagged_runs, "reading_right"] = (
+        runs.loc[flagged_runs, "reading"] == runs.loc[flagged_runs, "fault"].str.split(":").str[0].map(KIND_CLASS)).astype(float)
     if "start" in runs:  # a fault that breaks its env at round R: its rounds to flag count from R
         counted = ["verdict_round"] + [c for c in runs.columns if c.startswith("round_")]
         runs[counted] = runs[counted].sub(runs["start"], axis=0)
@@ -366,6 +374,8 @@ def summary(args: argparse.Namespace) -> None:
     low, high = clopper_pearson(k, len(clean))
     print(f"all/clean/runs_with_a_false_flag: {k}/{len(clean)} [{low:.2f}, {high:.2f}]")
     print(f"all/faults/reading_right: {int(faulty.loc[within, 'reading_right'].sum())}/{int(within.sum())}")
+    held_out = within & (faulty["seed"] > 3)  # the reading's STRONG_SUPPORT was chosen on seeds 1-3
+    print(f"all/faults/reading_right_seeds_4_on: {int(faulty.loc[held_out, 'reading_right'].sum())}/{int(held_out.sum())}")
     confusion = pd.crosstab(faulty.loc[within, "fault"].str.split(",").str[0] + "," +
                             faulty.loc[within, "fault"].str.split(",").str[-1], faulty.loc[within, "reading"])
     print(confusion.to_string())

@@ -473,8 +473,10 @@ def test_a_signature_is_read_as_its_fault_class():
     # a family that does not flag on its own decides between readings of the ones that do
     assert reading(["dynamics"], {"obs-shift": 0.01, "action-surprise": 0.5})[0] == "observation"
     assert reading(["dynamics"], {"obs-shift": 0.5})[0] == "action"
-    assert reading(["action-surprise"], {"dynamics": 0.01})[0] == "action"
-    assert reading(["action-surprise"], {"dynamics": 0.5})[0] == "sampling"
+    # unlikely actions read as a sampler's unless a model family flags too, or leans strongly
+    assert reading(["action-calibration"], {"action-fit": 0.02})[0] == "sampling"
+    assert reading(["action-calibration"], {"action-fit": 0.001})[0] == "action"
+    assert reading(["action-calibration", "action-fit"])[0] == "action"
     assert reading(["influence", "dtv"])[0] == "unexplained"
     assert reading([]) == ("", "")
     assert set(KIND_CLASS.values()) <= {"stale-policy", "observation", "action", "sampling", "done-flags", "reward"}
