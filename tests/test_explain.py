@@ -50,6 +50,10 @@ CHANCE = [0.1, 0.0, 0.2, 0.05, 0.15]
       "step": 0.9}, "step"),
     ({"harmful": 0.1, "random": CHANCE, "random-source": CHANCE, "source": [0.1, 0.0], "step": 0.1},
      "not explained"),
+    # a step that went too far, where every source left out moves the return: the best of seven beats
+    # the five random draws' band, not the band the other six sources give with them
+    ({"harmful": 0.1, "random": CHANCE, "random-source": CHANCE, "source": [0.7, 0.5, 0.3, 0.55, 0.4, 0.6, 0.45],
+      "step": 0.9}, "step"),
 ])
 def test_each_constructed_case_gets_its_verdict(recovered, verdict):
     assert verdict_of(_rows(**recovered)) == verdict

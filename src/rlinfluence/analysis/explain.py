@@ -38,7 +38,9 @@ largest parameter gap between the two (``plain_float_gap``).
 **Verdict** (a counterfactual *recovers* when recovered >= ``RECOVERS`` and its interval lies
 above 0; a removal counts *beyond its chance band* when it recovers more than every random
 draw of its size and more than their mean plus ``BAND_SDS`` standard deviations, because in a
-sensitive round any removal moves the return): *source s* when leaving s out recovers beyond it;
+sensitive round any removal moves the return; for a source, the other sources left out count
+among the draws, since with one source broken they are removals of a source's size by chance,
+and one of many sources beats a band of a few draws by luck alone): *source s* when leaving s out recovers beyond it;
 else *data* when removing the harmful records recovers beyond the band and the band's mean does
 not recover; else *step* when a shorter step recovers and no targeted removal recovers beyond
 the band; else *not explained*.
@@ -176,16 +178,19 @@ def verdict_of(rows: pd.DataFrame) -> str:
     ``source``, ``pct``% for ``harmful`` and ``episode``."""
     recovers = (rows["recovered_fraction"] >= RECOVERS) & (rows["ci_low"] > 0)
 
-    def band(kind: str) -> tuple[float, float]:  # (mean, the level a removal must beat)
-        draws = rows.loc[rows["kind"] == kind, "recovered_fraction"].dropna()
+    def band(draws: pd.Series) -> tuple[float, float]:  # (mean, the level a removal must beat)
+        draws = draws.dropna()
         if not len(draws):
             return 0.0, 0.0
         spread = float(draws.std(ddof=1)) if len(draws) > 1 else 0.0
         return float(draws.mean()), max(float(draws.max()), float(draws.mean()) + BAND_SDS * spread)
 
-    source_band, pct_band = band("random-source"), band("random")
-    level = np.where(rows["kind"] == "source", source_band[1], pct_band[1])
-    beyond = recovers & (rows["recovered_fraction"] > level)
+    recovered, kind = rows["recovered_fraction"], rows["kind"]
+    pct_band = band(recovered[kind == "random"])
+    level = pd.Series(pct_band[1], index=rows.index)
+    for i in rows.index[kind == "source"]:  # the other sources left out are chance draws of a source's size too
+        level[i] = band(pd.concat([recovered[kind == "random-source"], recovered[(kind == "source") & (rows.index != i)]]))[1]
+    beyond = recovers & (recovered > level)
     sources = rows[(rows["kind"] == "source") & beyond]
     if len(sources):
         return sources.sort_values("recovered_fraction").iloc[-1]["counterfactual"]
