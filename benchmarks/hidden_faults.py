@@ -18,8 +18,8 @@ breaks its env at round R: ``summary`` counts its rounds to flag from R (``start
 Rows are appended to ``<out>/runs.csv`` as runs finish; a re-run skips finished runs, and jobs
 run in ``--workers`` processes, seed by seed, so a cut-off run still covers every env and fault.
 
-``summary`` writes ``<data>/hidden_faults_runs.csv`` (the per-run rows) and
-``<data>/hidden_faults_table.txt`` (the results page's table), and prints one line per
+``summary`` writes ``<data>/<name>_runs.csv`` (the per-run rows), ``<data>/<name>_table.txt``
+(the results page's table) and ``<name>_rounds.png`` (``--name``, default ``hidden_faults``), and prints one line per
 figure: ``<env>/<fault>/flagged_within_5: k/n``, ``.../reading_right: k/m``,
 ``<env>/clean/runs_with_a_false_flag: k/n [Clopper-Pearson 95%]``, and per fault the families
 that flag it within 5 rounds on most seeds.
@@ -271,7 +271,7 @@ def markdown_table(runs: pd.DataFrame, families: list[str]) -> str:
     """One row per env and fault: seeds, flagged within WITHIN rounds, the rounds it took, the
     reading's accuracy, runs with a false flag, and the families that flag it within WITHIN."""
     lines = [f"| env | fault | seeds | flagged within {WITHIN} rounds | rounds to flag (each seed; - = not in "
-             f"{int(runs['rounds'].max())}) | reading right | runs with a false flag | families flagging it within "
+             f"{int((runs['rounds'] - runs.get('start', 0)).max())}) | reading right | runs with a false flag | families flagging it within "
              f"{WITHIN} (seeds) |", "|---|---|---|---|---|---|---|---|"]
     for (env, fault), group in runs.groupby(["env", "fault"], sort=False):
         n = len(group)
@@ -335,9 +335,9 @@ def summary(args: argparse.Namespace) -> None:
     families = [c[6:] for c in runs.columns if c.startswith("round_")]
     if args.data:
         Path(args.data).mkdir(parents=True, exist_ok=True)
-        runs.to_csv(Path(args.data) / "hidden_faults_runs.csv", index=False)
-        (Path(args.data) / "hidden_faults_table.txt").write_text(markdown_table(runs, families))
-        rounds_figure(runs, Path(args.data).parent / "hidden_faults_rounds.png")
+        runs.to_csv(Path(args.data) / f"{args.name}_runs.csv", index=False)
+        (Path(args.data) / f"{args.name}_table.txt").write_text(markdown_table(runs, families))
+        rounds_figure(runs, Path(args.data).parent / f"{args.name}_rounds.png")
     for (env, fault), group in runs.groupby(["env", "fault"], sort=False):
         n = len(group)
         if fault == "clean":
@@ -396,6 +396,7 @@ def main() -> None:
     s = sub.add_parser("summary")
     s.add_argument("--out", default="bench_out/hidden_faults")
     s.add_argument("--data", default="")
+    s.add_argument("--name", default="hidden_faults", help="the written files' prefix")
     lr = sub.add_parser("learn")
     lr.add_argument("--settings", default="CartPole-v1/action-mismatch:envs=1,mode=actuator;"
                     "CartPole-v1/obs-bug:envs=1,mode=scale;CartPole-v1/reward-delay:envs=1,lag=10;"
