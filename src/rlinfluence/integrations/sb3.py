@@ -500,7 +500,7 @@ class QuarantineCallback(BaseCallback):
     """``--filter quarantine`` for SB3's PPO: before every ``train()``, drop every record of the vec
     envs that the sources test flags over the last ``window`` rollouts (``rlinfluence.filters.
     QuarantineFilter``: the consistency checks and the reward, value and advantage statistics,
-    Holm-corrected across envs x families at ``alpha``; the last ``trusted_envs`` envs are never
+    the audit's tests at ``alpha`` across envs x families; the last ``trusted_envs`` envs are never
     tested), on SB3's stored observations. Needs ``PPO(..., rollout_buffer_class=FilteredRolloutBuffer)``.
     Logs ``quarantine/quarantined`` per rollout; ``history`` keeps each rollout's quarantined envs."""
 
