@@ -23,8 +23,11 @@ A *family* is a per-record score (a harm score, or a consistency check of
   source (records of one episode, an episode across rounds), so nothing is assumed independent
   but the sources themselves; the size of a departure counts, not only its rank, so a strong
   fault can be flagged in a round or two. Holm over sources x families.
+- ``calibration_test``, for the checks whose every record has a known law under the null
+  (``action-calibration``: uniform when a worker samples the actions it logs from the policy it
+  logs): each source's sum against that law, no other source needed. Holm over sources.
 
-The verdict runs both at shares of alpha (``EXACT_SHARE``) where the outlier test applies.
+The verdict runs them at shares of alpha (``EXACT_SHARE``, ``CALIBRATION_SHARE``) where they apply.
 """
 
 from __future__ import annotations

@@ -539,7 +539,8 @@ def audit_section(sources: pd.DataFrame, found: pd.DataFrame, alpha: float) -> S
             f"Each family ({', '.join(families)}) scores every record; each source's mean per round (over its episodes "
             "that started in the round, as normal scores within their round) is tested against the other sources' by "
             "an exact permutation test within rounds (step-down maxT across sources x families), and once every "
-            "source has 5 episodes its mean normal score by a t test beside it (Holm; test: "
+            "source has 5 episodes its mean normal score by a t test beside it (Holm), and its logged actions' "
+            "calibration against the law they have when sampled from the logged policy (Holm; tests run: "
             f"{sources['test'].iloc[0]}): a run with no broken source has a flag with probability at most {alpha}. "
             "A flagged source's signature (the families "
             "that flag it) is read as the likely fault.",
