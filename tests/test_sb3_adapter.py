@@ -495,3 +495,23 @@ def test_the_audit_callback_refuses_a_fractional_env_and_a_folder_another_traini
     second = make_model("CartPole-v1", n_envs=2, n_steps=48)
     with pytest.raises(ValueError, match="from another training"):
         second.learn(96, callback=AuditCallback(tmp_path))
+
+
+@pytest.mark.parametrize(("space", "scored"), [(gym.spaces.Discrete(3), True), (gym.spaces.Box(-1, 1, (2,), np.float32), True),
+                                               (gym.spaces.MultiDiscrete([3, 2]), False), (gym.spaces.MultiBinary(3), False)])
+def test_action_calibration_is_scored_only_where_its_law_is_known(space, scored):
+    """An SB3 policy's logged actions are calibrated for Discrete and Box (uniform U, mean near 1/2);
+    a joint action has no law implemented and scores NaN (the calibration test then has nothing to
+    flag, instead of flagging every env)."""
+    from rlinfluence.consistency import action_count, policy_checks
+    from rlinfluence.integrations.sb3 import as_rollout_buffer
+
+    model = make_model(lambda: SpaceEnv(BOX, space), n_envs=2, n_steps=64, batch_size=8)
+    collect(model)
+    ours = as_rollout_buffer(model, model.rollout_buffer, 0, np.zeros(2, dtype=np.int64))
+    adapter = SB3PolicyAdapter(model.policy)
+    u = policy_checks(adapter, ours, action_count(adapter))["action-calibration"]
+    if scored:
+        assert np.isfinite(u).all() and abs(u.mean()) < 0.1
+    else:
+        assert np.isnan(u).all()

@@ -65,6 +65,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 
+import gymnasium as gym
 import numpy as np
 import torch
 from scipy import stats
@@ -93,8 +94,8 @@ GAP_TOLERANCE = 1e-3
 @torch.no_grad()
 def policy_checks(policy: torch.nn.Module, buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.ndarray]:
     """``logp-gap``, ``value-gap``, ``action-surprise`` and ``action-calibration`` of every record
-    (flat order) at ``policy``; ``n_actions``: the size of a Discrete action space (None for a
-    diagonal Gaussian policy)."""
+    (flat order) at ``policy``; ``n_actions``: the size of a Discrete action space (None otherwise:
+    ``action-calibration`` is then scored for a diagonal Gaussian policy and NaN for any other)."""
     obs, actions = buffer.flat("obs"), buffer.flat("actions")
     logp, entropy, values = policy.evaluate_actions(obs, actions)
     logp, entropy, values = (x.double().numpy() for x in (logp, entropy, values))
@@ -112,9 +113,11 @@ def policy_checks(policy: torch.nn.Module, buffer: RolloutBuffer, n_actions: int
         # sampling noise, and different in every run (one V for every run would tie their audits)
         v = np.random.default_rng([int(buffer.round), zlib.crc32(obs.numpy().tobytes())]).random(len(taken))
         pit = (probs * before).sum(axis=1) + v * p_taken[:, 0]
-    else:
+    elif gaussian_actions(policy):
         dims = int(np.prod(actions.shape[1:])) if actions.dim() > 1 else 1
         pit = stats.chi2.cdf(np.maximum(2 * surprise + dims, 0.0), dims)
+    else:  # a joint action (MultiDiscrete, MultiBinary): no law implemented, so no score
+        pit = np.full(len(surprise), np.nan)
     return {"logp-gap": np.where(logp_gap > GAP_TOLERANCE, logp_gap, 0.0),
             "value-gap": np.where(value_gap > GAP_TOLERANCE * (1 + np.abs(values)), value_gap, 0.0),
             "action-surprise": surprise, "action-calibration": pit - 0.5}
@@ -252,6 +255,14 @@ def consistency_scores(policy: torch.nn.Module, buffer: RolloutBuffer, n_actions
     = theta(k), the policy that collected it."""
     return {**policy_checks(policy, buffer, n_actions), "obs-shift": obs_shift(buffer), "truncations": truncations(buffer),
             **model_checks(buffer, n_actions)}
+
+
+def gaussian_actions(policy: torch.nn.Module) -> bool:
+    """Whether ``policy`` samples its actions from a diagonal Gaussian: an ``ActorCritic`` with a Box
+    head, or an SB3 adapter of a policy whose action space is a Box."""
+    if hasattr(policy, "continuous"):
+        return bool(policy.continuous)
+    return isinstance(getattr(getattr(policy, "policy", None), "action_space", None), gym.spaces.Box)
 
 
 def action_count(policy: torch.nn.Module) -> int | None:

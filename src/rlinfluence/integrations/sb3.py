@@ -124,7 +124,7 @@ class SB3PolicyAdapter(nn.Module):
     def _actions(self, actions: torch.Tensor) -> torch.Tensor:
         if self.discrete:
             return actions.reshape(actions.shape[0]).long()
-        return actions
+        return actions if actions.is_floating_point() else actions.float()  # as SB3's own buffer stores them
 
     def log_prob(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         return self.policy.get_distribution(obs).log_prob(self._actions(actions))
