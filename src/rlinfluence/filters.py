@@ -48,7 +48,7 @@ from rlinfluence.influence import (
 )
 from rlinfluence.sources import (
     MIN_EPISODES,
-    calibration_test,
+    calibration_p_values,
     episode_floor,
     episode_starts,
     group_means,
@@ -594,13 +594,8 @@ class QuarantineFilter:
                              for j, family in enumerate(self.families)}
             floors = {family: episode_floor(sources, episodes, z[:, j], range(n_sources))
                       for j, family in enumerate(self.families)}
-        calibrated = {}
-        for j, family in enumerate(self.families):
-            if family in CALIBRATED:
-                known = ~np.isnan(z[:, j])
-                sums = np.bincount(sources[known], z[known, j], minlength=n_sources)[:n_sources]
-                calibrated[family] = calibration_test(sums, np.bincount(sources[known], minlength=n_sources)[:n_sources],
-                                                      CALIBRATED[family])
+        calibrated = {family: calibration_p_values(sources, z[:, j], range(n_sources), CALIBRATED[family])
+                      for j, family in enumerate(self.families) if family in CALIBRATED}
         flagged = verdict(means, range(n_sources), TWO_SIDED, self.alpha, outlier_means, floors, self.PERMUTATIONS,
                           calibrated)
         quarantined = [int(s) for s in flagged.loc[flagged["flagged"], "source"]]

@@ -288,6 +288,14 @@ def calibration_test(sums: np.ndarray, counts: np.ndarray, variance: float) -> n
     return np.minimum(1.0, 2 * stats.norm.sf(np.abs(z)))
 
 
+def calibration_p_values(sources: np.ndarray, scores: np.ndarray, columns: Sequence, variance: float) -> np.ndarray:
+    """[len(columns)] ``calibration_test`` of each source's records (``sources`` [N] their source ids,
+    ``scores`` [N], NaN left out); a source of ``columns`` without a scored record gets p = 1."""
+    per_source = pd.Series(np.asarray(scores, float)).groupby(np.asarray(sources)).agg(["sum", "count"])
+    per_source = per_source.reindex(list(columns)).fillna(0.0)
+    return calibration_test(per_source["sum"].to_numpy(), per_source["count"].to_numpy(), variance)
+
+
 def holm(p_values: np.ndarray) -> np.ndarray:
     """Holm's step-down adjusted p-values (family-wise error rate across the tests), any shape."""
     p = np.asarray(p_values, float)

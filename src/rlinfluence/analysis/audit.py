@@ -73,7 +73,7 @@ from rlinfluence.rundir import saved_round_numbers
 from rlinfluence.seeding import derived_seed
 from rlinfluence.sources import (  # noqa: F401
     MIN_EPISODES,
-    calibration_test,
+    calibration_p_values,
     episode_floor,
     episode_starts,
     group_means,
@@ -285,11 +285,8 @@ def verdict_table(table: pd.DataFrame, families: Sequence[str], alpha: float = 0
         if enough:  # the outlier test's units: means per collection round, and their floor
             outlier_means[family] = group_means(rounds, source, z, sources)[1]
             floors[family] = episode_floor(source, episode, z, sources)
-    calibrated = {}
-    for family in [f for f in families if f in CALIBRATED]:
-        per_source = judged[family].astype(float).groupby(judged["source"]).agg(["sum", "count"]).reindex(sources)
-        calibrated[family] = calibration_test(per_source["sum"].to_numpy(), per_source["count"].to_numpy(),
-                                              CALIBRATED[family])
+    calibrated = {family: calibration_p_values(source, judged[family].to_numpy(dtype=float), sources, CALIBRATED[family])
+                  for family in families if family in CALIBRATED}
     out = verdict(means, sources, TWO_SIDED, alpha, outlier_means if enough else None, floors, calibrated=calibrated)
     counts = table[~table["trusted"]].groupby("source").size()
     out.insert(1, "records", [int(counts[s]) for s in sources])  # source, records, rounds, flagged, ...

@@ -166,9 +166,8 @@ class RLHFConfig:
 
     def validate(self) -> None:
         """``UserError`` naming the first invalid value."""
-        hints = typing.get_type_hints(RLHFConfig)
         for f in dataclasses.fields(self):  # a resumed config.json or the Python API: tyro checked nothing
-            choices = literal_choices(hints[f.name])
+            choices = literal_choices(RLHF_FIELD_TYPES[f.name])
             if choices and getattr(self, f.name) not in choices:
                 raise UserError(f"{f.name} must be one of {', '.join(map(str, choices))}, got {getattr(self, f.name)!r}")
         for name in ("rounds", "prompts_per_round", "response_length", "val_prompts", "test_prompts",
@@ -257,3 +256,7 @@ class RLHFArgs:
     config: Annotated[RLHFConfig, tyro.conf.arg(name="")]
     resume: str | None = None
     """continue RUN_DIR from its newest checkpoint with its saved config (no other flag)"""
+
+
+RLHF_FIELD_TYPES: dict[str, Any] = typing.get_type_hints(RLHFConfig)
+"""Each field's type, resolved once (``validate`` checks the ``Literal`` ones)."""
