@@ -190,6 +190,10 @@ def round_name(round_index: int) -> str:
     return f"round_{round_index:04d}"
 
 
+AUDIT_SCORES = Path("audit") / "scores"
+"""Where a run's harm tables go, one ``round_K.parquet`` per round (``rlinfluence.analysis.audit``
+reads them: written by the SB3 ``AuditCallback``, the LM trainer's ``--audit``, or a user)."""
+
 _ROUND_FILE = re.compile(r"round_(\d+)")
 
 

@@ -351,6 +351,9 @@ def reading(signature: Sequence[str], p_values: Mapping[str, float] | None = Non
     unlikely = {"action-surprise", "action-calibration"}  # actions the policy would rarely sample
     transitions_off = {f for f, p in (p_values or {}).items() if f in model and p < STRONG_SUPPORT}
     model_family = bool(flagged & model) or (bool(flagged & unlikely) and bool(transitions_off))
+    if "reward-recheck" in flagged:
+        return "reward", ("its logged rewards are not what the reward function gives its completions: check the "
+                          "worker's batching and ordering (rewards assigned to the wrong completions) and its scorer")
     if flagged & {"logp-gap", "value-gap"}:
         return "stale-policy", ("its logged log-probs or values are not the current policy's: a stale or lagging "
                                 "worker, or one that logs another policy's numbers")

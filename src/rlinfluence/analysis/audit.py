@@ -69,6 +69,7 @@ from rlinfluence.errors import UserError
 from rlinfluence.filters import FilterContext, InfluenceScorer
 from rlinfluence.influence import ReturnTarget, ZeroTargetGradient, gradient_alignment
 from rlinfluence.progress import progress_bar
+from rlinfluence.rundir import AUDIT_SCORES as SCORES_DIR
 from rlinfluence.rundir import saved_round_numbers
 from rlinfluence.seeding import derived_seed
 from rlinfluence.sources import (  # noqa: F401
@@ -90,7 +91,6 @@ if TYPE_CHECKING:
 Scorer = Callable[["SavedRound"], np.ndarray]
 Level = Literal["record", "episode", "source"]
 LEVELS: tuple[Level, ...] = ("record", "episode", "source")
-SCORES_DIR = Path("audit") / "scores"
 PLOTTED_SOURCES = 40
 """The sources plot shows at most this many bars (the lowest p-values); the table keeps every source."""
 MAX_PERMUTATIONS = 1_000_000
@@ -356,6 +356,8 @@ def _scored_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None, wor
     absent = sorted(set(rounds) - set(saved))
     if absent:
         raise UserError(f"round {absent[0]} of {str(run_dir)!r} is not saved (saved: {saved[0]}..{saved[-1]})")
+    if "schedule_indices" not in RunDirectory.open_existing(run_dir, tensorboard=False).load_buffer(saved[0]):
+        available.remove("tracin")  # a round saved without its minibatches (an SB3 run's): nothing to replay
     scorers = available if config.get("corrupt") or scorer is None else [scorer]
     todo = list(rounds or saved)
     with progress_bar(progress, f"audit: scoring {len(todo)} saved rounds", len(todo)) as advance:

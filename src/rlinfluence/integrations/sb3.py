@@ -87,7 +87,7 @@ from rlinfluence.influence import (
     gradient_alignment,
     snapshot_influence,
 )
-from rlinfluence.rundir import atomic_write
+from rlinfluence.rundir import AUDIT_SCORES, atomic_write
 
 __all__ = ["AuditCallback", "FilteredRolloutBuffer", "InfluenceFilterCallback", "QuarantineCallback", "SB3PolicyAdapter",
            "as_rollout_buffer", "attribute",
@@ -567,7 +567,7 @@ class AuditCallback(BaseCallback):
         if unknown or not scorers:
             raise ValueError(f"unknown scorer {unknown[0] if unknown else None!r} for SB3 rollouts "
                              f"(choose from {', '.join(AUDIT_SCORERS)})")
-        self.folder = Path(path) / "audit" / "scores"
+        self.folder = Path(path) / AUDIT_SCORES
         not_index = [e for e in corrupted_envs if isinstance(e, bool) or not isinstance(e, numbers.Integral)]
         if not_index:
             raise ValueError(f"corrupted_envs holds {not_index[0]!r}: vec env indices are integers")

@@ -70,6 +70,15 @@ class RLHFConfig:
     target_source: Literal["rollout", "fresh"] = "rollout"
     """f_seq's validation sequences: rollout = held-out halves of the round's own prompt groups, each
     half scored against the other (no extra generation); fresh = a new rollout of the val prompts each round"""
+    reward_workers: int = 1
+    """workers that score each round's completions, each a contiguous shard of the batch
+    (rlinfluence.rlhf.reward.ShardedReward): the sources of --audit"""
+    broken_reward_workers: Annotated[tuple[int, ...], StatedDefault] = ()
+    """a fault for benchmarks: these reward workers return their shard's scores shifted by one
+    position (real scores, assigned to the wrong completions); the evaluation stays clean"""
+    audit: bool = False
+    """write each round's harm table (sources = reward workers) to audit/scores/ for `rlinfluence
+    audit RUN` (rlinfluence.rlhf.audit); its seconds are logged as audit_seconds, outside train_seconds"""
     score_value_loss: bool = False
     """include c_vf x value loss in the training side of the scores (the authors' code did)"""
     seed: int = 1
@@ -171,7 +180,8 @@ class RLHFConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise UserError(f"{f.name} must be one of {', '.join(map(str, choices))}, got {getattr(self, f.name)!r}")
         for name in ("rounds", "prompts_per_round", "response_length", "val_prompts", "test_prompts",
-                     "ppo_epochs", "mini_batch_size", "lora_r", "records_per_pass", "torch_threads"):
+                     "ppo_epochs", "mini_batch_size", "lora_r", "records_per_pass", "torch_threads",
+                     "reward_workers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UserError(f"{name} must be an integer >= 1, got {value!r}")
@@ -213,6 +223,18 @@ class RLHFConfig:
         check_drop_pct(self.drop_pct)
         if self.filter == "dynamic-sampling" and self.algo != "grpo":
             raise UserError("--filter dynamic-sampling drops groups of equal rewards: it needs --algo grpo")
+        sequences = self.prompts_per_round * self.responses_per_prompt
+        if self.reward_workers > sequences:
+            raise UserError(f"reward_workers {self.reward_workers} exceeds the {sequences} sequences of a round")
+        outside = [w for w in self.broken_reward_workers if not 0 <= w < self.reward_workers]
+        if outside:
+            raise UserError(f"broken reward worker {outside[0]} is not one of the {self.reward_workers} reward workers")
+        if self.audit and self.reward_workers < 3:
+            raise UserError(f"--audit compares each reward worker with the others: reward_workers must be >= 3, "
+                            f"got {self.reward_workers}")
+        if self.audit and self.prompts_per_round < 2:
+            raise UserError("--audit scores every sequence against the other half of the round's prompt groups: "
+                            f"prompts_per_round must be >= 2, got {self.prompts_per_round}")
         if self.max_resample < 0:
             raise UserError(f"max_resample must be >= 0, got {self.max_resample}")
         if self.filter == "pods" and self.responses_per_prompt < 2:
@@ -243,7 +265,8 @@ class RLHFConfig:
         if unknown:
             raise UserError(f"{source}: unknown RLHF config keys {unknown}")
         values = dict(values)
-        values["lora_target_modules"] = tuple(values.get("lora_target_modules", ()))  # JSON gives a list
+        for name in ("lora_target_modules", "broken_reward_workers"):  # JSON gives lists
+            values[name] = tuple(values.get(name, ()))
         return cls(**values)
 
 

@@ -14,8 +14,9 @@ response text only (not the prompt):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from rlinfluence.errors import UserError
@@ -105,6 +106,41 @@ class GoldSentimentReward:
             raise ValueError(f"{len(texts)} texts but {len(ref_logp_mean)} reference log-likelihoods")
         p = self.parts(texts, ref_logp_mean)
         return torch.where(p["sentiment"] > 0, p["sentiment"] * p["distinct"] * p["fluency"], p["sentiment"])
+
+
+class ShardedReward:
+    """A reward computed by ``workers`` reward workers, as a batch is split across processes or
+    servers: worker w scores the w-th contiguous shard of the batch (``numpy.array_split``: the
+    first len % workers shards one longer).
+
+    A worker in ``broken`` returns its shard's scores shifted by one position (score j goes to
+    completion j + 1, the last to the first): each score is a real score of a real completion, so
+    the rewards look normal, but they belong to other completions (a worker that misaligns or
+    reorders its batch). A fault for benchmarks, its truth known per record (``corrupted``).
+    """
+
+    def __init__(self, reward_fn: RewardFn, workers: int, broken: Sequence[int] = ()) -> None:
+        if workers < 1:
+            raise UserError(f"reward workers must be >= 1, got {workers}")
+        outside = [w for w in broken if not 0 <= w < workers]
+        if outside:
+            raise UserError(f"broken reward worker {outside[0]} is not one of the {workers} workers (0..{workers - 1})")
+        self.reward_fn, self.workers, self.broken = reward_fn, workers, tuple(sorted(set(broken)))
+
+    def sources(self, n: int) -> np.ndarray:
+        """[n] the worker that scores each position of a batch of n."""
+        return np.concatenate([np.full(len(shard), w) for w, shard in enumerate(np.array_split(np.arange(n), self.workers))])
+
+    def corrupted(self, n: int) -> np.ndarray:
+        """[n] whether a broken worker scores the position (bool)."""
+        return np.isin(self.sources(n), self.broken)
+
+    def __call__(self, texts: list[str]) -> torch.Tensor:
+        scores = []
+        for w, shard in enumerate(np.array_split(np.arange(len(texts)), self.workers)):
+            part = torch.as_tensor(self.reward_fn([texts[i] for i in shard]), dtype=torch.float32).flatten()
+            scores.append(part.roll(1) if w in self.broken else part)
+        return torch.cat(scores)
 
 
 TASK_REWARDS: dict[str, Callable[[], RewardFn]] = {"sentiment": SentimentReward, "toxicity": ProfanityReward,

@@ -42,6 +42,7 @@ from rlinfluence.filters import (
 )
 from rlinfluence.influence import ZeroTargetGradient
 from rlinfluence.progress import progress_bar
+from rlinfluence.rlhf.audit import harm_table, write_harm_table
 from rlinfluence.rlhf.config import RLHFConfig  # noqa: F401  (importable from here)
 from rlinfluence.rlhf.core import AdaptiveKLController, grpo_loss, mean_response_logp, ppo_losses
 from rlinfluence.rlhf.data import load_prompts
@@ -49,7 +50,13 @@ from rlinfluence.rlhf.filters import advantage_sign, pods, random_subset, zero_v
 from rlinfluence.rlhf.influence import heldout_sequence_influence, sequence_influence
 from rlinfluence.rlhf.model import PolicyWithValueHead, load_policy
 from rlinfluence.rlhf.report import save_completions, write_report
-from rlinfluence.rlhf.reward import TASK_REWARDS, GoldSentimentReward, ProfanityReward, RewardFn
+from rlinfluence.rlhf.reward import (
+    TASK_REWARDS,
+    GoldSentimentReward,
+    ProfanityReward,
+    RewardFn,
+    ShardedReward,
+)
 from rlinfluence.rlhf.rollout import Rollout, add_advantages, concatenate, sample
 from rlinfluence.rundir import RunDirectory, load_checkpoint
 from rlinfluence.seeding import derived_seed  # streams: 0 training, 1 validation, 2 evaluation
@@ -96,7 +103,10 @@ class RLHFTrainer:
         needs_val = cfg.filter == "iif" and cfg.target == "seq" and cfg.target_source == "fresh"
         self.val_prompts = prompts(val_prompts, "val", cfg.val_prompts) if needs_val else []
         self.test_prompts = prompts(test_prompts, "test", cfg.test_prompts)
-        self.reward_fn = reward_fn if reward_fn is not None else TASK_REWARDS[cfg.task]()
+        self.reference_reward = reward_fn if reward_fn is not None else TASK_REWARDS[cfg.task]()
+        sharded = cfg.reward_workers > 1 or cfg.broken_reward_workers
+        self.reward_fn = ShardedReward(self.reference_reward, cfg.reward_workers, cfg.broken_reward_workers) \
+            if sharded else self.reference_reward
         self.gold = GoldSentimentReward() if cfg.task == "sentiment-gold" else None
         self.policy = policy if policy is not None else load_policy(
             cfg.model, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
@@ -249,7 +259,7 @@ class RLHFTrainer:
         """One round: sample -> advantages -> (IIF) -> optimise -> KL update -> (evaluate) -> log."""
         cfg = self.config
         t0 = self.clock()
-        rollout = self.rollout(self._next_prompts(), stream=0)
+        rollout = collected = self.rollout(self._next_prompts(), stream=0)
         stats: dict[str, float] = {}
         if cfg.filter == "dynamic-sampling":
             rollout, stats = self.informative_groups(rollout)
@@ -273,13 +283,14 @@ class RLHFTrainer:
                 keep = guard_minibatch(keep, scores, context)
                 stats.update(context.stats, skipped=0.0)
                 self.last_scores = scores
+        audit_seconds = self.audit(collected) if cfg.audit else 0.0
         t2 = self.clock()
         update = self.update(rollout, keep)
         t3 = self.clock()
         kl = rollout.mean_kl
         beta = self.kl_ctl.value
         self.kl_ctl.update(kl, len(rollout))
-        self.train_seconds += t3 - t0
+        self.train_seconds += t3 - t0 - audit_seconds
         self.sequences += len(rollout)
         self.round += 1
         self.last_rollout = rollout
@@ -287,12 +298,14 @@ class RLHFTrainer:
         metrics: dict[str, Any] = {
             "round": self.round - 1, "env_steps": self.sequences, "train_seconds": self.train_seconds,
             "generation_seconds": rollout.seconds["generation"], "forward_seconds": rollout.seconds["forward"],
-            "reward_seconds": rollout.seconds["reward"], "influence_seconds": t2 - t1,
-            "optimisation_seconds": t3 - t2, "round_seconds": t3 - t0,
+            "reward_seconds": rollout.seconds["reward"], "influence_seconds": t2 - t1 - audit_seconds,
+            "optimisation_seconds": t3 - t2, "round_seconds": t3 - t0 - audit_seconds,
             "reward_mean": float(rollout.scores.mean()), "reward_std": float(rollout.scores.std()),
             "kl": kl, "kl_coef": beta, "response_tokens_mean": float(rollout.mask.sum(1).mean()),
             **update, **stats,
         }
+        if cfg.audit:
+            metrics["audit_seconds"] = audit_seconds
         gold = None
         if self.gold is not None:
             gold = self.gold(rollout.responses, mean_response_logp(rollout.ref_logp, rollout.mask))
@@ -309,6 +322,32 @@ class RLHFTrainer:
             if cfg.checkpoint_every and self.round % cfg.checkpoint_every == 0:
                 self.save_checkpoint()
         return metrics
+
+    def audit(self, rollout: Rollout) -> float:
+        """Write the harm table of the round's collected ``rollout`` at theta(k)
+        (``rlinfluence.rlhf.audit``); the seconds it took (kept out of the round's). The influence
+        family reuses IIF's scores where they are the same held-out f_seq scores of this rollout."""
+        cfg = self.config
+        start = self.clock()
+        if cfg.filter == "iif" and cfg.uses_heldout_target and self.last_scores is not None:
+            influence = self.last_scores
+        else:
+            try:
+                influence = heldout_sequence_influence(
+                    self.policy, rollout, group_size=cfg.responses_per_prompt, algo=cfg.algo,
+                    value_loss=cfg.score_value_loss, vf_coef=cfg.vf_coef, beta=self.kl_ctl.value,
+                    records_per_pass=cfg.records_per_pass)
+            except ZeroTargetGradient:  # no attribution signal this round: every sequence scores 0
+                influence = torch.zeros(len(rollout))
+        sharded = isinstance(self.reward_fn, ShardedReward)
+        table = harm_table(self.round, rollout.scores, rollout.sequence_advantages, influence,
+                           torch.as_tensor(self.reference_reward(rollout.responses), dtype=torch.float32),
+                           self.reward_fn.sources(len(rollout)) if sharded else np.zeros(len(rollout)),
+                           self.reward_fn.corrupted(len(rollout)) if sharded and cfg.broken_reward_workers else None,
+                           cfg.seed)
+        if self.run is not None:
+            write_harm_table(self.run.path, table)
+        return self.clock() - start
 
     # -- optimise -----------------------------------------------------------------------
     def update(self, rollout: Rollout, keep: torch.Tensor) -> dict[str, float]:
@@ -369,8 +408,9 @@ class RLHFTrainer:
                 mask = out["mask"].float()
                 logp = self.policy(out["input_ids"], out["attention_mask"], mask.shape[1], values=False, reference=True)[0]
                 ref_logp.append(mean_response_logp(logp, mask))
-        toxic = self.reward_fn.offensive_probability(texts) if isinstance(self.reward_fn, ProfanityReward) else None
-        rewards = 1 - toxic if toxic is not None else torch.as_tensor(self.reward_fn(texts), dtype=torch.float32)
+        reward = self.reference_reward  # the evaluation's scorer is sound whatever the training's workers do
+        toxic = reward.offensive_probability(texts) if isinstance(reward, ProfanityReward) else None
+        rewards = 1 - toxic if toxic is not None else torch.as_tensor(reward(texts), dtype=torch.float32)
         result = {"eval_return_mean": float(rewards.mean()), "eval_return_std": float(rewards.std())}
         if toxic is not None:
             result["test_toxicity"] = float(toxic.mean())

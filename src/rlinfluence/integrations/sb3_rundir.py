@@ -1,0 +1,225 @@
+"""A Stable-Baselines3 PPO run as an rlinfluence run directory, so that every analysis command
+(``attribute``, ``diagnose``, ``timeline``, ``validate``, ``intervene``, ``explain``, ``audit``,
+``report``) works on it:
+
+    from stable_baselines3 import PPO
+    from rlinfluence.integrations.sb3_rundir import RunDirectoryCallback
+
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=256, seed=1)
+    model.learn(20_000, callback=RunDirectoryCallback("runs/sb3_cartpole"))
+    # rlinfluence attribute runs/sb3_cartpole --round 3 ...
+
+The callback writes what ``rlinfluence.ppo.PPO`` writes with ``save_buffers``: ``config.json`` (a
+``PPOConfig`` with the model's env and hyperparameters), ``metrics.csv`` (one row per round),
+``checkpoints/round_K.pt`` (theta(k) with the optimiser's state, before round k's ``train()``;
+and the final theta) and ``buffers/round_K.safetensors`` (round k's records after SB3's GAE).
+
+The policy is written as rlinfluence's ``ActorCritic``, the same network with the same weights
+(SB3's ``MlpPolicy`` with the default flatten extractor, ``net_arch`` pi = vf, tanh; the names map
+``mlp_extractor.policy_net`` -> ``actor``, ``mlp_extractor.value_net`` -> ``critic``,
+``action_net`` -> ``action_head``, ``value_net`` -> ``value_head``, ``log_std``), and SB3's Adam
+moments are carried to the same parameters. Anything else (a CNN, another activation, separate
+pi / vf sizes, gSDE, a schedule for the learning rate or the clip range, another optimiser, an
+env gymnasium cannot make by id) is refused with one ``UserError`` at the start of ``learn()``.
+
+What re-runs of an update mean here: ``validate``, ``intervene`` and ``explain`` redo round k's
+update with rlinfluence's PPO update and SB3's hyperparameters from theta(k) and its Adam state
+(``SavedRound.retrain``); its minibatches are drawn by rlinfluence's generator, not SB3's, and a
+batch size that does not divide the round's records drops the remainder (SB3 trains on it), so a
+plain re-run lands near SB3's theta(k+1), not on it bit for bit. Scores of records at theta(k)
+(``attribute``, ``diagnose``, ``timeline``, ``audit``) need no re-run and are exact.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gymnasium import spaces
+from torch import nn
+
+try:
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.torch_layers import FlattenExtractor
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("rlinfluence.integrations.sb3_rundir needs stable-baselines3: "
+                      "pip install 'rlinfluence[sb3]'") from exc
+
+from rlinfluence.config import PPOConfig
+from rlinfluence.errors import UserError
+from rlinfluence.integrations.sb3 import as_rollout_buffer
+from rlinfluence.ppo import PPO
+from rlinfluence.rundir import RunDirectory
+
+_NAMES = ((re.compile(r"^mlp_extractor\.policy_net\.(.*)"), r"actor.\1"),
+          (re.compile(r"^mlp_extractor\.value_net\.(.*)"), r"critic.\1"),
+          (re.compile(r"^action_net\.(.*)"), r"action_head.\1"),
+          (re.compile(r"^value_net\.(.*)"), r"value_head.\1"),
+          (re.compile(r"^log_std$"), "log_std"))
+
+
+def our_name(sb3_name: str) -> str | None:
+    """rlinfluence's ``ActorCritic`` name of an SB3 ``MlpPolicy`` parameter (None: no counterpart)."""
+    for pattern, replacement in _NAMES:
+        if pattern.match(sb3_name):
+            return pattern.sub(replacement, sb3_name)
+    return None
+
+
+def _constant(model: Any, name: str, label: str | None = None) -> float:
+    """A hyperparameter SB3 holds as a schedule, read at progress 1 and 0: ``UserError`` (naming it
+    ``label``) unless constant."""
+    schedule = getattr(model, name)
+    if not callable(schedule):
+        return float(schedule)
+    start, end = float(schedule(1.0)), float(schedule(0.0))
+    if start != end:
+        raise UserError(f"RunDirectoryCallback: {label or name} is a schedule ({start:g} -> {end:g}); rlinfluence's "
+                        "re-runs take a constant one")
+    return start
+
+
+def config_of(model: Any, total_timesteps: int, eval_episodes: int) -> PPOConfig:
+    """The ``PPOConfig`` of an SB3 PPO model (``UserError`` for what has no counterpart)."""
+    policy = model.policy
+    env_spec = model.env.get_attr("spec")[0]
+    if env_spec is None or not env_spec.id:
+        raise UserError("RunDirectoryCallback: the model's env has no gymnasium id (make it with gymnasium.make "
+                        "or pass the id to PPO)")
+    if model.use_sde:
+        raise UserError("RunDirectoryCallback: gSDE (use_sde=True) has no counterpart in rlinfluence's policy")
+    if not isinstance(policy.features_extractor, FlattenExtractor):
+        raise UserError(f"RunDirectoryCallback: the features extractor is {type(policy.features_extractor).__name__}; "
+                        "only MlpPolicy's FlattenExtractor maps onto rlinfluence's policy")
+    if policy.activation_fn is not nn.Tanh or getattr(policy, "squash_output", False):
+        raise UserError(f"RunDirectoryCallback: activation {policy.activation_fn.__name__} (rlinfluence's policy "
+                        "uses tanh)")
+    arch = policy.net_arch
+    pi, vf = (arch.get("pi", []), arch.get("vf", [])) if isinstance(arch, dict) else (list(arch), list(arch))
+    if list(pi) != list(vf):
+        raise UserError(f"RunDirectoryCallback: net_arch pi {pi} and vf {vf} differ (rlinfluence's actor and "
+                        "critic have the same hidden sizes)")
+    if not isinstance(model.observation_space, spaces.Box) or len(model.observation_space.shape) != 1:
+        raise UserError(f"RunDirectoryCallback: observation space {model.observation_space} (vectors only)")
+    if not isinstance(model.action_space, spaces.Discrete | spaces.Box):
+        raise UserError(f"RunDirectoryCallback: action space {model.action_space} (Discrete or Box only)")
+    optimizer = policy.optimizer
+    if type(optimizer) is not torch.optim.Adam:
+        raise UserError(f"RunDirectoryCallback: optimiser {type(optimizer).__name__} (Adam only)")
+    clip_vf = _constant(model, "clip_range_vf") if model.clip_range_vf is not None else None
+    return PPOConfig(
+        env=env_spec.id, seed=int(model.seed) if model.seed is not None else 0, total_timesteps=int(total_timesteps),
+        n_envs=model.n_envs, n_steps=model.n_steps, batch_size=model.batch_size, n_epochs=model.n_epochs,
+        learning_rate=_constant(model, "lr_schedule", "learning_rate"), optimizer="adam",
+        adam_eps=float(optimizer.param_groups[0]["eps"]), gamma=float(model.gamma),
+        gae_lambda=float(model.gae_lambda), clip_range=_constant(model, "clip_range"), clip_range_vf=clip_vf,
+        normalize_advantage=bool(model.normalize_advantage), ent_coef=float(model.ent_coef),
+        vf_coef=float(model.vf_coef),
+        max_grad_norm=float(model.max_grad_norm) if math.isfinite(model.max_grad_norm) else None,
+        target_kl=float(model.target_kl) if model.target_kl is not None else None,
+        hidden_sizes=tuple(int(h) for h in pi), encoder="flatten", eval_episodes=eval_episodes,
+        save_buffers=True, progress=False, tensorboard=False)
+
+
+class RunDirectoryCallback(BaseCallback):
+    """Writes an SB3 PPO run as an rlinfluence run directory at ``path`` (module docstring).
+
+    ``eval_episodes``: episodes of rlinfluence's evaluation of each theta(k+1) (the run's
+    ``eval_return_mean``, what ``explain`` and ``report`` read; 0 = none, NaN in metrics.csv).
+    Training is unchanged: the callback reads the model and writes files, it draws no random number
+    from SB3's generators (the evaluation has its own, seeded by the round)."""
+
+    def __init__(self, path: str | Path, eval_episodes: int = 20, verbose: int = 0):
+        super().__init__(verbose)
+        if eval_episodes < 0:
+            raise UserError(f"eval_episodes must be >= 0, got {eval_episodes}")
+        self.path, self.eval_episodes = Path(path), eval_episodes
+        self.round = 0
+        self.trainer: PPO | None = None
+        self.run: RunDirectory | None = None
+        self._episodes: np.ndarray | None = None
+        self._returns: list[float] = []
+        self._pending: dict[str, Any] | None = None  # the last round's row, completed after its train()
+
+    def _on_training_start(self) -> None:
+        config = config_of(self.model, self.model._total_timesteps, self.eval_episodes)
+        self.trainer = PPO(config, run_dir=False)
+        ours = dict(self.trainer.policy.named_parameters())
+        theirs = {our_name(n): p for n, p in self.model.policy.named_parameters()}
+        if set(theirs) != set(ours) or any(theirs[n].shape != p.shape for n, p in ours.items()):
+            raise UserError(f"RunDirectoryCallback: the policy's parameters {sorted(map(str, theirs))} do not map onto "
+                            f"rlinfluence's {sorted(ours)}")
+        self.run = RunDirectory.at(self.path, tensorboard=False)
+        self.run.write_config(config.to_dict())
+        self.round = 0
+
+    def _state(self) -> dict[str, Any]:
+        """The model now as rlinfluence's trainer state at round ``self.round``: the policy, and SB3's
+        Adam moments moved to the same parameters (by name; SB3 registers them in another order)."""
+        trainer, policy = self.trainer, self.model.policy
+        sb3_names = [n for n, _ in policy.named_parameters()]
+        with torch.no_grad():
+            for name, parameter in policy.named_parameters():
+                dict(trainer.policy.named_parameters())[our_name(name)].copy_(parameter.detach().cpu())
+        our_index = {n: i for i, (n, _) in enumerate(trainer.policy.named_parameters())}
+        sb3_state = policy.optimizer.state_dict()
+        moved = {our_index[our_name(sb3_names[i])]: {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                                                   for k, v in s.items()} for i, s in sb3_state["state"].items()}
+        group = {**sb3_state["param_groups"][0], "params": list(range(len(our_index)))}
+        trainer.optimizer.load_state_dict({"state": moved, "param_groups": [group]})
+        trainer.round, trainer.env_steps = self.round, int(self.num_timesteps)
+        return trainer.state_dict()
+
+    def _on_step(self) -> bool:
+        for info in self.locals.get("infos", []):
+            if "episode" in info:  # SB3's Monitor: an episode ended
+                self._returns.append(float(info["episode"]["r"]))
+        return True
+
+    def _finish_pending(self) -> None:
+        """The previous round's row, now that its ``train()`` ran: SB3's update statistics and the
+        evaluation of theta(k+1) (the model as it is now)."""
+        if self._pending is None:
+            return
+        row, values = self._pending, self.model.logger.name_to_value
+        for ours, theirs in (("approx_kl", "train/approx_kl"), ("clip_fraction", "train/clip_fraction"),
+                             ("policy_loss", "train/policy_gradient_loss"), ("value_loss", "train/value_loss"),
+                             ("entropy", "train/entropy_loss")):
+            if theirs in values:
+                row[ours] = -float(values[theirs]) if ours == "entropy" else float(values[theirs])
+        self._state()  # theta(k+1) into the trainer's policy, for its evaluation
+        self.trainer.round = row["round"] + 1
+        returns = self.trainer.evaluate()
+        row["eval_return_mean"] = float(returns.mean()) if returns.size else math.nan
+        row["eval_return_std"] = float(returns.std()) if returns.size else math.nan
+        self.run.log_round(row)
+        self._pending = None
+
+    def _on_rollout_end(self) -> None:
+        self._finish_pending()
+        buffer = self.model.rollout_buffer
+        if self._episodes is None:
+            self._episodes = np.zeros(buffer.n_envs, dtype=np.int64)
+        ours = as_rollout_buffer(self.model, buffer, self.round, self._episodes)
+        self._episodes = ours.episode_ids[-1].numpy() + ours.terminated[-1].long().numpy()
+        tensors = ours.tensors()
+        tensors["keep"] = torch.ones(len(ours), dtype=torch.bool)
+        self.run.save_checkpoint(self.round, self._state())
+        self.run.save_buffer(self.round, tensors)
+        self._pending = {"round": self.round, "env_steps": int(self.num_timesteps),
+                         "train_return_mean": float(np.mean(self._returns)) if self._returns else math.nan,
+                         "train_episodes": len(self._returns), "kept_fraction": 1.0}
+        self._returns = []
+        self.round += 1
+
+    def _on_training_end(self) -> None:
+        self._finish_pending()
+        self.run.save_checkpoint(self.round, self._state())  # the final theta, after the last train()
+        self.run.close()
+
+
+__all__ = ["RunDirectoryCallback", "config_of", "our_name"]

@@ -1,0 +1,107 @@
+"""An SB3 PPO run written as an rlinfluence run directory (``RunDirectoryCallback``): the saved
+theta(k) is the policy that collected round k, the records and advantages are SB3's, the final
+checkpoint holds SB3's weights and Adam moments, training is unchanged, and every analysis
+command runs on the directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("stable_baselines3")
+
+from stable_baselines3 import PPO as SB3PPO  # noqa: E402
+from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
+
+from rlinfluence import cli  # noqa: E402
+from rlinfluence.checkpoint import load_round  # noqa: E402
+from rlinfluence.errors import UserError  # noqa: E402
+from rlinfluence.integrations.sb3_rundir import RunDirectoryCallback, our_name  # noqa: E402
+from rlinfluence.rundir import load_checkpoint  # noqa: E402
+
+ROUNDS = 4
+
+
+def sb3_model(**kwargs) -> SB3PPO:
+    env = make_vec_env("CartPole-v1", n_envs=3, seed=1)
+    return SB3PPO("MlpPolicy", env, n_steps=32, batch_size=32, n_epochs=2, seed=1, device="cpu", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def sb3_run(tmp_path_factory):
+    torch.set_num_threads(1)
+    path = tmp_path_factory.mktemp("sb3") / "run"
+    model = sb3_model()
+    model.learn(32 * 3 * ROUNDS, callback=RunDirectoryCallback(path, eval_episodes=2))
+    return path, model
+
+
+def test_each_saved_round_is_the_policy_that_collected_it_with_sb3s_records(sb3_run):
+    path, model = sb3_run
+    config = json.loads((path / "config.json").read_text())
+    assert (config["env"], config["n_envs"], config["n_steps"], config["batch_size"]) == ("CartPole-v1", 3, 32, 32)
+    assert config["learning_rate"] == pytest.approx(3e-4) and config["hidden_sizes"] == [64, 64]
+    for k in range(ROUNDS):
+        saved = load_round(path, k)
+        buffer = saved.buffer
+        logp = saved.trainer.policy.log_prob(buffer.flat("obs").float(), buffer.flat("actions"))
+        assert torch.allclose(logp, buffer.flat("logp"), atol=1e-5)  # theta(k) gives the logged log-probs
+        assert buffer.obs.shape[:2] == (32, 3) and saved.keep.all()
+    rows = [line.split(",") for line in (path / "metrics.csv").read_text().splitlines()]
+    assert [int(r[0]) for r in rows[1:]] == list(range(ROUNDS)) and "eval_return_mean" in rows[0]
+
+
+def test_the_final_checkpoint_holds_sb3s_weights_and_adam_moments(sb3_run):
+    path, model = sb3_run
+    state = load_checkpoint(path / "checkpoints" / f"round_{ROUNDS:04d}.pt")
+    assert state["round"] == ROUNDS
+    names = [n for n, _ in model.policy.named_parameters()]
+    ours = list(state["policy"])
+    adam = model.policy.optimizer.state_dict()["state"]
+    from rlinfluence.config import PPOConfig
+    from rlinfluence.ppo import PPO
+
+    order = [n for n, _ in PPO(PPOConfig.from_dict(json.loads((path / "config.json").read_text())),
+                               run_dir=False).policy.named_parameters()]
+    for i, (name, parameter) in enumerate(model.policy.named_parameters()):
+        assert torch.equal(state["policy"][our_name(name)], parameter.detach()), name
+        moved = state["optimizer"]["state"][order.index(our_name(names[i]))]
+        assert torch.equal(moved["exp_avg"], adam[i]["exp_avg"]) and torch.equal(moved["exp_avg_sq"], adam[i]["exp_avg_sq"])
+    assert set(ours) == {our_name(n) for n in names}
+
+
+def test_training_is_unchanged_by_the_callback(sb3_run, tmp_path):
+    _, model = sb3_run
+    plain = sb3_model()
+    plain.learn(32 * 3 * ROUNDS)
+    for (name, a), (_, b) in zip(model.policy.named_parameters(), plain.policy.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("command", [
+    ["attribute", "{run}", "--round", "1"],
+    ["diagnose", "{run}", "--round", "1"],
+    ["timeline", "{run}", "--state-index", "0"],
+    ["validate", "{run}", "--round", "1"],
+    ["intervene", "{run}", "--rounds", "1", "--eval-episodes", "4"],
+    ["explain", "{run}", "--round", "1", "--episodes", "4", "--draws", "2"],
+    ["audit", "{run}"],
+    ["report", "{run}"],
+])
+def test_every_analysis_command_runs_on_the_sb3_run_directory(sb3_run, command, capsys):
+    path, _ = sb3_run
+    assert cli.main([c.format(run=path) for c in command]) == 0
+    assert "error" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(policy_kwargs=dict(net_arch=dict(pi=[32], vf=[64]))), "net_arch pi \\[32\\] and vf \\[64\\] differ"),
+    (dict(learning_rate=lambda progress: 1e-3 * progress), "learning_rate is a schedule"),
+    (dict(policy_kwargs=dict(activation_fn=torch.nn.ReLU)), "activation ReLU"),
+])
+def test_what_has_no_counterpart_is_refused_at_the_start(tmp_path, kwargs, message):
+    with pytest.raises(UserError, match=message):
+        sb3_model(**kwargs).learn(96, callback=RunDirectoryCallback(tmp_path / "run"))
+    assert not (tmp_path / "run" / "config.json").exists()
