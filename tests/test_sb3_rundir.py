@@ -105,3 +105,15 @@ def test_what_has_no_counterpart_is_refused_at_the_start(tmp_path, kwargs, messa
     with pytest.raises(UserError, match=message):
         sb3_model(**kwargs).learn(96, callback=RunDirectoryCallback(tmp_path / "run"))
     assert not (tmp_path / "run" / "config.json").exists()
+
+
+def test_a_second_training_into_the_same_folder_is_refused_and_a_continued_one_goes_on(tmp_path):
+    callback = RunDirectoryCallback(tmp_path / "run", eval_episodes=0)
+    model = sb3_model()
+    model.learn(96, callback=callback)
+    model.learn(96, callback=callback, reset_num_timesteps=False)  # the same callback: the run goes on
+    assert sorted(p.name for p in (tmp_path / "run" / "buffers").iterdir()) == ["round_0000.safetensors",
+                                                                                "round_0001.safetensors"]
+    assert load_round(tmp_path / "run", 1).trainer.round == 1
+    with pytest.raises(UserError, match="already holds a run"):
+        sb3_model().learn(96, callback=RunDirectoryCallback(tmp_path / "run"))

@@ -146,6 +146,11 @@ class RunDirectoryCallback(BaseCallback):
         self._pending: dict[str, Any] | None = None  # the last round's row, completed after its train()
 
     def _on_training_start(self) -> None:
+        if self.run is not None:  # a later learn() with this callback continues its run
+            return
+        if (self.path / "config.json").exists():
+            raise UserError(f"{str(self.path)!r} already holds a run: the analyses would mix the two trainings; give "
+                            "this one its own path (or pass the same callback to a later learn() to continue)")
         config = config_of(self.model, self.model._total_timesteps, self.eval_episodes)
         self.trainer = PPO(config, run_dir=False)
         ours = dict(self.trainer.policy.named_parameters())
@@ -155,7 +160,6 @@ class RunDirectoryCallback(BaseCallback):
                             f"rlinfluence's {sorted(ours)}")
         self.run = RunDirectory.at(self.path, tensorboard=False)
         self.run.write_config(config.to_dict())
-        self.round = 0
 
     def _state(self) -> dict[str, Any]:
         """The model now as rlinfluence's trainer state at round ``self.round``: the policy, and SB3's
