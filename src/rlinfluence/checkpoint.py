@@ -72,8 +72,9 @@ def load_round(run_dir: str | Path, round_index: int) -> SavedRound:
     """Round ``round_index`` of a run trained with ``save_buffers``: the trainer restored to
     theta(k) (policy and optimiser state before the round's update) and the saved buffer."""
     run = RunDirectory.open_existing(run_dir, tensorboard=False)
-    # retraining a saved round (validate, intervention) does not record TracIn again
-    config = dataclasses.replace(PPOConfig.from_dict(run.read_config()), progress=False, tracin=False)
+    # retraining a saved round (validate, intervention) does not record TracIn again; the analyses
+    # read a run on the CPU, wherever it trained
+    config = dataclasses.replace(PPOConfig.from_dict(run.read_config()), progress=False, tracin=False, device="cpu")
     tensors = run.load_buffer(round_index)
     checkpoint = run.checkpoint_path(round_index)
     if not checkpoint.is_file():

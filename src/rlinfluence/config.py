@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 import warnings
@@ -172,6 +173,11 @@ class PPOConfig:
     """episode e of every evaluation is reset with seed eval_seed + e (shared by all methods)"""
     torch_threads: int = 1
     """torch CPU threads (small networks run fastest on one)"""
+    device: str = "cpu"
+    """where the policy, its optimiser, each round's update and the influence scores run: cpu, cuda,
+    cuda:N or auto (cuda if available); the envs step on the CPU whatever it is, and a small MLP
+    trains fastest on the CPU (a GPU pays for image encoders and wide networks). The analyses of a
+    saved run read it on the CPU"""
     run_root: str = "runs"
     """parent folder of run directories"""
     method: Annotated[str | None, StatedDefault] = None
@@ -244,6 +250,22 @@ class PPOConfig:
     @property
     def rounds(self) -> int:
         return math.ceil(self.total_timesteps / self.rollout_size)
+
+    def _check_device(self) -> None:
+        """``UserError`` for a device name outside auto|cpu|cuda|cuda:N, for the options that run on
+        the CPU only with another device, and (torch imported here) for CUDA this machine lacks."""
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise UserError(f"unknown device {self.device!r} (choose auto, cpu, cuda or cuda:N)")
+        if self.device != "cpu":
+            cpu_only = {"--filter quarantine": self.filter == "quarantine", "--step-control": self.step_control != "none",
+                        "--gate": self.gate != "none", "--drop-pct auto": self.drop_pct == "auto", "--tracin": self.tracin}
+            for option, used in cpu_only.items():
+                if used:
+                    raise UserError(f"{option} runs on the CPU only (its checks read the policy in NumPy or replay "
+                                    f"the update there): use --device cpu, not {self.device}")
+        from rlinfluence.device import resolve_device  # torch: imported when a run is validated
+
+        resolve_device(self.device)
 
     def validate(self) -> None:
         """Raise ``UserError`` naming the first invalid value."""
@@ -324,6 +346,7 @@ class PPOConfig:
             raise UserError(f"hidden_sizes must all be >= 1, got {list(self.hidden_sizes)}")
         if self.method is not None:
             check_plain_name("method", self.method)
+        self._check_device()
         # the checks that need an env, a renderer or wandb import them here, not at start-up
         from rlinfluence.envs import check_env_id, mc_unavailable_reason
         from rlinfluence.frames import check_renders

@@ -242,7 +242,7 @@ class NumpyActorCritic:
             return None
 
         def linear(layer: nn.Linear) -> tuple[np.ndarray, np.ndarray]:
-            return layer.weight.detach().numpy().T.copy(), layer.bias.detach().numpy().copy()
+            return layer.weight.detach().cpu().numpy().T.copy(), layer.bias.detach().cpu().numpy().copy()
 
         def program(seq: nn.Sequential) -> list | None:
             ops = []
@@ -258,7 +258,7 @@ class NumpyActorCritic:
         actor, critic = program(policy.actor), program(policy.critic)
         if actor is None or critic is None:
             return None
-        log_std = policy.log_std.detach().numpy().copy() if policy.continuous else None
+        log_std = policy.log_std.detach().cpu().numpy().copy() if policy.continuous else None
         return cls(actor, critic, linear(policy.action_head), linear(policy.value_head), log_std)
 
     @staticmethod
@@ -312,8 +312,10 @@ def rollout_actor(policy: ActorCritic) -> RolloutActor:
     if fast is not None:
         return fast.act_with_noise
 
+    device = next(policy.parameters()).device
+
     def act(obs: np.ndarray, noise: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        out = policy.act_with_noise(torch.as_tensor(obs), torch.as_tensor(noise))
-        return tuple(x.numpy() for x in out)
+        out = policy.act_with_noise(torch.as_tensor(obs, device=device), torch.as_tensor(noise, device=device))
+        return tuple(x.cpu().numpy() for x in out)
 
     return act

@@ -37,6 +37,7 @@ from rlinfluence import restore
 from rlinfluence.buffer import MinibatchStep, RolloutBuffer
 from rlinfluence.config import FIELD_TYPES, ROBUST_IIF, PPOConfig, coerce  # noqa: F401  (importable from here)
 from rlinfluence.corruptions import Corruptor, check_corruptions
+from rlinfluence.device import resolve_device
 from rlinfluence.envs import base_observation_space, make_env, make_vec_env
 from rlinfluence.errors import UserError
 from rlinfluence.evaluation import Evaluator
@@ -133,10 +134,11 @@ class PPO:
                       torch.Generator().manual_seed(derived_seed(config.seed, 0, 3)))
             if config.validation_steps and getattr(self.filter, "uses_validation", False) else None
         )
+        self.device = resolve_device(config.device)
         self.policy: ActorCritic = make_policy(
             self.env.single_observation_space, self.env.single_action_space,
             config.hidden_sizes, config.encoder,
-        )
+        ).to(self.device)  # initialised on the CPU (the same weights on every device), then moved
         if config.optimizer == "sgd":
             self.optimizer: torch.optim.Optimizer = torch.optim.SGD(self.policy.parameters(), lr=config.learning_rate)
         else:
@@ -341,7 +343,7 @@ class PPO:
                 final_obs = np.stack([infos["final_obs"][i] for i in idx])
                 if corruptor is not None:
                     final_obs = corruptor.observe_final(final_obs, idx)
-                buf.final_values[t, torch.as_tensor(idx)] = self.policy.value(torch.as_tensor(final_obs))
+                buf.final_values[t, torch.as_tensor(idx)] = self._values(final_obs)
             stream.track(rewards, terminated | truncated)
             obs = next_obs
         stream.obs = obs
@@ -350,19 +352,24 @@ class PPO:
         _check_finite(b_rew, "reward", self.round)
         _check_finite(b_obs, "observation", self.round)
         last_seen = corruptor.observe_final(obs, np.arange(cfg.n_envs)) if corruptor is not None else obs
-        buf.last_values = self.policy.value(torch.as_tensor(last_seen))
+        buf.last_values = self._values(last_seen)
         if stream is self.stream:
             self.env_steps += len(buf)
         else:
             self.validation_env_steps += len(buf)
         return buf
 
+    def _values(self, obs: np.ndarray) -> torch.Tensor:
+        """V(s) of a batch of observations, on the CPU (the buffer's device)."""
+        return self.policy.value(torch.as_tensor(obs, device=self.device)).cpu()
+
     def _log_probs(self, obs: np.ndarray, actions: np.ndarray, envs: np.ndarray, logp: np.ndarray) -> np.ndarray:
         """``logp`` with the rows of ``envs`` replaced by log pi_theta(k)(actions | obs)."""
         if not envs.any():
             return logp
         out = np.array(logp, copy=True)
-        out[envs] = self.policy.log_prob(torch.as_tensor(obs[envs]), torch.as_tensor(actions[envs])).numpy()
+        out[envs] = self.policy.log_prob(torch.as_tensor(obs[envs], device=self.device),
+                                         torch.as_tensor(actions[envs], device=self.device)).cpu().numpy()
         return out
 
     # -- 4. optimise --------------------------------------------------------------------
@@ -444,9 +451,10 @@ class PPO:
                               loss_kwargs={"clip_range": cfg.clip_range, "clip_range_vf": cfg.clip_range_vf,
                                            "vf_coef": cfg.vf_coef, "ent_coef": cfg.ent_coef})
 
-    @staticmethod
-    def _update_tensors(buffer: RolloutBuffer) -> dict[str, torch.Tensor]:
-        return {name: buffer.flat(name) for name in ("obs", "actions", "logp", "values", "advantages", "returns")}
+    def _update_tensors(self, buffer: RolloutBuffer) -> dict[str, torch.Tensor]:
+        """The update's records, flat, on the policy's device (the buffer stays on the CPU)."""
+        return {name: buffer.flat(name).to(self.device)
+                for name in ("obs", "actions", "logp", "values", "advantages", "returns")}
 
     def _minibatch_step(self, policy: ActorCritic, optimizer: torch.optim.Optimizer,
                         tensors: dict[str, torch.Tensor], idx: torch.Tensor, round_index: int,
@@ -454,7 +462,8 @@ class PPO:
         """One optimiser step of the PPO loss on the records ``idx``; returns the loss terms, or
         None (no step taken) when target_kl stops the round. ``tracin`` records the step's terms."""
         cfg = self.config
-        fields = [tensors[k][idx] for k in ("obs", "actions", "logp", "advantages", "returns", "values")]
+        at = idx.to(tensors["obs"].device)  # the schedule keeps the indices on the CPU
+        fields = [tensors[k][at] for k in ("obs", "actions", "logp", "advantages", "returns", "values")]
         if tracin is not None and cfg.normalize_advantage:
             # the recorder's per-record terms need the advantages as the loss uses them (same op, same values)
             fields[3] = normalize_advantages(fields[3])

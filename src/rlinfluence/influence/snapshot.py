@@ -42,6 +42,7 @@ from rlinfluence.influence.targets import (
     ReturnTarget,
     Target,
     check_positive_int,
+    parameter_device,
     require_nonzero,
     target_gradient,
 )
@@ -139,6 +140,8 @@ def snapshot_influence(
     """
     check_policy(policy)
     check_positive_int("records_per_pass", records_per_pass)
+    given_on, device = obs.device, parameter_device(policy)  # scores come back where the records came from
+    obs, actions, advantages = obs.to(device), actions.to(device), advantages.to(device)
     records = Records(obs, actions, advantages)
     weights = normalize_for_attribution(advantages, advantage_norm, chunk_size)
     if ent_coef != 0 and not callable(getattr(policy, "evaluate_actions", None)):
@@ -152,7 +155,7 @@ def snapshot_influence(
                 and not inverse_preconditioner):
             dots, direction = self_target_dots(policy, plan, _log_prob, (obs, actions), target_weights, accumulate_dtype)
             require_nonzero(target, direction)
-            return dots * weights.to(dots.dtype)
+            return (dots * weights.to(dots.dtype)).to(given_on)
         direction = target_gradient(target, policy, attributed, records, records_per_pass)
         if inverse_preconditioner:
             direction = [g * inverse_preconditioner[p] if p in inverse_preconditioner else g
@@ -162,7 +165,7 @@ def snapshot_influence(
         if ent_coef != 0:
             entropy = per_record_dots(policy, plan, _entropy, (obs, actions), direction, records_per_pass, accumulate_dtype)
             scores += ent_coef * entropy
-    return scores
+    return scores.to(given_on)
 
 
 def gradient_alignment(policy: nn.Module, obs: torch.Tensor, actions: torch.Tensor, advantages: torch.Tensor

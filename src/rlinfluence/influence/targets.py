@@ -110,11 +110,17 @@ class LogProbTarget(Target):
         """``(obs [m, ...], actions [m, ...], weights [m])`` defining f."""
 
     def pieces(self, policy: nn.Module, records: Records, records_per_pass: int) -> Iterator[torch.Tensor]:
-        obs, actions, weights = self.weighted_pairs(records)
+        device = parameter_device(policy)
+        obs, actions, weights = (x.to(device) for x in self.weighted_pairs(records))
         for start in range(0, len(weights), records_per_pass):
             rows = slice(start, start + records_per_pass)
             logp = policy.log_prob(obs[rows], actions[rows])
             yield (weights[rows].to(logp.dtype) * logp).sum()
+
+
+def parameter_device(policy: nn.Module) -> torch.device:
+    """The device of the policy's parameters (where its inputs must be; the CPU for none)."""
+    return next(policy.parameters(), torch.empty(0)).device
 
 
 def _as_batch(name: str, value: torch.Tensor, per_record_dims: int) -> torch.Tensor:
