@@ -14,9 +14,13 @@ mean is the minibatch loss: record i's share of the loss is ell_i / b.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+MINIBATCH_FIELDS = ("obs", "actions", "logp", "advantages", "returns", "values")
+"""A minibatch's per-record tensors, in the order ``ppo_terms`` takes them after (log pi, entropy, V)."""
 
 
 def normalize_advantages(advantages: torch.Tensor, eps: float = 1e-8, dim: int | None = None) -> torch.Tensor:
@@ -80,7 +84,10 @@ def ppo_terms(
     if clip_range_vf is not None:
         values = old_values + torch.clamp(values - old_values, -clip_range_vf, clip_range_vf)
     vf = (returns - values).pow(2)
-    return PPOTerms(pg + vf_coef * vf - ent_coef * entropy, pg, vf, entropy, ratio, log_ratio)
+    # without an entropy bonus its term stays out of the graph: 0 x H adds exactly nothing to the
+    # loss or its gradient, and backward skips the entropy's branch
+    per_record = pg + vf_coef * vf if ent_coef == 0 else pg + vf_coef * vf - ent_coef * entropy
+    return PPOTerms(per_record, pg, vf, entropy, ratio, log_ratio)
 
 
 def ppo_loss(
@@ -113,3 +120,25 @@ def ppo_loss(
             approx_kl=terms.approx_kl().item(),
             clip_fraction=((terms.ratio - 1).abs() > clip_range).float().mean().item(),
         )
+
+
+DIAGNOSTICS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
+
+
+def update_diagnostics(steps: Sequence[PPOTerms], clip_range: float) -> dict[str, float]:
+    """The mean over an update's optimiser steps (minibatches of one size) of each step's
+    policy_loss (mean pg_i), value_loss (mean (R_i - V_i)^2), entropy (mean H), approx_kl (mean
+    (rho_i - 1) - log rho_i) and clip_fraction (share of |rho_i - 1| > clip_range); 0 for an update
+    of no step. Read once from the steps' detached terms, after the update, not once per step."""
+    if not steps:
+        return dict.fromkeys(DIAGNOSTICS, 0.0)
+    with torch.no_grad():
+        ratio, log_ratio = torch.stack([s.ratio for s in steps]), torch.stack([s.log_ratio for s in steps])
+        per_step = {
+            "policy_loss": torch.stack([s.pg for s in steps]).mean(1),
+            "value_loss": torch.stack([s.vf for s in steps]).mean(1),
+            "entropy": torch.stack([s.entropy for s in steps]).mean(1),
+            "approx_kl": ((ratio - 1) - log_ratio).mean(1),
+            "clip_fraction": ((ratio - 1).abs() > clip_range).float().mean(1),
+        }
+        return {name: per_step[name].double().mean().item() for name in DIAGNOSTICS}

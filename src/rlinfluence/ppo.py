@@ -45,7 +45,13 @@ from rlinfluence.filters import Filter, FilterContext, make_filter
 from rlinfluence.frames import FrameRecorder, save_frames
 from rlinfluence.influence import Records, TracInRecorder
 from rlinfluence.influence.tracin import clip_coefficient
-from rlinfluence.losses import PPOLoss, normalize_advantages, ppo_loss
+from rlinfluence.losses import (
+    MINIBATCH_FIELDS,
+    PPOTerms,
+    normalize_advantages,
+    ppo_terms,
+    update_diagnostics,
+)
 from rlinfluence.policies import ActorCritic, make_policy, rollout_actor, tempered
 from rlinfluence.progress import progress_bar
 from rlinfluence.rundir import RunDirectory
@@ -411,8 +417,7 @@ class PPO:
         n_minibatches = len(kept) // cfg.batch_size
         self.schedule = []
         self.tracin = self._tracin_recorder(tensors) if cfg.tracin else None
-        totals = {"policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0}
-        n_updates = 0
+        steps: list[PPOTerms] = []  # each step's terms, detached: the diagnostics are read once, after the round
         stop = False
         for epoch in range(n_epochs):
             if sample_weights is None:
@@ -420,20 +425,23 @@ class PPO:
             else:
                 draw = torch.multinomial(sample_weights[kept], len(kept), replacement=True, generator=self.generator)
                 perm = kept[draw]
+            at = perm.to(self.device)
+            shuffled = [tensors[k][at] for k in MINIBATCH_FIELDS]  # one gather per epoch; minibatches are slices
             for m in range(n_minibatches):
-                idx = perm[m * cfg.batch_size : (m + 1) * cfg.batch_size]
-                out = self._minibatch_step(self.policy, self.optimizer, tensors, idx, buffer.round, epoch, self.tracin)
+                rows = slice(m * cfg.batch_size, (m + 1) * cfg.batch_size)
+                idx = perm[rows]
+                out = self._minibatch_step(self.policy, self.optimizer, [f[rows] for f in shuffled], idx,
+                                           buffer.round, epoch, self.tracin)
                 if out is None:
                     stop = True
                     break
                 if cfg.record_minibatches or cfg.save_buffers:
                     self.schedule.append(MinibatchStep(epoch, idx, self.optimizer.param_groups[0]["lr"]))
-                for key in totals:
-                    totals[key] += getattr(out, key)
-                n_updates += 1
+                steps.append(out)
             if stop:
                 break
-        stats = {key: value / max(n_updates, 1) for key, value in totals.items()}
+        n_updates = len(steps)
+        stats = update_diagnostics(steps, cfg.clip_range)
         with torch.no_grad():
             var_returns = returns.var()
             stats["explained_variance"] = float(1 - (returns - old_values).var() / var_returns) if var_returns > 0 else float("nan")
@@ -453,42 +461,43 @@ class PPO:
 
     def _update_tensors(self, buffer: RolloutBuffer) -> dict[str, torch.Tensor]:
         """The update's records, flat, on the policy's device (the buffer stays on the CPU)."""
-        return {name: buffer.flat(name).to(self.device)
-                for name in ("obs", "actions", "logp", "values", "advantages", "returns")}
+        return {name: buffer.flat(name).to(self.device) for name in MINIBATCH_FIELDS}
 
-    def _minibatch_step(self, policy: ActorCritic, optimizer: torch.optim.Optimizer,
-                        tensors: dict[str, torch.Tensor], idx: torch.Tensor, round_index: int,
-                        epoch: int, tracin: TracInRecorder | None = None) -> PPOLoss | None:
-        """One optimiser step of the PPO loss on the records ``idx``; returns the loss terms, or
-        None (no step taken) when target_kl stops the round. ``tracin`` records the step's terms."""
+    def _minibatch_step(self, policy: ActorCritic, optimizer: torch.optim.Optimizer, fields: list[torch.Tensor],
+                        idx: torch.Tensor, round_index: int, epoch: int, tracin: TracInRecorder | None = None
+                        ) -> PPOTerms | None:
+        """One optimiser step of the PPO loss on one minibatch, ``fields`` its records' tensors in
+        ``MINIBATCH_FIELDS`` order and ``idx`` their record indices; returns the step's terms
+        (detached), or None (no step taken) when target_kl stops the round. ``tracin`` records the
+        step's terms."""
         cfg = self.config
-        at = idx.to(tensors["obs"].device)  # the schedule keeps the indices on the CPU
-        fields = [tensors[k][at] for k in ("obs", "actions", "logp", "advantages", "returns", "values")]
         if tracin is not None and cfg.normalize_advantage:
             # the recorder's per-record terms need the advantages as the loss uses them (same op, same values)
-            fields[3] = normalize_advantages(fields[3])
+            fields = [*fields[:3], normalize_advantages(fields[3]), *fields[4:]]
+        obs, actions, *rest = fields
         with tracin.capture(fields) if tracin is not None else contextlib.nullcontext():
-            out = ppo_loss(
-                policy, *fields, clip_range=cfg.clip_range, clip_range_vf=cfg.clip_range_vf, vf_coef=cfg.vf_coef,
-                ent_coef=cfg.ent_coef, normalize_advantage=cfg.normalize_advantage and tracin is None,
-            )
-            if not torch.isfinite(out.loss):
+            terms = ppo_terms(*policy.evaluate_actions(obs, actions), *rest, clip_range=cfg.clip_range,
+                              clip_range_vf=cfg.clip_range_vf, vf_coef=cfg.vf_coef, ent_coef=cfg.ent_coef,
+                              normalize_advantage=cfg.normalize_advantage and tracin is None)
+            loss = terms.per_record.mean()
+            if not math.isfinite(loss.item()):
                 raise UserError(
-                    f"round {round_index}: non-finite loss {float(out.loss.detach())} at epoch {epoch} "
-                    f"(policy_loss {out.policy_loss}, value_loss {out.value_loss}); stopped before "
-                    f"the round's checkpoint (check the env's reward scale)"
+                    f"round {round_index}: non-finite loss {loss.item()} at epoch {epoch} (policy_loss "
+                    f"{terms.pg.mean().item()}, value_loss {terms.vf.mean().item()}); stopped before the "
+                    f"round's checkpoint (check the env's reward scale)"
                 )
-            if cfg.target_kl is not None and out.approx_kl > 1.5 * cfg.target_kl:
+            if cfg.target_kl is not None and terms.approx_kl().item() > 1.5 * cfg.target_kl:
                 return None
             optimizer.zero_grad(set_to_none=True)
-            out.loss.backward()
+            loss.backward()
         if cfg.max_grad_norm is not None:
             norm = nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
         if tracin is not None:  # the step's size eta_j c_j, c_j the clipping factor
             clip = clip_coefficient(norm, cfg.max_grad_norm) if cfg.max_grad_norm is not None else 1.0
             tracin.record(idx, optimizer.param_groups[0]["lr"] * clip)
         optimizer.step()
-        return out
+        return PPOTerms(*(t.detach() for t in (terms.per_record, terms.pg, terms.vf, terms.entropy, terms.ratio,
+                                              terms.log_ratio)))
 
     def _check_weights(self, round_index: int) -> None:
         """``UserError`` if the update left a non-finite parameter (before any checkpoint of it)."""

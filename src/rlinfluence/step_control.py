@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlinfluence.buffer import RolloutBuffer
-from rlinfluence.losses import normalize_advantages
+from rlinfluence.losses import MINIBATCH_FIELDS, normalize_advantages
 from rlinfluence.seeding import derived_seed
 
 if TYPE_CHECKING:
@@ -92,7 +92,8 @@ def probe(trainer: PPO, buffer: RolloutBuffer, train: torch.Tensor, measured: to
     order = train[torch.randperm(len(train), generator=generator)]
     for m in range(len(order) // cfg.batch_size):
         idx = order[m * cfg.batch_size : (m + 1) * cfg.batch_size]
-        if trainer._minibatch_step(policy, optimizer, tensors, idx, buffer.round, epoch=0) is None:
+        fields = [tensors[k][idx] for k in MINIBATCH_FIELDS]
+        if trainer._minibatch_step(policy, optimizer, fields, idx, buffer.round, epoch=0) is None:
             break
     with torch.no_grad():
         obs, actions, old_logp, advantages = (tensors[k][measured] for k in ("obs", "actions", "logp", "advantages"))
