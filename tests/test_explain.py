@@ -10,6 +10,7 @@ import torch
 from rlinfluence import cli
 from rlinfluence.analysis.explain import counterfactuals, find_drops, verdict_of
 from rlinfluence.checkpoint import load_round
+from rlinfluence.errors import UserError
 from rlinfluence.ppo import PPO, PPOConfig
 
 
@@ -119,3 +120,10 @@ def test_a_run_without_saved_rounds_is_one_error_line(tmp_path, capsys):
     path = PPO(config).learn().run.path
     assert cli.main(["explain", str(path)]) == 2
     assert "without --save-buffers" in capsys.readouterr().err
+
+
+def test_drops_are_not_looked_for_across_unevaluated_rounds():
+    metrics = pd.DataFrame({"round": range(4), "eval_return_mean": [0.2, float("nan"), 0.1, 0.3],
+                            "eval_return_std": [0.1] * 4})
+    with pytest.raises(UserError, match="round 1 has no evaluation.*name one with --round K"):
+        find_drops(metrics, eval_episodes=100)

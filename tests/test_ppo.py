@@ -188,3 +188,19 @@ def test_async_envs_give_the_same_numbers_as_sync_ones():
     (obs_sync, params_sync), (obs_async, params_async) = runs
     assert torch.equal(obs_sync, obs_async)
     assert all(torch.equal(params_sync[k], params_async[k]) for k in params_sync)
+
+
+def test_eval_every_evaluates_every_nth_round_and_the_last_and_trains_the_same(one_thread, capsys):
+    returns, states = {}, {}
+    for every in (1, 2):
+        trainer = PPO(tiny_config(total_timesteps=128 * 5, eval_every=every, progress=True), run_dir=False)
+        rows = []
+        trainer.learn(callback=lambda _t, m, rows=rows: rows.append(m["eval_return_mean"]))
+        returns[every], states[every] = rows, trainer.policy.state_dict()
+    assert [r == r for r in returns[2]] == [False, True, False, True, True]  # rounds 1, 3 and the last
+    assert [returns[2][k] for k in (1, 3, 4)] == [returns[1][k] for k in (1, 3, 4)]  # evaluation seeded by the round
+    assert all(torch.equal(states[1][k], states[2][k]) for k in states[1])
+    lines = capsys.readouterr().err.splitlines()
+    assert any("not evaluated" in line for line in lines) and any("eval_return" in line and " s)" in line for line in lines)
+    with pytest.raises(UserError, match="eval_every must be >= 1"):
+        tiny_config(eval_every=0).validate()

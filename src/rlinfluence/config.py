@@ -167,6 +167,9 @@ class PPOConfig:
     """observation encoder; auto = CNN for HWC uint8 images, else flatten"""
     eval_episodes: int = 50
     """stochastic-policy evaluation episodes per round (0 = no evaluation)"""
+    eval_every: int = 1
+    """evaluate after every N-th round and after the last (the rounds between log no evaluation:
+    their eval_return_mean is empty); explain and the comparisons need every round's"""
     eval_envs: int = 16
     """evaluation environments stepped in one batch"""
     eval_seed: int = 100_000
@@ -277,7 +280,7 @@ class PPOConfig:
             if choices and value not in choices:
                 raise UserError(f"{f.name} must be one of {', '.join(map(str, choices))}, got {value!r}")
         positive_ints = ("total_timesteps", "n_envs", "n_steps", "batch_size", "n_epochs",
-                         "eval_envs", "torch_threads")
+                         "eval_envs", "torch_threads", "eval_every")
         for name in positive_ints:
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -151,6 +151,7 @@ class PPO:
             self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.learning_rate, eps=config.adam_eps)
 
         self.round = 0  # completed rounds
+        self.rounds_planned = math.ceil(config.total_timesteps / config.rollout_size)  # learn() may say otherwise
         self.env_steps = 0
         self.validation_env_steps = 0
         self.train_seconds = 0.0
@@ -183,15 +184,19 @@ class PPO:
         ``callback(trainer, metrics)`` runs after every round; returning False stops training.
         """
         cfg = self.config
-        n_rounds = math.ceil((total_timesteps or cfg.total_timesteps) / cfg.rollout_size)
+        n_rounds = self.rounds_planned = math.ceil((total_timesteps or cfg.total_timesteps) / cfg.rollout_size)
         if self.run is not None and cfg.save_checkpoints and self.round == 0:
             self.run.save_checkpoint(0, self.state_dict())  # theta(0): attribution of round 0 needs it
         try:
             with progress_bar(cfg.progress, cfg.env, n_rounds, self.round) as advance:
                 while self.round < n_rounds:
                     metrics = self.train_round()
-                    advance(f"round {metrics['round']} | env_steps {metrics['env_steps']} | eval_return "
-                            f"{metrics['eval_return_mean']:.4g} | kept_fraction {metrics['kept_fraction']:.3f}")
+                    evaluation = (f"eval_return {metrics['eval_return_mean']:.4g} ({metrics['eval_seconds']:.1f} s)"
+                                  if math.isfinite(metrics["eval_return_mean"]) else "not evaluated")
+                    advance(f"round {metrics['round']} | env_steps {metrics['env_steps']} | train "
+                            f"{metrics['collect_seconds'] + metrics['filter_seconds'] + metrics['update_seconds']:.1f} s"
+                            f" | {evaluation} | kept_fraction "
+                            f"{metrics['kept_fraction']:.3f}")
                     if callback is not None and callback(self, metrics) is False:
                         break
         finally:
@@ -227,7 +232,8 @@ class PPO:
         self.train_seconds += t3 - t0 - frames_seconds
         self.train_cpu_seconds += time.process_time() - cpu0 - frames_cpu
 
-        eval_returns = self.evaluate()
+        evaluated = (self.round + 1) % cfg.eval_every == 0 or self.round + 1 >= self.rounds_planned
+        eval_returns = self.evaluate() if evaluated else np.zeros(0)
         t4 = time.perf_counter()
         self.round += 1
         metrics = {

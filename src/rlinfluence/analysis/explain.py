@@ -91,6 +91,10 @@ def find_drops(metrics: pd.DataFrame, eval_episodes: int, threshold: float = 0.0
     if "eval_return_mean" not in metrics or metrics["eval_return_mean"].isna().all():
         raise UserError("the run has no evaluation returns (train with --eval-episodes > 0)")
     rows = metrics.sort_values("round").reset_index(drop=True)
+    if rows["eval_return_mean"].isna().any():
+        raise UserError(f"the run was not evaluated after every round (round "
+                        f"{int(rows['round'][rows['eval_return_mean'].isna()].iloc[0])} has no evaluation, as with "
+                        "--eval-every > 1): a drop between two evaluations spans several updates; name one with --round K")
     kl = rows["approx_kl"].to_numpy(float) if "approx_kl" in rows else np.full(len(rows), np.nan)
     median_kl = float(np.nanmedian(kl)) if np.isfinite(kl).any() else math.nan
     spread = rows["eval_return_std"].fillna(0.0).to_numpy(float)

@@ -334,4 +334,6 @@ class CompareConfig:
             raise UserError(f"method {spec.label!r}: {exc}") from None
         if config.eval_episodes < 1:  # every metric is computed on the evaluation curve
             raise UserError(f"a comparison needs eval_episodes >= 1, got {config.eval_episodes}")
+        if config.eval_every != 1:
+            raise UserError(f"a comparison reads every round's evaluation: eval_every must be 1, got {config.eval_every}")
         return config
