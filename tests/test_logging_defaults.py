@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -58,7 +59,8 @@ def test_a_batch_job_prints_one_line_per_round_as_each_round_ends(tmp_path):
     assert process.wait(timeout=300) == 0
     assert len(lines) == 4 and running[0], lines  # the first round's line came while training went on
     for k, line in enumerate(lines):
-        assert line.startswith(f"CartPole-v1 [{k + 1}/4] | round {k} | env_steps {128 * (k + 1)} | eval_return ")
+        assert line.startswith(f"CartPole-v1 [{k + 1}/4] | round {k} | env_steps {128 * (k + 1)} | train ")
+        assert re.search(r"\| train \d+\.\d s \| eval_return \S+ \(\d+\.\d s\) \|", line), line
         assert "| kept_fraction 1.000 |" in line and line.endswith(" s")
 
 
