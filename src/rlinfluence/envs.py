@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gymnasium as gym
 import numpy as np
 
 from rlinfluence.errors import UserError, require_module
 from rlinfluence.presets import PRESETS, EnvPreset  # noqa: F401  (importable from here)
+
+if TYPE_CHECKING:
+    import torch
 
 # Environment families registered by importing their package.
 _PLUGINS = {"MiniGrid-": "minigrid", "BabyAI-": "minigrid", "highway": "highway_env",
@@ -121,3 +124,26 @@ def base_observation_space(env_id: str) -> gym.Space:
         return env.unwrapped.observation_space
     finally:
         env.close()
+
+
+class EnvStream:
+    """A vector env whose episodes continue across rounds, with the generator of its action noise."""
+
+    def __init__(self, env: gym.vector.VectorEnv, generator: torch.Generator):
+        self.env, self.generator = env, generator
+        self.finished_returns: list[float] = []  # returns of the episodes that ended this round
+
+    def reset(self, seed: int) -> None:
+        self.obs, _ = self.env.reset(seed=seed)
+        n_envs = self.env.num_envs
+        self.episode_ids = np.arange(n_envs, dtype=np.int64)
+        self.next_episode_id = n_envs
+        self.episode_returns = np.zeros(n_envs)
+
+    def track(self, rewards: np.ndarray, dones: np.ndarray) -> None:
+        self.episode_returns += rewards
+        for i in np.flatnonzero(dones):
+            self.finished_returns.append(float(self.episode_returns[i]))
+            self.episode_returns[i] = 0.0
+            self.episode_ids[i] = self.next_episode_id
+            self.next_episode_id += 1

@@ -38,7 +38,7 @@ from rlinfluence.buffer import MinibatchStep, RolloutBuffer
 from rlinfluence.config import FIELD_TYPES, ROBUST_IIF, PPOConfig, coerce  # noqa: F401  (importable from here)
 from rlinfluence.corruptions import Corruptor, check_corruptions
 from rlinfluence.device import resolve_device
-from rlinfluence.envs import base_observation_space, make_env, make_vec_env
+from rlinfluence.envs import EnvStream, base_observation_space, make_env, make_vec_env
 from rlinfluence.errors import UserError
 from rlinfluence.evaluation import Evaluator
 from rlinfluence.filters import Filter, FilterContext, make_filter
@@ -60,29 +60,6 @@ from rlinfluence.step_control import lookahead
 from rlinfluence.step_control import step_scale as round_step_scale
 
 RoundCallback = Callable[["PPO", dict[str, Any]], "bool | None"]
-
-
-class EnvStream:
-    """A vector env whose episodes continue across rounds, with the generator of its action noise."""
-
-    def __init__(self, env: gym.vector.VectorEnv, generator: torch.Generator):
-        self.env, self.generator = env, generator
-        self.finished_returns: list[float] = []  # returns of the episodes that ended this round
-
-    def reset(self, seed: int) -> None:
-        self.obs, _ = self.env.reset(seed=seed)
-        n_envs = self.env.num_envs
-        self.episode_ids = np.arange(n_envs, dtype=np.int64)
-        self.next_episode_id = n_envs
-        self.episode_returns = np.zeros(n_envs)
-
-    def track(self, rewards: np.ndarray, dones: np.ndarray) -> None:
-        self.episode_returns += rewards
-        for i in np.flatnonzero(dones):
-            self.finished_returns.append(float(self.episode_returns[i]))
-            self.episode_returns[i] = 0.0
-            self.episode_ids[i] = self.next_episode_id
-            self.next_episode_id += 1
 
 
 class PPO:
