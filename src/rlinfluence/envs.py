@@ -4,6 +4,7 @@
 (one-hot for ``Discrete`` observations, the image for MiniGrid's dict observations) and the
 preset's constructor arguments. ``PRESETS`` (``rlinfluence.presets``) holds the paper's
 hyperparameters; any other id runs with ``PPOConfig``'s generic (Stable-Baselines3) defaults.
+``EnvStream`` is a vector env whose episodes continue across the trainer's rounds.
 """
 
 from __future__ import annotations
