@@ -106,7 +106,23 @@ def wilson(k: int, n: int) -> tuple[float, float]:
     return float(interval.low), float(interval.high)
 
 
+def leaning(out: Path, seeds: list[int], rounds: int, broken: int = 3) -> list[str]:
+    """Per family, the median over the broken runs of the broken worker's unadjusted p-value after
+    all ``rounds`` (how far a family that never flags it leans towards it)."""
+    from rlinfluence.analysis.audit import audit_run, verdict_table
+
+    p_values: dict[str, list[float]] = {f: [] for f in FAMILIES}
+    for seed in seeds:
+        _, _, table = audit_run(out / "runs" / f"broken_{seed}")
+        for family in FAMILIES:
+            sources = verdict_table(table[table["round"] < rounds], [family])
+            p_values[family].append(float(sources.loc[sources["source"] == broken, f"p_{family}"].iloc[0]))
+    return [f"{f.replace('-', '_')}_broken_worker_p_median: {np.median(v):.3g}" for f, v in p_values.items()]
+
+
 def summary(args: argparse.Namespace) -> None:
+    from rlinfluence.sources import reading
+
     rows = pd.read_csv(Path(args.out) / "rows.csv")
     last = int(rows["rounds"].max())
     broken, clean = rows[rows["condition"] == "broken"], rows[rows["condition"] == "clean"]
@@ -129,7 +145,9 @@ def summary(args: argparse.Namespace) -> None:
                   f"{name}_clean_runs_false_flag_any_of_{last}_looks: {false_any}/{len(clean_seeds)}"]
     verdict = broken[(broken["family"] == "verdict") & broken["broken_flagged"]]
     firsts = verdict.sort_values("rounds").groupby("seed").first()
-    right = int((firsts["fault_class"] == "reward").sum())
+    # the reading of each first flag's signature by the current rules (runs keep their signature)
+    read = [reading(str(sig).split(";"))[0] for sig in firsts["signature"]]
+    right = sum(fault == "reward" for fault in read)
     lines.append(f"reading_reward_at_first_flag: {right}/{len(firsts)}")
     n_clean = clean["seed"].nunique()
     lo, hi = wilson(0, n_clean) if n_clean else (np.nan, np.nan)
@@ -137,6 +155,7 @@ def summary(args: argparse.Namespace) -> None:
     per_run = rows.groupby(["condition", "seed"])[["round_seconds", "audit_seconds"]].first()
     lines.append(f"round_cpu_seconds_mean: {per_run['round_seconds'].mean():.1f}")
     lines.append(f"audit_cpu_seconds_per_round_mean: {per_run['audit_seconds'].mean():.1f}")
+    lines += leaning(Path(args.out), sorted(broken["seed"].unique()), int(rows["rounds"].max()))
     print(pd.DataFrame(table).to_string(index=False))
     print("signatures at the first flag:", firsts["signature"].value_counts().to_dict())
     print("\n".join(lines))
