@@ -161,22 +161,22 @@ class RunDirectoryCallback(BaseCallback):
         self.run = RunDirectory.at(self.path, tensorboard=False)
         self.run.write_config(config.to_dict())
 
-    def _state(self) -> dict[str, Any]:
-        """The model now as rlinfluence's trainer state at round ``self.round``: the policy, and SB3's
+    def _sync(self) -> None:
+        """The trainer set to the model as it is now, at round ``self.round``: the policy, and SB3's
         Adam moments moved to the same parameters (by name; SB3 registers them in another order)."""
         trainer, policy = self.trainer, self.model.policy
         sb3_names = [n for n, _ in policy.named_parameters()]
+        ours = dict(trainer.policy.named_parameters())
         with torch.no_grad():
             for name, parameter in policy.named_parameters():
-                dict(trainer.policy.named_parameters())[our_name(name)].copy_(parameter.detach().cpu())
-        our_index = {n: i for i, (n, _) in enumerate(trainer.policy.named_parameters())}
+                ours[our_name(name)].copy_(parameter.detach().cpu())
+        our_index = {n: i for i, n in enumerate(ours)}
         sb3_state = policy.optimizer.state_dict()
         moved = {our_index[our_name(sb3_names[i])]: {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
                                                    for k, v in s.items()} for i, s in sb3_state["state"].items()}
         group = {**sb3_state["param_groups"][0], "params": list(range(len(our_index)))}
         trainer.optimizer.load_state_dict({"state": moved, "param_groups": [group]})
         trainer.round, trainer.env_steps = self.round, int(self.num_timesteps)
-        return trainer.state_dict()
 
     def _on_step(self) -> bool:
         for info in self.locals.get("infos", []):
@@ -186,7 +186,7 @@ class RunDirectoryCallback(BaseCallback):
 
     def _finish_pending(self) -> None:
         """The previous round's row, now that its ``train()`` ran: SB3's update statistics and the
-        evaluation of theta(k+1) (the model as it is now)."""
+        evaluation of theta(k+1) (the model as it is now, synced into the trainer)."""
         if self._pending is None:
             return
         row, values = self._pending, self.model.logger.name_to_value
@@ -195,8 +195,6 @@ class RunDirectoryCallback(BaseCallback):
                              ("entropy", "train/entropy_loss")):
             if theirs in values:
                 row[ours] = -float(values[theirs]) if ours == "entropy" else float(values[theirs])
-        self._state()  # theta(k+1) into the trainer's policy, for its evaluation
-        self.trainer.round = row["round"] + 1
         returns = self.trainer.evaluate()
         row["eval_return_mean"] = float(returns.mean()) if returns.size else math.nan
         row["eval_return_std"] = float(returns.std()) if returns.size else math.nan
@@ -204,6 +202,7 @@ class RunDirectoryCallback(BaseCallback):
         self._pending = None
 
     def _on_rollout_end(self) -> None:
+        self._sync()  # theta(k): the previous round's evaluation and this round's checkpoint
         self._finish_pending()
         buffer = self.model.rollout_buffer
         if self._episodes is None:
@@ -212,7 +211,7 @@ class RunDirectoryCallback(BaseCallback):
         self._episodes = ours.episode_ids[-1].numpy() + ours.terminated[-1].long().numpy()
         tensors = ours.tensors()
         tensors["keep"] = torch.ones(len(ours), dtype=torch.bool)
-        self.run.save_checkpoint(self.round, self._state())
+        self.run.save_checkpoint(self.round, self.trainer.state_dict())
         self.run.save_buffer(self.round, tensors)
         self._pending = {"round": self.round, "env_steps": int(self.num_timesteps),
                          "train_return_mean": float(np.mean(self._returns)) if self._returns else math.nan,
@@ -221,8 +220,9 @@ class RunDirectoryCallback(BaseCallback):
         self.round += 1
 
     def _on_training_end(self) -> None:
+        self._sync()
         self._finish_pending()
-        self.run.save_checkpoint(self.round, self._state())  # the final theta, after the last train()
+        self.run.save_checkpoint(self.round, self.trainer.state_dict())  # the final theta, after the last train()
         self.run.close()
 
 

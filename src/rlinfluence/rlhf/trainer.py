@@ -240,8 +240,7 @@ class RLHFTrainer:
                 add_advantages(validation, cfg.algo, self.kl_ctl.value, cfg.gamma, cfg.gae_lambda, cfg.responses_per_prompt)
             val_sample_seconds = self.clock() - t0
         t1 = self.clock()
-        common = dict(algo=cfg.algo, value_loss=cfg.score_value_loss, vf_coef=cfg.vf_coef, beta=self.kl_ctl.value,
-                      records_per_pass=cfg.records_per_pass)
+        common = self._score_kwargs()
         if cfg.filter == "dtv":
             scores = sequence_influence(self.policy, rollout, target="mean", **common)
         elif cfg.uses_heldout_target:
@@ -323,6 +322,12 @@ class RLHFTrainer:
                 self.save_checkpoint()
         return metrics
 
+    def _score_kwargs(self) -> dict[str, Any]:
+        """The loss settings every sequence score of a round takes (``rlinfluence.rlhf.influence``)."""
+        cfg = self.config
+        return dict(algo=cfg.algo, value_loss=cfg.score_value_loss, vf_coef=cfg.vf_coef, beta=self.kl_ctl.value,
+                    records_per_pass=cfg.records_per_pass)
+
     def audit(self, rollout: Rollout) -> float:
         """Write the harm table of the round's collected ``rollout`` at theta(k)
         (``rlinfluence.rlhf.audit``); the seconds it took (kept out of the round's). The influence
@@ -333,18 +338,15 @@ class RLHFTrainer:
             influence = self.last_scores
         else:
             try:
-                influence = heldout_sequence_influence(
-                    self.policy, rollout, group_size=cfg.responses_per_prompt, algo=cfg.algo,
-                    value_loss=cfg.score_value_loss, vf_coef=cfg.vf_coef, beta=self.kl_ctl.value,
-                    records_per_pass=cfg.records_per_pass)
+                influence = heldout_sequence_influence(self.policy, rollout, group_size=cfg.responses_per_prompt,
+                                                       **self._score_kwargs())
             except ZeroTargetGradient:  # no attribution signal this round: every sequence scores 0
                 influence = torch.zeros(len(rollout))
-        sharded = isinstance(self.reward_fn, ShardedReward)
+        workers = self.reward_fn  # a ShardedReward: --audit needs 3 or more reward workers
         table = harm_table(self.round, rollout.scores, rollout.sequence_advantages, influence,
                            torch.as_tensor(self.reference_reward(rollout.responses), dtype=torch.float32),
-                           self.reward_fn.sources(len(rollout)) if sharded else np.zeros(len(rollout)),
-                           self.reward_fn.corrupted(len(rollout)) if sharded and cfg.broken_reward_workers else None,
-                           cfg.seed)
+                           workers.sources(len(rollout)),
+                           workers.corrupted(len(rollout)) if cfg.broken_reward_workers else None, cfg.seed)
         if self.run is not None:
             write_harm_table(self.run.path, table)
         return self.clock() - start
