@@ -185,14 +185,17 @@ class Recording:
         self.inner.load_state_dict(state)
 
 
-def learn_one(env: str, fault: str, arm: str, seed: int, rounds: int, out: Path) -> dict:
-    """One training run of ``arm`` under ``fault``: the evaluation return per round, CPU and what it dropped."""
+def learn_one(env: str, fault: str, arm: str, seed: int, rounds: int, out: Path, learning_rate: float | None = None,
+              table: str = "learn.csv") -> dict:
+    """One training run of ``arm`` under ``fault`` (at ``learning_rate``, else PPO's clean-tuned one): the
+    evaluation return per round, CPU and what it dropped, appended to ``<out>/<table>``."""
     from rlinfluence.filters import make_filter
     from rlinfluence.ppo import PPO
     from rlinfluence.seeding import derived_seed
 
     config = _config(env, None if fault == "clean" else fault, seed, rounds, out / "scratch", save_buffers=False, tracin=False, eval_episodes=20,
-                     eval_envs=10, **LEARN_ARMS[arm])
+                     eval_envs=10, **LEARN_ARMS[arm],
+                     **({"learning_rate": learning_rate} if learning_rate else {}))
     inner = make_filter(config.filter, drop_pct=config.drop_pct, seed=derived_seed(config.seed, 0, 2),
                         random_match=config.random_match,
                         quarantine=(config.quarantine_window, config.quarantine_alpha, False, config.trusted_envs))
@@ -203,12 +206,13 @@ def learn_one(env: str, fault: str, arm: str, seed: int, rounds: int, out: Path)
     broken_envs = int(fault.split("envs=")[1].split(",")[0]) if fault != "clean" else 0
     dropped = sum(recording.dropped)
     row = {"env": env, "fault": fault, "arm": arm, "seed": seed, "rounds": rounds,
+           "learning_rate": config.learning_rate,
            "auc": float(np.mean(returns)), "final": float(np.mean(returns[-3:])),
            "train_cpu_s": trainer.train_cpu_seconds, "dropped": dropped,
            "rounds_dropping": sum(d > 0 for d in recording.dropped),
            "selectivity": sum(recording.dropped_corrupted) / dropped if dropped else np.nan,
            "base_rate": broken_envs / 8, "returns": " ".join(f"{r:.4g}" for r in returns)}
-    append_row(out / "learn.csv", row)
+    append_row(out / table, row)
     return row
 
 
@@ -228,15 +232,76 @@ def learn(args: argparse.Namespace) -> None:
                   f"selectivity {row['selectivity']:.3f}", flush=True)
 
 
+TUNE_FACTORS = (0.5, 1.0, 2.0)
+MAX_GRID = 8
+
+
+def tuned_learning_rates(pool, env: str, fault: str, arms: list[str], args: argparse.Namespace, out: Path) -> dict:
+    """Each arm's learning rate for ``fault`` on ``env``: the grid PPO's clean-tuned rate x ``TUNE_FACTORS``,
+    widened by a factor 2 past an edge while the best mean auc over the tuning seeds sits on it (at most
+    ``MAX_GRID`` points), so that every choice is interior to the grid it was chosen from."""
+    base = _config(env, None, 1, 1, out / "scratch").learning_rate
+    grids = {arm: sorted(float(f"{base * f:.6g}") for f in TUNE_FACTORS) for arm in arms}
+    tuning_seeds = range(args.tuning_first_seed, args.tuning_first_seed + args.tuning_seeds)
+    while True:
+        done = finished(out / "tune.csv", ["env", "fault", "arm", "seed", "learning_rate"])
+        jobs = [(env, fault, arm, seed, args.rounds, out, lr, "tune.csv") for arm in arms for lr in grids[arm]
+                for seed in tuning_seeds if (env, fault, arm, seed, lr) not in done]
+        for row in pool.map(learn_one, *zip(*jobs, strict=True)) if jobs else []:
+            print(f"tune {env} {fault} {row['arm']} lr {row['learning_rate']:.3g} seed {row['seed']}: "
+                  f"auc {row['auc']:.4g}", flush=True)
+        runs = pd.read_csv(out / "tune.csv")
+        runs = runs[(runs["env"] == env) & (runs["fault"] == fault) & runs["seed"].isin(tuning_seeds)]
+        chosen, widened = {}, False
+        for arm in arms:
+            means = runs[runs["arm"] == arm].groupby("learning_rate")["auc"].mean().reindex(grids[arm])
+            best = float(means.idxmax())
+            chosen[arm] = best
+            if len(grids[arm]) < MAX_GRID and best in (grids[arm][0], grids[arm][-1]):
+                edge = grids[arm][0] / 2 if best == grids[arm][0] else grids[arm][-1] * 2
+                grids[arm] = sorted([*grids[arm], float(f"{edge:.6g}")])
+                widened = True
+        if not widened:
+            return {arm: {"learning_rate": chosen[arm], "grid": grids[arm],
+                          "interior": chosen[arm] not in (grids[arm][0], grids[arm][-1])} for arm in arms}
+
+
+def tune(args: argparse.Namespace) -> None:
+    """Per setting: every arm's learning rate tuned on the tuning seeds (``tuned_learning_rates``), written to
+    ``<out>/chosen.json``, then every arm trained at its own rate on the evaluation seeds (``learn.csv``)."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    chosen_path = out / "chosen.json"
+    arms = args.arms.split(",") if args.arms else list(LEARN_ARMS)
+    with ProcessPoolExecutor(args.workers) as pool:
+        for env, fault in (tuple(s.split("/")) for s in args.settings.split(";")):
+            setting_arms = [a for a in arms if not (fault == "clean" and a == "oracle")]  # on clean data it is PPO
+            chosen = json.loads(chosen_path.read_text()) if chosen_path.is_file() else {}
+            key = f"{env}/{fault}"
+            if key not in chosen or set(chosen[key]) != set(setting_arms):
+                chosen[key] = tuned_learning_rates(pool, env, fault, setting_arms, args, out)
+                chosen_path.write_text(json.dumps(chosen, indent=1))
+            print(f"{key}: " + ", ".join(f"{a} {c['learning_rate']:.3g}" for a, c in chosen[key].items()), flush=True)
+            done = finished(out / "learn.csv", ["env", "fault", "arm", "seed"])
+            jobs = [(env, fault, arm, seed, args.rounds, out, chosen[key][arm]["learning_rate"])
+                    for seed in range(args.first_seed, args.seeds + 1) for arm in setting_arms
+                    if (env, fault, arm, seed) not in done]
+            for row in pool.map(learn_one, *zip(*jobs, strict=True)) if jobs else []:
+                print(f"{env} {fault} {row['arm']} seed {row['seed']}: auc {row['auc']:.4g} "
+                      f"selectivity {row['selectivity']:.3f}", flush=True)
+
+
 def learn_summary(args: argparse.Namespace) -> None:
-    """Paired differences of auc to PPO and to the oracle (t intervals), selectivity and CPU per arm."""
-    from scipy.stats import t as student
+    """Paired differences of auc to PPO and to the oracle (t intervals), the share of the oracle's gain
+    (Fieller's interval), each arm's learning rate, selectivity and CPU per arm."""
+    from rlinfluence.statistics import ci95, ratio_ci95
 
     runs = pd.read_csv(Path(args.out) / "learn.csv").drop_duplicates(["env", "fault", "arm", "seed"], keep="last")
     if args.data:
-        runs.to_csv(Path(args.data) / "hidden_faults_learn.csv", index=False)
-    lines = ["| env | fault | arm | seeds | auc | auc - ppo's, paired [95% t] | auc - oracle's, paired [95% t] | "
-             "selectivity (base rate) | CPU / PPO's |", "|---|---|---|---|---|---|---|---|---|"]
+        runs.to_csv(Path(args.data) / f"{args.name}.csv", index=False)
+    lines = ["| env | fault | arm | lr | seeds | auc | auc - ppo's, paired [95% t] | auc - oracle's, paired [95% t] | "
+             "share of the oracle's gain [95% Fieller] | selectivity (base rate) | CPU / PPO's |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (env, fault), group in runs.groupby(["env", "fault"], sort=False):
         by_arm = {arm: g.set_index("seed") for arm, g in group.groupby("arm")}
         for arm, g in by_arm.items():
@@ -245,25 +310,45 @@ def learn_summary(args: argparse.Namespace) -> None:
                 seeds = g.index.intersection(by_arm[reference].index) if reference in by_arm else []
                 diff = (g.loc[seeds, "auc"] - by_arm[reference].loc[seeds, "auc"]).to_numpy() if len(seeds) else []
                 if len(diff) >= 2 and arm != reference:
-                    half = student.ppf(0.975, len(diff) - 1) * diff.std(ddof=1) / np.sqrt(len(diff))
-                    cells.append(f"{diff.mean():+.1f} [{diff.mean() - half:+.1f}, {diff.mean() + half:+.1f}]")
-                    print(f"{env}/{fault}/{arm}/auc_minus_{reference}: {diff.mean():+.2f} "
-                          f"[{diff.mean() - half:+.2f}, {diff.mean() + half:+.2f}] (n={len(diff)})")
+                    mean, low, high = ci95(diff)
+                    cells.append(f"{mean:+.1f} [{low:+.1f}, {high:+.1f}]")
+                    print(f"{env}/{fault}/{arm}/auc_minus_{reference}: {mean:+.2f} [{low:+.2f}, {high:+.2f}] "
+                          f"(n={len(diff)})")
                 else:
                     cells.append("-")
+            share = "-"
+            if arm not in ("ppo", "oracle") and {"ppo", "oracle"} <= set(by_arm):
+                seeds = g.index.intersection(by_arm["ppo"].index).intersection(by_arm["oracle"].index)
+                if len(seeds) >= 2:
+                    ppo = by_arm["ppo"].loc[seeds, "auc"]
+                    ratio, low, high = ratio_ci95(g.loc[seeds, "auc"] - ppo, by_arm["oracle"].loc[seeds, "auc"] - ppo)
+                    share = f"{ratio:.2f} [{low:.2f}, {high:.2f}]"
+                    print(f"{env}/{fault}/{arm}/share_of_oracle_gain: {share} (n={len(seeds)})")
+            lr = f"{g['learning_rate'].iloc[0]:.3g}" if "learning_rate" in g else "-"
             cpu = g["train_cpu_s"].mean() / by_arm["ppo"]["train_cpu_s"].mean() if "ppo" in by_arm else np.nan
             selectivity = g["selectivity"].mean()
-            lines.append(f"| {env} | {fault} | {arm} | {len(g)} | {g['auc'].mean():.1f} | {cells[0]} | {cells[1]} | "
-                         f"{'-' if np.isnan(selectivity) else f'{selectivity:.2f}'} ({g['base_rate'].iloc[0]:.3f}) | "
-                         f"{cpu:.2f} |")
+            lines.append(f"| {env} | {fault} | {arm} | {lr} | {len(g)} | {g['auc'].mean():.1f} | {cells[0]} | "
+                         f"{cells[1]} | {share} | {'-' if np.isnan(selectivity) else f'{selectivity:.2f}'} "
+                         f"({g['base_rate'].iloc[0]:.3f}) | {cpu:.2f} |")
     clean = runs[(runs["fault"] == "clean") & (runs["arm"] == "quarantine")]
     for env, group in clean.groupby("env"):
         rounds, k = int(group["rounds"].sum()), int(group["rounds_dropping"].sum())
         low, high = clopper_pearson(k, rounds)
         print(f"{env}/clean/quarantine_false_rounds: {k}/{rounds} [{low:.3f}, {high:.3f}] "
               f"(runs with any: {int((group['rounds_dropping'] > 0).sum())}/{len(group)})")
+    chosen_path = Path(args.out) / "chosen.json"
+    if chosen_path.is_file():  # written by ``tune``: each arm's grid and whether its choice is interior
+        chosen = json.loads(chosen_path.read_text())
+        choices = [(key, arm, c) for key, arms in chosen.items() for arm, c in arms.items()]
+        print(f"all/tuned_choices_interior: {sum(c['interior'] for *_, c in choices)}/{len(choices)}"
+              + "".join(f"; edge: {key} {arm} {c['learning_rate']:.3g} of {c['grid']}"
+                        for key, arm, c in choices if not c["interior"]))
+        if args.data:
+            tuning = pd.read_csv(Path(args.out) / "tune.csv")
+            tuning.to_csv(Path(args.data) / f"{args.name}_tuning.csv", index=False)
+            (Path(args.data) / f"{args.name}_chosen.json").write_text(json.dumps(chosen, indent=1) + "\n")
     if args.data:
-        (Path(args.data) / "hidden_faults_learn_table.txt").write_text("\n".join(lines) + "\n")
+        (Path(args.data) / f"{args.name}_table.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -407,11 +492,23 @@ def main() -> None:
     lr.add_argument("--rounds", type=int, default=20)
     lr.add_argument("--workers", type=int, default=1)
     lr.add_argument("--out", default="bench_out/hidden_faults")
+    t = sub.add_parser("tune", help="every arm's lr tuned per setting on tuning seeds, then evaluation seeds")
+    t.add_argument("--settings", required=True, help="';'-separated env/fault (or env/clean)")
+    t.add_argument("--arms", default="ppo,oracle,quarantine,random")
+    t.add_argument("--tuning-seeds", type=int, default=3)
+    t.add_argument("--tuning-first-seed", type=int, default=101, help="disjoint from the evaluation seeds")
+    t.add_argument("--seeds", type=int, default=10, help="the last evaluation seed")
+    t.add_argument("--first-seed", type=int, default=1)
+    t.add_argument("--rounds", type=int, default=20)
+    t.add_argument("--workers", type=int, default=2)
+    t.add_argument("--out", default="bench_out/hf_tuned")
     ls = sub.add_parser("learn-summary")
     ls.add_argument("--out", default="bench_out/hidden_faults")
     ls.add_argument("--data", default="")
+    ls.add_argument("--name", default="hidden_faults_learn", help="the written files' prefix")
     args = parser.parse_args()
-    {"detect": detect, "summary": summary, "learn": learn, "learn-summary": learn_summary}[args.command](args)
+    {"detect": detect, "summary": summary, "learn": learn, "tune": tune,
+     "learn-summary": learn_summary}[args.command](args)
 
 
 if __name__ == "__main__":

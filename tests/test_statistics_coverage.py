@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from rlinfluence.statistics import ci95, clopper_pearson, probability_of_improvement
+from rlinfluence.statistics import ci95, clopper_pearson, probability_of_improvement, ratio_ci95
 
 
 @pytest.mark.parametrize("n", [3, 5, 10])
@@ -50,3 +50,27 @@ def test_a_paired_probability_of_improvement_on_one_task_is_a_fraction_of_seeds_
     point, low, high = probability_of_improvement(x, y, paired=True)
     assert point == pytest.approx(3.5 / 5)
     assert low == pytest.approx(clopper_pearson(3, 5)[0]) and high == pytest.approx(clopper_pearson(4, 5)[1])
+
+
+@pytest.mark.parametrize("n", [3, 5, 10])
+def test_the_ratio_interval_covers_at_small_n(n):
+    """Paired normal gains, the numerator correlated with the denominator (a filter's gain and the
+    oracle's share the PPO run they are measured from): Fieller's interval covers mean(a)/mean(b)."""
+    rng = np.random.default_rng(n)
+    covered = []
+    for _ in range(4000):
+        shared = rng.normal(0.0, 1.0, size=n)
+        b = 3.0 + shared + rng.normal(0.0, 0.5, size=n)
+        a = 2.4 + shared + rng.normal(0.0, 1.0, size=n)
+        _, lo, hi = ratio_ci95(a, b)
+        covered.append(lo <= 0.8 <= hi)
+    assert abs(np.mean(covered) - 0.95) <= 0.03
+
+
+def test_a_ratio_over_a_denominator_that_may_be_zero_is_unbounded():
+    ratio, lo, hi = ratio_ci95([1.0, 2.0, 0.5, 1.5], [0.5, -0.4, 0.3, -0.2])
+    assert ratio == pytest.approx(5.0 / 0.2) and lo == -np.inf and hi == np.inf
+    ratio, lo, hi = ratio_ci95([8.0, 9.0, 7.5, 8.5], [10.0, 10.5, 9.5, 10.2])
+    assert lo < ratio < hi and np.isfinite(lo) and np.isfinite(hi)
+    with pytest.raises(ValueError, match="paired samples"):
+        ratio_ci95([1.0, 2.0], [1.0])

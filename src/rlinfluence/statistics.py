@@ -15,7 +15,7 @@ and ``final`` (its normalised plateau). Over runs (x tasks):
                  1/n sum_i [x_i > y_i] + 1/2 [x_i = y_i]
 
 Intervals that cover at the few seeds used: a t interval for every mean over seeds and every
-paired difference (``ci95``); the exact Clopper-Pearson interval for a paired P(X > Y) on one
+paired difference (``ci95``); Fieller's interval for a ratio of paired means (``ratio_ci95``); the exact Clopper-Pearson interval for a paired P(X > Y) on one
 task (a fraction of seeds); and, for IQM and statistics over several tasks, 95% percentile
 intervals of a stratified bootstrap written here rather than rliable's (whose generator ignores
 the seed passed in): runs are resampled within each task, with one set of indices for both
@@ -57,6 +57,34 @@ def ci95(values: Sequence[float], bounds: tuple[float, float] = (-math.inf, math
     t = stats.t.ppf(0.975, len(values) - 1) if len(values) > 1 else math.nan
     return mean, float(np.clip(mean - t * se, *bounds)), float(np.clip(mean + t * se, *bounds))
 
+
+
+def ratio_ci95(numerators: Sequence[float], denominators: Sequence[float]) -> Interval:
+    """(ratio, low, high): mean(a) / mean(b) of paired samples (a_i, b_i share seed i; e.g. a filter's
+    gain over PPO and the oracle's, so the ratio is the share of the oracle's gain it recovers) with
+    Fieller's 95% interval, exact for normal pairs: the theta with
+
+        (a_bar - theta b_bar)^2 <= t^2 (v_aa - 2 theta v_ab + theta^2 v_bb),   v = sample (co)variance / n,
+
+    t = t_{0.975, n-1}. Where b_bar is not clearly apart from 0 (b_bar^2 <= t^2 v_bb) that set is
+    unbounded and the interval is (-inf, inf): a ratio over a denominator that may be 0 says nothing,
+    which a bare ratio or a percentile bootstrap hides."""
+    a, b = np.asarray(numerators, float), np.asarray(denominators, float)
+    n = len(a)
+    if n != len(b) or n < 2:
+        raise ValueError(f"ratio_ci95 needs paired samples of 2 or more, got {n} and {len(b)}")
+    from scipy import stats
+
+    t2 = stats.t.ppf(0.975, n - 1) ** 2
+    (v_aa, v_ab), (_, v_bb) = np.cov(a, b, ddof=1) / n
+    a_bar, b_bar = a.mean(), b.mean()
+    ratio = float(a_bar / b_bar) if b_bar else math.nan
+    quadratic = b_bar**2 - t2 * v_bb
+    if quadratic <= 0:
+        return ratio, -math.inf, math.inf
+    linear = a_bar * b_bar - t2 * v_ab
+    root = math.sqrt(max(linear**2 - quadratic * (a_bar**2 - t2 * v_aa), 0.0))
+    return ratio, (linear - root) / quadratic, (linear + root) / quadratic
 
 def normalise(returns: np.ndarray, start: float, plateau: float) -> np.ndarray:
     """(R - start) / (plateau - start); a reference that did not improve (plateau <= start) makes
