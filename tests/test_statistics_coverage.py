@@ -74,3 +74,48 @@ def test_a_ratio_over_a_denominator_that_may_be_zero_is_unbounded():
     assert lo < ratio < hi and np.isfinite(lo) and np.isfinite(hi)
     with pytest.raises(ValueError, match="paired samples"):
         ratio_ci95([1.0, 2.0], [1.0])
+
+
+@pytest.mark.parametrize("n", [3, 5, 10])
+def test_the_p_value_read_from_an_interval_is_the_t_tests(n):
+    from rlinfluence.statistics import interval_p_value
+
+    values = np.random.default_rng(n).normal(0.4, 1.0, size=n)
+    expected = stats.ttest_1samp(values, 0.0).pvalue
+    mean, low, high = ci95(values)
+    assert interval_p_value(mean, low, high, n) == pytest.approx(expected, rel=1e-9)
+    spread = stats.norm.ppf(0.975) * values.std(ddof=0) / np.sqrt(n)  # a percentile bootstrap's, for a mean
+    assert interval_p_value(mean, mean - spread, mean + spread, n, "percentile") == pytest.approx(expected, rel=1e-9)
+    assert np.isnan(interval_p_value(1.0, np.nan, np.nan, n)) and np.isnan(interval_p_value(1.0, 0.5, 1.5, 1))
+    with pytest.raises(ValueError, match="unknown interval"):
+        interval_p_value(mean, low, high, n, "bca")
+
+
+def test_holm_over_a_tables_speed_readings_can_take_a_faster_back():
+    import pandas as pd
+
+    from rlinfluence.experiments.published import speed_p_values
+
+    rows = pd.DataFrame({"method": ["ppo", "a", "b", "c"], "seeds": 10, "interval": "t",
+                         "log_ratio80": [0.0, 0.3, 0.17, 0.05], "log_ratio80_lo": [0.0, 0.15, 0.01, -0.1],
+                         "log_ratio80_hi": [0.0, 0.45, 0.33, 0.2]})
+    adjusted = speed_p_values(rows)
+    raw = [interval_p_value_of(r) for r in rows.to_dict("records")[1:]]
+    assert np.isnan(adjusted[0]) and raw[1] < 0.05 <= adjusted[2]  # b alone is "faster"; among three it is not
+    assert adjusted[1:].tolist() == pytest.approx(sorted_holm(raw))
+
+
+def interval_p_value_of(row):
+    from rlinfluence.statistics import interval_p_value
+
+    return interval_p_value(row["log_ratio80"], row["log_ratio80_lo"], row["log_ratio80_hi"], 10)
+
+
+def sorted_holm(p):
+    order = np.argsort(p)
+    adjusted = np.empty(len(p))
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(p) - rank) * p[i]))
+        adjusted[i] = running
+    return adjusted.tolist()

@@ -39,6 +39,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from rlinfluence.statistics import holm
+
 MAXT_BLOCK = 1 << 22
 """maxT's null is drawn in blocks of at most this many values (32 MiB of float64)."""
 EXACT_LIMIT = 1 << 21
@@ -294,17 +296,6 @@ def calibration_p_values(sources: np.ndarray, scores: np.ndarray, columns: Seque
     per_source = pd.Series(np.asarray(scores, float)).groupby(np.asarray(sources)).agg(["sum", "count"])
     per_source = per_source.reindex(list(columns)).fillna(0.0)
     return calibration_test(per_source["sum"].to_numpy(), per_source["count"].to_numpy(), variance)
-
-
-def holm(p_values: np.ndarray) -> np.ndarray:
-    """Holm's step-down adjusted p-values (family-wise error rate across the tests), any shape."""
-    p = np.asarray(p_values, float)
-    flat = p.ravel()
-    order = np.argsort(flat, kind="stable")
-    adjusted = np.minimum(1.0, np.maximum.accumulate((len(flat) - np.arange(len(flat))) * flat[order]))
-    out = np.empty_like(flat)
-    out[order] = adjusted
-    return out.reshape(p.shape)
 
 
 # -- the reading of a signature -----------------------------------------------------------------------

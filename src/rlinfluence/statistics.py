@@ -86,6 +86,41 @@ def ratio_ci95(numerators: Sequence[float], denominators: Sequence[float]) -> In
     root = math.sqrt(max(linear**2 - quadratic * (a_bar**2 - t2 * v_aa), 0.0))
     return ratio, (linear - root) / quadratic, (linear + root) / quadratic
 
+
+def holm(p_values: np.ndarray) -> np.ndarray:
+    """Holm's step-down adjusted p-values (family-wise error rate across the tests), any shape:
+    sorted p_(1) <= ... <= p_(m), adjusted p_(i) = max_{j <= i} min(1, (m - j + 1) p_(j))."""
+    p = np.asarray(p_values, float)
+    flat = p.ravel()
+    order = np.argsort(flat, kind="stable")
+    adjusted = np.minimum(1.0, np.maximum.accumulate((len(flat) - np.arange(len(flat))) * flat[order]))
+    out = np.empty_like(flat)
+    out[order] = adjusted
+    return out.reshape(p.shape)
+
+
+def interval_p_value(mean: float, low: float, high: float, n: int, interval: str = "t") -> float:
+    """Two-sided p of "the mean is 0" recovered from a 95% interval of a mean over n values:
+    ``interval="t"`` for ``ci95``'s unclipped t interval, s.e. = (high - low) / (2 t_{0.975, n-1});
+    ``"percentile"`` for a percentile bootstrap of the mean, whose spread is about z_{0.975} times
+    s sqrt((n-1)/n) / sqrt(n), so s.e. = (high - low) / (2 z_{0.975}) sqrt(n / (n-1)). Then
+    p = 2 T_{n-1}(-|mean| / s.e.) (NaN below 2 values; 0 or 1 for an interval of width 0 off or at 0)."""
+    if n < 2 or not all(map(math.isfinite, (mean, low, high))):
+        return math.nan
+    from scipy import stats
+
+    if interval == "t":
+        se = (high - low) / (2 * stats.t.ppf(0.975, n - 1))
+    elif interval == "percentile":
+        se = (high - low) / (2 * stats.norm.ppf(0.975)) * math.sqrt(n / (n - 1))
+    else:
+        raise ValueError(f"unknown interval {interval!r} (expected 't' or 'percentile')")
+    if se <= 0:
+        return 1.0 if mean == 0 else 0.0
+    return float(2 * stats.t.sf(abs(mean) / se, n - 1))
+
+
+
 def normalise(returns: np.ndarray, start: float, plateau: float) -> np.ndarray:
     """(R - start) / (plateau - start); a reference that did not improve (plateau <= start) makes
     the scale undefined, and the scores NaN: dividing by a negative span would reverse every

@@ -83,18 +83,44 @@ def _chosen(text: str) -> str:
                      for k, v in point.items()) or "-"
 
 
+def speed_p_values(data: pd.DataFrame, reference: str = "ppo") -> pd.Series:
+    """Per row, the two-sided p of "the paired log ratio of rounds to 80% is 0" (from its interval,
+    ``statistics.interval_p_value``; the row's ``interval`` column says which kind, a t interval where it
+    has none) and, over every non-reference row of the table that has one,
+    Holm's adjustment (``statistics.holm``): a table of m speed readings makes m chances of a
+    "faster" by luck. NaN for the reference and where no interval exists."""
+    from rlinfluence.statistics import holm, interval_p_value
+
+    p = pd.Series([math.nan if r["method"] == reference else
+                   interval_p_value(r["log_ratio80"], r["log_ratio80_lo"], r["log_ratio80_hi"], int(r["seeds"]),
+                                    r["interval"] if isinstance(r.get("interval"), str) else "t")
+                   for r in data.to_dict("records")], index=data.index, dtype=float)
+    tested = p.notna()
+    adjusted = pd.Series(math.nan, index=data.index)
+    adjusted[tested] = holm(p[tested].to_numpy())
+    return adjusted
+
+
 def headline_table(data: pd.DataFrame, reference: str = "ppo") -> list[str]:
     """Per env and method: its tuned values and the robust columns against ``reference``
-    (``comparison.robust_cells``), then a line saying which seeds and where the CSV is."""
+    (``comparison.robust_cells``), with the speed reading's p after Holm over the table's rows
+    (``speed_p_values``; a "faster" or "slower" whose adjusted p is 0.05 or more says "not after
+    Holm")."""
+    adjusted = speed_p_values(data, reference)
     body = []
-    for record in data.to_dict("records"):
+    for (index, record) in zip(data.index, data.to_dict("records"), strict=True):
         row = _row(record)
         cells = robust_cells(row, reference)
         if row["failed_seeds"]:
             cells[0] += f" (failed: seeds {row['failed_seeds']})"
-        body.append([row["env"], cells[0], _chosen(row["chosen"]), *cells[1:]])
+        p = adjusted[index]
+        if cells[4] in ("faster", "slower") and not p < 0.05:
+            cells[4] += " (not after Holm)"
+        body.append([row["env"], cells[0], _chosen(row["chosen"]), *cells[1:5],
+                     "-" if math.isnan(p) else f"{p:.3f}", *cells[5:]])
     columns = robust_columns(reference)
-    return markdown_table(["env", columns[0], "tuned", *columns[1:]], body)
+    return markdown_table(["env", columns[0], "tuned", *columns[1:5], f"p, Holm over {int(adjusted.notna().sum())}",
+                          *columns[5:]], body)
 
 
 def gap_closed(group: pd.DataFrame, reference: str = "ppo", ceiling: str = "oracle") -> pd.Series:
