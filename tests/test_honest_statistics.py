@@ -23,6 +23,7 @@ from rlinfluence.experiments.comparison import episode_seeds, speed_verdict
 from rlinfluence.experiments.metrics import paired_speed, time_to_level
 from rlinfluence.experiments.published import collect, fill, headline_table
 from rlinfluence.statistics import (
+    clopper_pearson,
     interval_estimates,
     probability_of_improvement,
 )
@@ -216,3 +217,14 @@ def test_a_censored_ratio_of_rounds_reads_as_a_bound():
     rows = [{"method": "ppo", "reached80_n": 2, "verdict80": "reference", **common},
             {"method": "iif", "reached80_n": 0, "verdict80": "reaches it on fewer seeds", **common}]
     assert "needs at least 1.80x ppo's rounds" in reading_lines(rows, "ppo")[0]
+
+
+def test_rows_summarised_with_a_percentile_bootstrap_get_the_exact_interval_of_their_p_improvement():
+    from rlinfluence.experiments.published import _row
+
+    record = {"method": "iif", "seeds": 5, "poi_auc": 1.0, "poi_auc_lo": 1.0, "poi_auc_hi": 1.0,
+              "failed_seeds": float("nan"), "chosen": "{}"}
+    assert _row({**record, "interval": "percentile"})["poi_auc_lo"] == pytest.approx(0.478, abs=1e-3)
+    assert _row(record)["poi_auc_lo"] == 1.0  # a row without the note is the library's own (already exact)
+    tie = _row({**record, "poi_auc": 0.7, "interval": "percentile"})  # 3.5 of 5: a tie counts half
+    assert (tie["poi_auc_lo"], tie["poi_auc_hi"]) == pytest.approx((clopper_pearson(3, 5)[0], clopper_pearson(4, 5)[1]))

@@ -72,9 +72,17 @@ def _cpu_per_round(folder: Path, method: str) -> float:
 
 
 def _row(record: dict[str, Any]) -> dict[str, Any]:
-    """A CSV record as summarize's row: empty cells (NaN) of text columns as empty text."""
-    return {k: ("" if k in ("failed_seeds", "chosen") and not isinstance(v, str) and math.isnan(v) else v)
-            for k, v in record.items()}
+    """A CSV record as summarize's row: empty cells (NaN) of text columns as empty text. A row
+    summarised with percentile-bootstrap intervals (``interval`` = "percentile") gets its paired
+    P(> reference) interval recomputed exactly (``statistics.clopper_pearson`` of the fraction of
+    seeds won), which needs only that fraction and n: the bootstrap printed 5 of 5 as [1.00, 1.00]."""
+    from rlinfluence.statistics import clopper_pearson
+
+    row = {k: ("" if k in ("failed_seeds", "chosen") and not isinstance(v, str) and math.isnan(v) else v)
+           for k, v in record.items()}
+    if row.get("interval") == "percentile" and math.isfinite(row.get("poi_auc", math.nan)):
+        row["poi_auc_lo"], row["poi_auc_hi"] = clopper_pearson(row["poi_auc"] * row["seeds"], int(row["seeds"]))
+    return row
 
 
 def _chosen(text: str) -> str:
@@ -188,7 +196,7 @@ def target_table(data: pd.DataFrame, reference: str = "ppo", ceiling: str = "ora
         gaps = gap_closed(group, reference, ceiling).dropna()
         if gaps.empty:
             continue
-        by_method = group.set_index("method")
+        by_method = pd.DataFrame([_row(r) for r in group.to_dict("records")]).set_index("method")
         attribution, others = gaps[gaps.index.isin(filters)], gaps[~gaps.index.isin(filters)]
         body.append([folder,
                      *(_target_cells(by_method, gaps, attribution.idxmax(), reference) if len(attribution) else ["-"] * 5),
