@@ -228,3 +228,17 @@ def test_rows_summarised_with_a_percentile_bootstrap_get_the_exact_interval_of_t
     assert _row(record)["poi_auc_lo"] == 1.0  # a row without the note is the library's own (already exact)
     tie = _row({**record, "poi_auc": 0.7, "interval": "percentile"})  # 3.5 of 5: a tie counts half
     assert (tie["poi_auc_lo"], tie["poi_auc_hi"]) == pytest.approx((clopper_pearson(3, 5)[0], clopper_pearson(4, 5)[1]))
+
+
+def test_the_summary_opens_with_the_answer_and_names_a_collapsed_reference(tmp_path):
+    for seed in range(1, 4):
+        returns = _step_curve(5)
+        if seed == 3:  # learns, then falls back to its start in the last rounds
+            returns[-3:] = 0.0
+        _write_run(tmp_path / f"ppo__seed{seed}", returns)
+        _write_run(tmp_path / f"fast__seed{seed}", _step_curve(4))
+    write_summary(tmp_path, ["ppo", "fast"], range(1, 4), reference="ppo", reps=50)
+    text = (tmp_path / "summary.md").read_text()
+    assert text.index("## Against the reference") < text.index("## Paper metrics")
+    assert "ppo collapsed on seed 3: its evaluation return fell from 1 (round 4) to 0" in text
+    assert "collapsed on seed 1" not in text and "fast collapsed" not in text

@@ -509,10 +509,11 @@ def write_summary(
     scores = normalised_scores(curves, methods, seeds, reference)
     atomic_write(out / "scores.csv", lambda p: scores.assign(reference=reference).to_csv(p, index=False))
     lines = [f"# {out.name}: {', '.join(methods)} against {reference}, seeds {list(seeds)}", ""]
+    tuning_lines: list[str] = []
     if tuning is not None:
         metric = next(c for c in tuning.columns if c in ("auc", "final", "rounds80"))
         keys = [c for c in tuning.columns if c not in ("method", metric, "approx_kl", "chosen", "at_edge", "failed")]
-        lines += [f"## Tuning ({metric} on the tuning seeds; chosen value in bold)", ""]
+        tuning_lines = [f"## Tuning ({metric} on the tuning seeds; chosen value in bold)", ""]
         table_rows = []
         for r in tuning.itertuples(index=False):
             r = r._asdict()
@@ -520,10 +521,19 @@ def write_summary(
             note = (f"at the grid's edge: {r['at_edge']}" if r["at_edge"] else "") + (r["failed"] or "")
             table_rows.append([r["method"], *(r[k] for k in keys), f"**{value}**" if r["chosen"] else value,
                                f"{r['approx_kl']:.3g}", note])
-        lines += markdown_table(["method", *keys, metric, "approx_kl", "note"], table_rows) + [""]
+        tuning_lines += markdown_table(["method", *keys, metric, "approx_kl", "note"], table_rows) + [""]
         untuned = [m for m in methods if m not in tuned]
         if untuned:
-            lines += [f"Not tuned (run at {reference}'s chosen values): {', '.join(untuned)}.", ""]
+            tuning_lines += [f"Not tuned (run at {reference}'s chosen values): {', '.join(untuned)}.", ""]
+    lines += [
+        "## Against the reference, every seed counted", "",
+        *robust_note(reference, reps, len(seeds)), "",
+        *([few_seeds_note(len(seeds)), ""] if few_seeds_note(len(seeds)) else []),
+    ]
+    lines += markdown_table(robust_columns(reference), [robust_cells(r, reference) for r in rows])
+    lines += ["", "**Reading** (rounds to 80% against the reference, every seed counted):", "",
+              *(f"- {line}" for line in reading_lines(rows, reference)),
+              *(f"- {line}" for line in collapse_lines(curves, methods, seeds)), "", *tuning_lines]
     lines += [
         "## Paper metrics (docs/method.md, section 7.2)", "",
         f"Reductions are percent, per seed pair against {reference}, mean +/- s.e. over seeds; smoothing window "
@@ -538,14 +548,6 @@ def write_summary(
           *(_cell(r, k) for k, _ in _COLUMNS),
           f"{r['final_mean']:.4g} [{r['final_lo']:.4g}, {r['final_hi']:.4g}]",
           f"{r['gain_mean']:.4g} [{r['gain_lo']:.4g}, {r['gain_hi']:.4g}]"] for r in rows])
-    lines += [
-        "", "## Against the reference, every seed counted", "",
-        *robust_note(reference, reps, len(seeds)), "",
-        *([few_seeds_note(len(seeds)), ""] if few_seeds_note(len(seeds)) else []),
-    ]
-    lines += markdown_table(robust_columns(reference), [robust_cells(r, reference) for r in rows])
-    lines += ["", "**Reading** (rounds to 80% against the reference, every seed counted):", "",
-              *(f"- {line}" for line in reading_lines(rows, reference))]
     failed = [f"{r['method']} (seeds {r['failed_seeds']})" for r in rows if r["failed_seeds"]]
     if failed:
         lines += ["", f"**Failed pairs** (training diverged): {', '.join(failed)}. Each is kept in every "
@@ -607,6 +609,23 @@ def reading_lines(rows: Sequence[dict[str, Any]], reference: str) -> list[str]:
                    f"{reference}'s rounds (geometric mean over seeds{interval}; reached on {r['reached80_n']}/"
                    f"{r['seeds']} seeds, {reference} {ref['reached80_n']}/{r['seeds']}); paired P(auc > {reference}) "
                    f"{r['poi_auc']:.2f}.")
+    return out
+
+
+def collapse_lines(curves: dict[tuple[str, int], Curve], methods: Sequence[str], seeds: Sequence[int]) -> list[str]:
+    """One sentence per run that collapsed: its evaluation return ends below half of the way from
+    its first round to its best (R_end < R_0 + (max_k R_k - R_0) / 2, the best above the start).
+    Such a seed counts in every statistic as it is; the sentence says so, and where to look."""
+    out = []
+    for method in methods:
+        for seed in seeds:
+            returns = curves[method, seed].returns
+            start, best, end = float(returns[0]), float(np.max(returns)), float(returns[-1])
+            if best > start and end < start + (best - start) / 2:
+                out.append(f"{method} collapsed on seed {seed}: its evaluation return fell from {best:.4g} "
+                           f"(round {int(np.argmax(returns))}) to {end:.4g} in the last round; the statistics above "
+                           f"count it as it is (`rlinfluence explain` on a run trained with --save-buffers says "
+                           "whether the data, a source or the step did it).")
     return out
 
 
