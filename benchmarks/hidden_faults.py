@@ -163,7 +163,9 @@ def detect(args: argparse.Namespace) -> None:
 
 
 LEARN_ARMS = {"ppo": {"filter": "none"}, "oracle": {"filter": "oracle"}, "quarantine": {"filter": "quarantine"},
-              "iif": {"filter": "iif"}, "random": {"filter": "random", "drop_pct": 12.5, "random_match": "pct"}}
+              "iif": {"filter": "iif"}, "random": {"filter": "random", "drop_pct": 12.5, "random_match": "pct"},
+              "iif-robust": {"filter": "iif-robust"}, "iif-trusted": {"filter": "iif", "scoring_target": "trusted"},
+              "dtv": {"filter": "dtv"}, "advantage-sign": {"filter": "advantage-sign"}}
 
 
 class Recording:
@@ -189,18 +191,13 @@ def learn_one(env: str, fault: str, arm: str, seed: int, rounds: int, out: Path,
               table: str = "learn.csv") -> dict:
     """One training run of ``arm`` under ``fault`` (at ``learning_rate``, else PPO's clean-tuned one): the
     evaluation return per round, CPU and what it dropped, appended to ``<out>/<table>``."""
-    from rlinfluence.filters import make_filter
     from rlinfluence.ppo import PPO
-    from rlinfluence.seeding import derived_seed
 
     config = _config(env, None if fault == "clean" else fault, seed, rounds, out / "scratch", save_buffers=False, tracin=False, eval_episodes=20,
                      eval_envs=10, **LEARN_ARMS[arm],
                      **({"learning_rate": learning_rate} if learning_rate else {}))
-    inner = make_filter(config.filter, drop_pct=config.drop_pct, seed=derived_seed(config.seed, 0, 2),
-                        random_match=config.random_match,
-                        quarantine=(config.quarantine_window, config.quarantine_alpha, False, config.trusted_envs))
-    trainer = PPO(config, filter=Recording(inner), run_dir=False)
-    recording = trainer.filter
+    trainer = PPO(config, run_dir=False)  # the filter the config names, with every option it sets
+    trainer.filter = recording = Recording(trainer.filter)
     returns: list[float] = []
     trainer.learn(callback=lambda _, metrics: returns.append(metrics["eval_return_mean"]))
     broken_envs = int(fault.split("envs=")[1].split(",")[0]) if fault != "clean" else 0
