@@ -191,6 +191,7 @@ def learn_one(env: str, fault: str, arm: str, seed: int, rounds: int, out: Path,
               table: str = "learn.csv") -> dict:
     """One training run of ``arm`` under ``fault`` (at ``learning_rate``, else PPO's clean-tuned one): the
     evaluation return per round, CPU and what it dropped, appended to ``<out>/<table>``."""
+    from rlinfluence.errors import UserError
     from rlinfluence.ppo import PPO
 
     config = _config(env, None if fault == "clean" else fault, seed, rounds, out / "scratch", save_buffers=False, tracin=False, eval_episodes=20,
@@ -199,12 +200,17 @@ def learn_one(env: str, fault: str, arm: str, seed: int, rounds: int, out: Path,
     trainer = PPO(config, run_dir=False)  # the filter the config names, with every option it sets
     trainer.filter = recording = Recording(trainer.filter)
     returns: list[float] = []
-    trainer.learn(callback=lambda _, metrics: returns.append(metrics["eval_return_mean"]))
+    try:
+        trainer.learn(callback=lambda _, metrics: returns.append(metrics["eval_return_mean"]))
+        diverged = np.nan
+    except UserError:  # a non-finite loss or weights: the run counts, padded (``with_divergence_padded``)
+        diverged = len(returns)
     broken_envs = int(fault.split("envs=")[1].split(",")[0]) if fault != "clean" else 0
     dropped = sum(recording.dropped)
     row = {"env": env, "fault": fault, "arm": arm, "seed": seed, "rounds": rounds,
            "learning_rate": config.learning_rate,
-           "auc": float(np.mean(returns)), "final": float(np.mean(returns[-3:])),
+           "auc": float(np.mean(returns)) if np.isnan(diverged) else np.nan,
+           "final": float(np.mean(returns[-3:])) if np.isnan(diverged) else np.nan, "diverged": diverged,
            "train_cpu_s": trainer.train_cpu_seconds, "dropped": dropped,
            "rounds_dropping": sum(d > 0 for d in recording.dropped),
            "selectivity": sum(recording.dropped_corrupted) / dropped if dropped else np.nan,
@@ -229,6 +235,23 @@ def learn(args: argparse.Namespace) -> None:
                   f"selectivity {row['selectivity']:.3f}", flush=True)
 
 
+def with_divergence_padded(runs: pd.DataFrame) -> pd.DataFrame:
+    """``runs`` with every diverged run (``diverged`` = the round its training stopped at) counted:
+    its returns after that round set to the worst evaluation return of any run of its env and fault
+    in ``runs``, and its auc and final computed from them (as ``compare`` counts a diverged pair), so
+    a learning rate or a method that diverges is not judged on the runs that survived."""
+    runs = runs.copy()
+    if "diverged" not in runs:
+        return runs
+    curves = runs["returns"].fillna("").astype(str).str.split().apply(lambda r: [float(x) for x in r])
+    for _, group in runs.groupby(["env", "fault"]):
+        worst = min((min(c) for c in curves[group.index] if c), default=np.nan)
+        for i in group.index[group["diverged"].notna()]:
+            padded = curves[i] + [worst] * (int(runs.at[i, "rounds"]) - len(curves[i]))
+            runs.at[i, "auc"], runs.at[i, "final"] = float(np.mean(padded)), float(np.mean(padded[-3:]))
+    return runs
+
+
 TUNE_FACTORS = (0.5, 1.0, 2.0)
 MAX_GRID = 8
 
@@ -246,9 +269,11 @@ def tuned_learning_rates(pool, env: str, fault: str, arms: list[str], args: argp
                 for seed in tuning_seeds if (env, fault, arm, seed, lr) not in done]
         for row in pool.map(learn_one, *zip(*jobs, strict=True)) if jobs else []:
             print(f"tune {env} {fault} {row['arm']} lr {row['learning_rate']:.3g} seed {row['seed']}: "
-                  f"auc {row['auc']:.4g}", flush=True)
+                  f"auc {row['auc']:.4g}" + (f" (diverged at round {row['diverged']})" if row["diverged"] >= 0 else ""),
+                  flush=True)
         runs = pd.read_csv(out / "tune.csv")
-        runs = runs[(runs["env"] == env) & (runs["fault"] == fault) & runs["seed"].isin(tuning_seeds)]
+        runs = with_divergence_padded(runs[(runs["env"] == env) & (runs["fault"] == fault)
+                                           & runs["seed"].isin(tuning_seeds)])
         chosen, widened = {}, False
         for arm in arms:
             means = runs[runs["arm"] == arm].groupby("learning_rate")["auc"].mean().reindex(grids[arm])
@@ -296,6 +321,7 @@ def learn_summary(args: argparse.Namespace) -> None:
     runs = pd.read_csv(Path(args.out) / "learn.csv").drop_duplicates(["env", "fault", "arm", "seed"], keep="last")
     if args.data:
         runs.to_csv(Path(args.data) / f"{args.name}.csv", index=False)
+    runs = with_divergence_padded(runs)
     lines = ["| env | fault | arm | lr | seeds | auc | auc - ppo's, paired [95% t] | auc - oracle's, paired [95% t] | "
              "share of the oracle's gain [95% Fieller] | selectivity (base rate) | CPU / PPO's |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -324,7 +350,9 @@ def learn_summary(args: argparse.Namespace) -> None:
             lr = f"{g['learning_rate'].iloc[0]:.3g}" if "learning_rate" in g else "-"
             cpu = g["train_cpu_s"].mean() / by_arm["ppo"]["train_cpu_s"].mean() if "ppo" in by_arm else np.nan
             selectivity = g["selectivity"].mean()
-            lines.append(f"| {env} | {fault} | {arm} | {lr} | {len(g)} | {g['auc'].mean():.1f} | {cells[0]} | "
+            failed = g.index[g["diverged"].notna()].tolist() if "diverged" in g else []
+            arm_cell = f"{arm} (diverged: seeds {' '.join(map(str, failed))})" if failed else arm
+            lines.append(f"| {env} | {fault} | {arm_cell} | {lr} | {len(g)} | {g['auc'].mean():.1f} | {cells[0]} | "
                          f"{cells[1]} | {share} | {'-' if np.isnan(selectivity) else f'{selectivity:.2f}'} "
                          f"({g['base_rate'].iloc[0]:.3f}) | {cpu:.2f} |")
     clean = runs[(runs["fault"] == "clean") & (runs["arm"] == "quarantine")]
