@@ -149,7 +149,7 @@ def test_tune_only_tunes_the_named_methods_and_runs_the_rest_at_the_references_c
 
     from rich.console import Console
 
-    from rlinfluence.experiments.comparison import summary_table
+    from rlinfluence.experiments.summary import summary_table
 
     console = Console(file=io.StringIO(), width=200)  # what compare draws on a terminal
     console.print(summary_table(out))
@@ -284,7 +284,7 @@ def test_compare_wandb_groups_the_pairs_and_tags_each_with_its_method(tmp_path, 
 
 
 def test_legends_define_named_methods(tmp_path):
-    from rlinfluence.experiments.comparison import _definitions
+    from rlinfluence.experiments.summary import _definitions
 
     (tmp_path / "compare.json").write_text(json.dumps(
         {"methods": ["ppo", "fast=ppo@learning_rate=0.04", "iif-trusted=iif@scoring_target=trusted,drop_pct=25",

@@ -19,9 +19,10 @@ from rlinfluence.experiments import (
     summarize,
     write_summary,
 )
-from rlinfluence.experiments.comparison import episode_seeds, speed_verdict
 from rlinfluence.experiments.metrics import paired_speed, time_to_level
 from rlinfluence.experiments.published import collect, fill, headline_table
+from rlinfluence.experiments.specs import episode_seeds
+from rlinfluence.experiments.summary import speed_verdict
 from rlinfluence.statistics import (
     clopper_pearson,
     interval_estimates,
@@ -188,7 +189,7 @@ def test_the_docs_tables_are_the_ones_their_committed_data_gives():
 
 
 def test_a_reference_that_did_not_improve_leaves_80_percent_undefined_everywhere_and_few_seeds_are_named():
-    from rlinfluence.experiments.comparison import few_seeds_note, robust_cells
+    from rlinfluence.experiments.summary import few_seeds_note, robust_cells
 
     row = {"method": "iif", "seeds": 2, "reached80_n": 2, "rounds80_mean": 1.0, "rounds80_lo": 1.0, "rounds80_hi": 1.0,
            "log_ratio80": float("nan"), "log_ratio80_lo": float("nan"), "log_ratio80_hi": float("nan"),
@@ -208,7 +209,7 @@ def test_a_reference_that_did_not_improve_leaves_80_percent_undefined_everywhere
 def test_a_censored_ratio_of_rounds_reads_as_a_bound():
     """A method that never reached 80% on some seeds counts rounds + 1 there: its ratio is a lower
     bound, and the reading says "at least"; a censored reference makes it "at most"."""
-    from rlinfluence.experiments.comparison import censoring_bound, reading_lines
+    from rlinfluence.experiments.summary import censoring_bound, reading_lines
 
     assert [censoring_bound(*x) for x in ((2, 2, 2), (0, 2, 2), (2, 1, 2), (1, 1, 2))] == \
         ["", "at least ", "at most ", "roughly "]

@@ -43,9 +43,18 @@ def test_the_report_embeds_no_file_outside_the_run(capsys, run_copy, tmp_path, k
 
 # -- what defines a run or a study cannot be mixed -------------------------------------------
 def _tiny_compare(out: Path, *extra: str) -> list[str]:
-    return ["compare", "--env", "CartPole-v1", "--methods", "ppo", "iif", "--seeds", "1", "--rounds", "1",
+    """A one-seed, one-round comparison; a flag in ``extra`` replaces the one given here (a list
+    flag given twice is refused)."""
+    base = ["--env", "CartPole-v1", "--methods", "ppo", "iif", "--seeds", "1", "--rounds", "1",
             "--eval-episodes", "1", "--set", "n_steps=64", "batch_size=32", "n_epochs=1", "eval_envs=1",
-            "--workers", "1", "--no-progress", "--out", str(out), *extra]
+            "--workers", "1", "--no-progress", "--out", str(out)]
+    replaced, kept, skipping = {a for a in extra if a.startswith("--")}, [], False
+    for a in base:
+        if a.startswith("--"):
+            skipping = a in replaced
+        if not skipping:
+            kept.append(a)
+    return ["compare", *kept, *extra]
 
 
 @pytest.mark.parametrize("changed", [["--tune", "learning_rate=0.001,0.004", "--tune-seeds", "1"],
@@ -146,7 +155,7 @@ def test_aggregate_checks_its_output_folder_first(capsys, compare_folder, tmp_pa
 
 @pytest.mark.parametrize("damage, fragment", [
     (lambda run: (run / "failed.json").write_text("garbage{"), "failed.json"),
-    (lambda run: (run / "failed.json").write_text(""), "failed.json"),
+    (lambda run: (run / "failed.json").write_text("[1, 2]"), "failed.json"),  # an empty one: no record (below)
     (lambda run: (run / "metrics.csv").write_bytes(b"\x00\xff binary \xfe"), "metrics.csv"),
     (lambda run: (run / "metrics.csv").write_text("round,eval_return_mean,train_seconds\n0,abc,1.0\n"),
      "not a number"),
@@ -377,3 +386,253 @@ def test_a_stray_copy_in_buffers_is_not_a_round(capsys, run_copy):
 def test_an_output_folder_that_is_a_file_is_refused_before_the_scoring(capsys, run_copy, folder):
     (run_copy / folder).write_text("not a folder")
     assert_refused(capsys, ["audit", run_copy], f"{folder}' is a file")
+
+
+# -- third pass (issue 42): each class on other instances than the ones reported --------------
+@pytest.mark.parametrize("args, flag", [
+    (["train", "--env", "CartPole-v1", "--hidden-sizes", "8", "--hidden-sizes=16"], "--hidden-sizes"),
+    (["compare", "--set", "n_steps=64", "--set", "batch_size=32"], "--set"),
+    (["audit", "run", "--rounds", "0", "--rounds", "1"], "--rounds"),
+])
+def test_a_list_flag_given_twice_is_refused_not_cut_to_its_last_values(capsys, tmp_path, monkeypatch, args, flag):
+    monkeypatch.chdir(tmp_path)
+    assert_refused(capsys, args, flag, "2 times")
+    assert _files(tmp_path) == []
+
+
+def test_the_python_api_refuses_a_value_of_another_type_naming_the_field():
+    """A string for a number, a float for an int, a string for a list: named, not a deep
+    TypeError, and not truncated (seed=1.5 would train as seed 1)."""
+    from rlinfluence.errors import UserError
+    from rlinfluence.ppo import PPO, PPOConfig
+    from rlinfluence.rlhf.config import RLHFConfig
+
+    for field, value in (("batch_size", "64"), ("seed", 1.5), ("gamma", "0.99"), ("hidden_sizes", 64),
+                         ("normalize_advantage", 1)):
+        with pytest.raises(UserError, match=f"^{field} must be"):
+            PPO(PPOConfig(env="CartPole-v1", **{field: value}), run_dir=False)
+    for field, value in (("ppo_epochs", "2"), ("clip_range", "0.2"), ("seed", 2.5)):
+        with pytest.raises(UserError, match=f"^{field} must be"):
+            RLHFConfig(**{field: value}).validate()
+    with pytest.raises(UserError, match="lora_target_modules must be a list of str"):
+        RLHFConfig.from_dict({"lora_target_modules": "q_proj"}, "config.json").validate()
+
+
+def test_the_python_api_names_the_bad_argument(trained):
+    """Deep IndexErrors and TypeErrors become errors naming the argument and the bad value."""
+    import torch
+
+    from rlinfluence.checkpoint import load_round
+    from rlinfluence.errors import UserError
+    from rlinfluence.influence import ActionTarget, score_buffer
+    from rlinfluence.integrations.sb3 import AuditCallback
+
+    for bad in (1.0, "0", -1, None):
+        with pytest.raises(UserError, match="round_index must be an int"):
+            load_round(trained, bad)
+    saved = load_round(trained, 0)
+    policy, buffer = saved.trainer.policy, saved.buffer
+    with pytest.raises(ValueError, match="buffer must be a RolloutBuffer"):
+        score_buffer(policy, {"obs": buffer.flat("obs")})
+    obs = buffer.flat("obs")[:2]
+    for action, fragment in ((torch.tensor([0, 3]), "action 3 is out of range: the policy has 2 actions"),
+                             (torch.tensor([0.5, 1.0]), "action 0.5 is not an action index"),
+                             (torch.tensor([-2, 0]), "action -2 is negative")):
+        with pytest.raises(ValueError, match=fragment):
+            score_buffer(policy, buffer, target=ActionTarget(obs, action))
+    with pytest.raises(ValueError, match="ActionTarget action must be a tensor or number, got str"):
+        score_buffer(policy, buffer, target=ActionTarget(obs[0], "left"))
+    with pytest.raises(ValueError, match="path must be the run folder"):
+        AuditCallback(path=7)
+
+
+def _study(path: Path, **changes) -> Path:
+    """A compare.json as a study writes it (nothing trained: the confirmation reads only it)."""
+    study = {"env": "CartPole-v1", "methods": ["ppo"], "reference": "ppo", "rounds": 1, "drop_pct": None,
+             "eval_episodes": 1, "set": ["n_steps=64", "batch_size=32"], "corrupt": [], "first_seed": 4, "seeds": 1,
+             "tune_first_seed": 1001, "tune_seeds": 2, "tune": [], "chosen": {"ppo": {}}, **changes}
+    path.write_text(json.dumps(study))
+    return path
+
+
+def test_a_confirmation_of_a_confirmation_keeps_off_every_earlier_studys_seeds(tmp_path):
+    from rlinfluence.errors import UserError
+    from rlinfluence.experiments.comparison import confirmation_config
+    from rlinfluence.experiments.specs import CompareConfig
+
+    # a confirmation (seed 4) of a study that evaluated on seeds 1-2 and tuned on 7-8
+    confirmation = _study(tmp_path / "c.json", confirms={"study": "s", "study_seeds": [1, 2], "study_tune_seeds": [7, 8]})
+    for first_seed in (2, 7):
+        with pytest.raises(UserError, match=f"seed {first_seed} was used by the study or a study it confirms"):
+            confirmation_config(CompareConfig(confirm=str(confirmation), first_seed=first_seed, seeds=1))
+    _, _, record = confirmation_config(CompareConfig(confirm=str(confirmation), first_seed=5, seeds=1))
+    assert record["seeds_used"] == [1, 2, 4, 7, 8]  # the next confirmation inherits them all
+    third = _study(tmp_path / "third.json", first_seed=5, confirms=record)
+    with pytest.raises(UserError, match="seed 8 was used"):
+        confirmation_config(CompareConfig(confirm=str(third), first_seed=8, seeds=1))
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ('"a string"', "it holds a str, not a JSON object"),
+    ("[" * 100_000 + "]" * 100_000, "cannot read it"),
+    (None, "'seeds' is '1'"),
+    (None, "'chosen' must map each method"),
+])
+def test_a_malformed_study_to_confirm_is_one_line(capsys, tmp_path, text, fragment):
+    path = tmp_path / "study.json"
+    if text is not None:
+        path.write_text(text)
+    else:
+        _study(path, **({"seeds": "1"} if "seeds" in fragment else {"chosen": {"ppo": [1]}}))
+    assert_refused(capsys, ["compare", "--confirm", path, "--first-seed", "9", "--out", tmp_path / "out"], fragment)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra", [["--methods", "ppo", "random@eval_seed=5"], ["--tune", "eval_seed=3,4"]])
+def test_no_method_of_a_comparison_is_evaluated_on_its_own_episodes(capsys, tmp_path, extra):
+    assert_refused(capsys, _tiny_compare(tmp_path / "out", *extra), "eval_seed")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_refused_comparison_leaves_nothing_that_refuses_the_corrected_rerun(capsys, tmp_path, monkeypatch):
+    """Refused by an env check (an obs-bug swap on a one-feature observation), or later, after
+    compare.json was written: no folder of its own left, and no compare.json in a given one."""
+    from rlinfluence.errors import UserError
+    from rlinfluence.experiments import comparison
+
+    out = tmp_path / "new"
+    assert_refused(capsys, ["compare", "--env", "CountingChain-v0", "--methods", "ppo", "--seeds", "1", "--rounds", "1",
+                            "--set", "n_steps=8", "batch_size=8", "n_envs=2", "--corrupt", "obs-bug:envs=1,mode=swap",
+                            "--workers", "1", "--no-progress", "--out", out], "swap needs 2")
+    assert not out.exists()
+
+    def refused(*args, **kwargs):
+        raise UserError("refused by a pair")
+
+    given = tmp_path / "given"
+    given.mkdir()
+    with monkeypatch.context() as m:
+        m.setattr(comparison, "_run", refused)
+        assert_refused(capsys, _tiny_compare(out), "refused by a pair")
+        assert_refused(capsys, _tiny_compare(given), "refused by a pair")
+    assert not out.exists() and not (given / "compare.json").exists()
+    assert main(_tiny_compare(given, "--rounds", "2")) == 0  # the corrected rerun runs
+
+
+def test_an_empty_failure_record_left_by_a_full_disk_does_not_block_the_rerun(capsys, compare_folder, tmp_path):
+    """A 0-byte failed.json (an earlier version's write on a full disk) is no end: that pair runs
+    again, and the comparison completes (failed.json is now written whole or not at all)."""
+    from rlinfluence.experiments.execution import failure, finished
+
+    folder = tmp_path / "cmp"
+    shutil.copytree(compare_folder, folder)
+    pair = folder / "iif__seed1"
+    (pair / "done.json").unlink()
+    (pair / "failed.json").write_text("")
+    assert not finished(pair) and failure(pair) is None
+    assert main(_tiny_compare(folder)) == 0
+    assert finished(pair) and failure(pair) is None and (pair / "done.json").stat().st_size > 0
+
+
+@pytest.mark.parametrize("tables, fragment", [
+    ({0: {"influence": 1.0}, 1: {}}, "hold different score columns"),
+    ({0: {}, 1: {}}, "hold no harm column"),
+])
+def test_user_score_tables_that_would_be_misread_are_refused(capsys, tmp_path, tables, fragment):
+    run = tmp_path / "run"
+    (run / "audit" / "scores").mkdir(parents=True)
+    for k, scores in tables.items():
+        table = pd.DataFrame({"round": k, "source": [0, 1, 2] * 4, "episode": k, "step": range(12), "trusted": False})
+        table.assign(**scores, dtv=0.5).drop(columns=[] if scores else ["dtv"]).to_parquet(
+            run / "audit" / "scores" / f"round_{k:06d}.parquet", index=False)
+    assert_refused(capsys, ["audit", run, "--no-progress"], fragment)
+    assert not (run / "audit" / "sources.csv").exists()
+
+
+def test_ctrl_c_during_a_local_pool_prints_no_worker_traceback(tmp_path):
+    """Ctrl-C reaches the whole process group: the workers leave it to the parent, which stops them."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import time; from rlinfluence.executor import run_calls; "
+            "print('started', flush=True); run_calls(time.sleep, [(60,), (60,)], 2, None)")
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert process.stdout.readline().strip() == "started"
+    time.sleep(4)  # the workers are up (spawned, imported) and sleeping
+    started = time.monotonic()
+    os.killpg(process.pid, signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert time.monotonic() - started < 30  # the sleeping calls were stopped, not waited for
+    assert err.count("Traceback") <= 1 and "spawn_main" not in err and "multiprocessing/pool" not in err, err
+
+
+def test_rlhf_prompts_that_are_not_utf8_or_too_long_are_one_line(tmp_path):
+    import torch
+
+    from rlinfluence.errors import UserError
+    from rlinfluence.rlhf import TINY_GPT2, RLHFConfig, RLHFTrainer, load_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b'{"split": "train", "prompt": "ok"}\n{"split": "train", "prompt": "na\xefve"}\n')
+    with pytest.raises(UserError, match=r"not UTF-8 text \(line 2"):
+        load_prompts("train", path)
+    config = RLHFConfig(model=TINY_GPT2, rounds=1, prompts_per_round=2, response_length=4, test_prompts=1, lora_r=4,
+                        progress=False, tensorboard=False, run_root=str(tmp_path / "runs"))
+    with pytest.raises(UserError, match="test prompt 0 .* exceeds the model's context of 256 tokens"):
+        RLHFTrainer(config, reward_fn=lambda texts: torch.zeros(len(texts)), train_prompts=["hi", "yo"],
+                    val_prompts=["hi"], test_prompts=["ab " * 200])
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_saved_round_missing_a_key_the_reader_needs_is_one_line(capsys, run_copy):
+    from safetensors.torch import load_file, save_file
+
+    path = run_copy / "buffers" / "round_0001.safetensors"
+    for key in ("final_values", "schedule_lr"):
+        tensors = load_file(str(path))
+        save_file({k: v for k, v in tensors.items() if k != key}, str(path))
+        assert_refused(capsys, ["attribute", run_copy, "--round", "1"], "lacks", key)
+        save_file(tensors, str(path))
+
+
+@pytest.mark.parametrize("folder", ["buffers", "analyses"])
+def test_a_resume_through_a_planted_folder_link_is_refused_before_training(capsys, run_copy, tmp_path, folder):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if (run_copy / folder).exists():
+        shutil.rmtree(run_copy / folder)
+    (run_copy / folder).symlink_to(elsewhere)
+    metrics = (run_copy / "metrics.csv").read_text()
+    assert_refused(capsys, ["train", "--resume", run_copy, "--total-timesteps", "384"], f"{folder}' is a link")
+    assert not any(elsewhere.iterdir()) and (run_copy / "metrics.csv").read_text() == metrics
+
+
+def test_files_written_together_are_all_or_none(tmp_path):
+    """A full disk on the second of a table and its section: neither is replaced, no temporary left."""
+    import errno
+
+    from rlinfluence.errors import UserError
+    from rlinfluence.rundir import atomic_write_all
+
+    (tmp_path / "table.parquet").write_text("old table")
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(UserError, match="section.json'?: No space left"):
+        atomic_write_all([(tmp_path / "table.parquet", lambda p: p.write_text("new")), (tmp_path / "section.json", full)])
+    assert _files(tmp_path) == ["table.parquet"] and (tmp_path / "table.parquet").read_text() == "old table"
+
+
+def test_a_compare_pair_folder_that_is_a_link_is_one_line(capsys, compare_folder, tmp_path):
+    folder = tmp_path / "cmp"
+    shutil.copytree(compare_folder, folder)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(folder / "iif__seed1", elsewhere)
+    (folder / "iif__seed1").symlink_to(elsewhere)
+    before = _files(elsewhere)
+    assert_refused(capsys, _tiny_compare(folder), "iif__seed1' is a link")
+    assert _files(elsewhere) == before and (folder / "compare.json").is_file()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,9 @@ class SavedRound:
 def load_round(run_dir: str | Path, round_index: int) -> SavedRound:
     """Round ``round_index`` of a run trained with ``save_buffers``: the trainer restored to
     theta(k) (policy and optimiser state before the round's update) and the saved buffer."""
+    if isinstance(round_index, bool) or not isinstance(round_index, numbers.Integral) or round_index < 0:
+        raise UserError(f"round_index must be an int >= 0 (a saved round), got {round_index!r}")
+    round_index = int(round_index)
     run = RunDirectory.open_existing(run_dir, tensorboard=False)
     # retraining a saved round (validate, intervention) does not record TracIn again; the analyses
     # read a run on the CPU, wherever it trained

@@ -13,6 +13,8 @@ import io
 import re
 import shutil
 import sys
+import types
+import typing
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -144,7 +146,7 @@ def compare(config: CompareConfig) -> int:
     if sys.stdout.isatty():  # a terminal gets the robust table drawn; Markdown stays in summary.md
         from rich.console import Console
 
-        from rlinfluence.experiments.comparison import summary_table
+        from rlinfluence.experiments.summary import summary_table
 
         Console().print(summary_table(out))
         print(f"every table: {out / 'summary.md'}")
@@ -233,6 +235,8 @@ def _parse(args: list[str]) -> Any:
     train's defaults are the preset of its --env. ``UserError`` if tyro rejects ``args``."""
     if args and not args[0].startswith("-") and args[0] not in COMMANDS:
         raise UserError(f"unknown command {args[0]!r} (commands: {', '.join(COMMANDS)})")
+    if args[:1] and args[0] in COMMANDS:
+        _refuse_repeated_lists(args[1:], COMMANDS[args[0]][0])
     env = _flag_value(args[1:], "--env") or PPOConfig.env  # the one value the other flags' defaults depend on
     if args[:1] == ["train"] and _flag_value(args, "--filter") == "iif-robust":
         given = [f"--{key.replace('_', '-')}" for key in ROBUST_IIF
@@ -246,6 +250,31 @@ def _parse(args: list[str]) -> Any:
     )]
     with _tyro_errors_as_user_errors():
         return tyro.cli(commands, args=args, prog="rlinfluence", description=DESCRIPTION)
+
+
+def _list_flags(kind: type) -> set[str]:
+    """The flags of the dataclass ``kind`` (and of the dataclasses flattened into it) that take a
+    list of values (``--corrupt A B``)."""
+    flags: set[str] = set()
+    for name, tp in typing.get_type_hints(kind).items():
+        if dataclasses.is_dataclass(tp):
+            flags |= _list_flags(tp)
+            continue
+        options = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
+        if any(typing.get_origin(option) is tuple for option in options):
+            flags.add(f"--{name.replace('_', '-')}")
+    return flags
+
+
+def _refuse_repeated_lists(args: list[str], kind: type) -> None:
+    """``UserError`` for a list flag given twice: the parser keeps the last one's values only, so
+    ``--corrupt A --corrupt B`` would silently run with B alone."""
+    flags = _list_flags(kind)
+    given = [a.partition("=")[0] for a in args if a.partition("=")[0] in flags]
+    repeated = next((flag for flag in given if given.count(flag) > 1), None)
+    if repeated:
+        raise UserError(f"{repeated} is given {given.count(repeated)} times: only the last would count; give all its "
+                        f"values after one {repeated} (e.g. {repeated} A B)")
 
 
 @contextlib.contextmanager

@@ -220,9 +220,8 @@ def diagnose(a: DiagnoseArgs) -> int:
               "the most harmful / helpful records)")
     section = diagnosis_section(d)
     folder = Path(a.run_dir) / ANALYSES_DIR
-    save_section(folder, section)
     table = folder / f"{section.key}.parquet"
-    atomic_write(table, lambda p: d.table.to_parquet(p, index=False))
+    save_section(folder, section, beside=[(table, lambda p: d.table.to_parquet(p, index=False))])  # both or neither
     print(f"wrote {folder / (section.key + '.json')} and {table}")
     if a.html:
         print(f"wrote {write_html(folder / (section.key + '.html'), section.title, [section])}")

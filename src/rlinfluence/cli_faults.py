@@ -80,9 +80,15 @@ def audit(a: AuditArgs) -> int:
     section = audit_section(sources, found, a.alpha)
     # the verdict's table, or one scorer's beside it (named by the scorer: neither overwrites the other)
     stem = "sources" if a.scorer is None else f"sources_{a.scorer}"
-    atomic_write(folder / f"{stem}.csv", lambda p: sources.to_csv(p, index=False))
-    atomic_write(folder / f"{stem}.png", lambda p: p.write_bytes(section.figures["sources"][0]))
-    save_section(Path(a.run_dir) / ANALYSES_DIR, section)  # `rlinfluence report` shows it
+    outputs = [(folder / f"{stem}.csv", lambda p: sources.to_csv(p, index=False)),
+               (folder / f"{stem}.png", lambda p: p.write_bytes(section.figures["sources"][0]))]
+    if len(found):
+        outputs.append((folder / "detection.csv", lambda p: found.to_csv(p, index=False)))
+    if a.by != "source":
+        items = ranked(table, a.by, ranking_scorer(sources))
+        outputs.append((folder / f"ranked_{a.by}.csv", lambda p: items.to_csv(p, index=False)))
+    # every file of the audit and its section of the report (`rlinfluence report` shows it), or none
+    save_section(Path(a.run_dir) / ANALYSES_DIR, section, beside=outputs)
     flagged = sources[sources["flagged"]]["source"].tolist()
     if is_verdict(sources):
         print(sources[["source", "records", "rounds", "flagged", "signature", "signature_p", "fault_class"]]
@@ -97,13 +103,10 @@ def audit(a: AuditArgs) -> int:
         print(f"flagged (Holm-adjusted p < {a.alpha}): {', '.join(f'source {s}' for s in flagged) or 'none'}")
     written = [f"{stem}.csv", f"{stem}.png"]
     if len(found):
-        atomic_write(folder / "detection.csv", lambda p: found.to_csv(p, index=False))
         written.append("detection.csv")
         print("detection against the ground truth, mean over rounds [95% interval] (AUROC 0.5 = chance):")
         print(detection_summary(found).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
     if a.by != "source":
-        items = ranked(table, a.by, ranking_scorer(sources))
-        atomic_write(folder / f"ranked_{a.by}.csv", lambda p: items.to_csv(p, index=False))
         written.append(f"ranked_{a.by}.csv")
         print(f"the 10 most harmful {a.by}s:")
         print(items.head(10).to_string(index=False, float_format=lambda x: f"{x:.4g}"))

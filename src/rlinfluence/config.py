@@ -11,12 +11,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import re
 import types
 import typing
 import warnings
 from dataclasses import dataclass
 from typing import Annotated, Any, Final, Literal
+
+import numpy as np
 
 from rlinfluence.corruptions import check_corruptions
 from rlinfluence.errors import UserError
@@ -272,6 +275,7 @@ class PPOConfig:
 
     def validate(self) -> None:
         """Raise ``UserError`` naming the first invalid value."""
+        check_field_types(self, FIELD_TYPES)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -458,6 +462,38 @@ def _check(tp: Any, value: Any) -> Any:
     if tp is str:
         return value if isinstance(value, str) else json.dumps(value)
     raise TypeError
+
+
+def _matches(tp: Any, value: Any) -> bool:
+    """Whether ``value`` is of the field type ``tp`` as it stands (no conversion: ``coerce`` reads
+    text). An int is a float; a list is a tuple; a ``Literal`` field is checked by its choices."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(value is None if a is type(None) else _matches(a, value) for a in args)
+    if origin is Literal:
+        return value in args
+    if origin is tuple:
+        return isinstance(value, list | tuple) and all(_matches(args[0], v) for v in value)
+    if tp is bool:
+        return isinstance(value, bool | np.bool_)
+    if tp is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+    if tp is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
+    if tp is str:
+        return isinstance(value, str)
+    return True
+
+
+def check_field_types(config: Any, field_types: dict[str, Any]) -> None:
+    """``UserError`` naming the first field of the dataclass ``config`` whose value is not of its
+    type (the Python API and a hand-edited config.json, where tyro checked nothing: ``n_envs="4"``
+    would otherwise fail deep inside, or ``seed=1.5`` be truncated)."""
+    for f in dataclasses.fields(config):
+        tp, value = field_types[f.name], getattr(config, f.name)
+        if literal_choices(tp) or _matches(tp, value):
+            continue  # a Literal field: validate names its choices
+        raise UserError(f"{f.name} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
 def _type_name(tp: Any) -> str:

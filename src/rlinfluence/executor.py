@@ -57,12 +57,27 @@ def _run_local(function: Callable[..., T], calls: Sequence[tuple[Any, ...]], key
         return results
     import multiprocessing
 
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=start_worker, initargs=(os.getpid(),))
+    try:
         futures = [pool.submit(function, *args, **keywords) for args in calls]
         for future in as_completed(futures):
             on_done(future.result())
         return [future.result() for future in futures]
+    except BaseException:  # Ctrl-C or a failed call: the other calls stop now, not after they finish
+        for process in list((getattr(pool, "_processes", None) or {}).values()):
+            process.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+
+
+def start_worker(parent: int) -> None:
+    """A local worker: Ctrl-C is the parent's to handle (it reaches the whole process group, and
+    every worker would print its own traceback), and the worker dies with ``parent``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent)
 
 
 def die_with_parent(parent: int) -> None:

@@ -11,14 +11,14 @@ import io
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rlinfluence.errors import UserError
-from rlinfluence.rundir import atomic_write
+from rlinfluence.rundir import atomic_write, atomic_write_all
 from rlinfluence.sections import FrameCard, Gallery, Section, Table
 
 ANALYSES_DIR = "analyses"
@@ -64,17 +64,22 @@ def evenly_spaced(values: Sequence[int], n: int) -> list[int]:
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
-def save_section(folder: str | Path, section: Section) -> Path:
-    """Write ``section`` to ``folder/<key>.json`` and its figures to ``folder/<key>__<name>.png``."""
+def save_section(folder: str | Path, section: Section,
+                 beside: Sequence[tuple[Path, Callable[[Path], None]]] = ()) -> Path:
+    """Write ``section`` to ``folder/<key>.json`` and its figures to ``folder/<key>__<name>.png``,
+    with the files ``beside`` it (``(path, write)``: the table it describes) all or none
+    (``atomic_write_all``)."""
     if not _SAFE_KEY.match(section.key):
         raise ValueError(f"section key {section.key!r} must be letters, digits, '_', '.', '-'")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    writes = list(beside)
     for name, (png, _) in section.figures.items():
-        atomic_write(folder / f"{section.key}__{name}.png", lambda p, png=png: p.write_bytes(png))
+        writes.append((folder / f"{section.key}__{name}.png", lambda p, png=png: p.write_bytes(png)))
     text = json.dumps(section.to_json(), indent=1)
     path = folder / f"{section.key}.json"
-    atomic_write(path, lambda p: p.write_text(text))
+    writes.append((path, lambda p: p.write_text(text)))
+    atomic_write_all(writes)
     return path
 
 

@@ -124,7 +124,40 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     point elsewhere) is refused. The file ends with the permissions an ordinary write would give it
     (0666 less the umask), not ``mkstemp``'s owner-only 0600, so that a shared run folder stays
     readable."""
-    path = Path(path)
+    atomic_write_all([(path, write)])
+
+
+def atomic_write_all(items: Sequence[tuple[Path, Callable[[Path], None]]]) -> None:
+    """``atomic_write`` of several files that belong together (a table and the section that
+    describes it): every temporary file is written first, and only once all are written are they
+    renamed into place, so a full disk leaves none of them (and the previous versions) in place,
+    never one without the other."""
+    written: list[tuple[Path, Path]] = []
+    try:
+        for path, write in items:
+            written.append((Path(path), _temporary(Path(path))))
+            try:
+                write(written[-1][1])
+                _fsync(written[-1][1])
+                os.chmod(written[-1][1], 0o666 & ~_UMASK)
+            except OSError as exc:
+                raise UserError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
+        for path, tmp in written:
+            try:
+                os.replace(tmp, path)
+                if os.name == "posix":  # the rename itself (Windows cannot open a folder to fsync it)
+                    _fsync(path.parent)
+            except OSError as exc:
+                raise UserError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
+    finally:
+        for _, tmp in written:
+            with contextlib.suppress(OSError):  # a read-only folder: nothing was written
+                tmp.unlink(missing_ok=True)
+
+
+def _temporary(path: Path) -> Path:
+    """An exclusively created, unpredictably named empty file beside ``path`` (``UserError`` if
+    ``path``'s folder is a link or cannot take it)."""
     if path.parent.is_symlink():
         raise UserError(f"cannot write {str(path)!r}: its folder is a link ({str(path.parent)!r} -> "
                         f"{os.readlink(path.parent)!r}); outputs go into real folders only")
@@ -133,19 +166,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         os.close(fd)
     except OSError as exc:
         raise UserError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
-    tmp = Path(name)
-    try:
-        write(tmp)
-        _fsync(tmp)
-        os.chmod(tmp, 0o666 & ~_UMASK)
-        os.replace(tmp, path)
-        if os.name == "posix":  # the rename itself (Windows cannot open a folder to fsync it)
-            _fsync(path.parent)
-    except OSError as exc:
-        raise UserError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
-    finally:
-        with contextlib.suppress(OSError):  # a read-only folder: nothing was written
-            tmp.unlink(missing_ok=True)
+    return Path(name)
 
 
 def _fsync(path: Path) -> None:
@@ -265,7 +286,14 @@ class RunDirectory:
         return run
 
     def check_writable(self) -> None:
-        """``UserError`` unless the run's files can be written (before resuming it)."""
+        """``UserError`` unless the run's files can be written (before resuming it): a folder the
+        run writes into that is a link (planted to point into another run, or anywhere else) is
+        refused before anything is trained, as a folder that is not writable is."""
+        for name in ("checkpoints", "buffers", "frames", "completions", "audit", "analyses"):
+            folder = self.path / name
+            if folder.is_symlink():
+                raise UserError(f"{str(folder)!r} is a link (-> {os.readlink(folder)!r}): the run writes into real "
+                                "folders only; cannot resume")
         for folder in (self.path, self.path / "checkpoints"):
             if folder.is_dir() and not os.access(folder, os.W_OK):
                 raise UserError(f"run directory {str(folder)!r} is not writable: cannot resume")
@@ -451,7 +479,10 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return state
 
 
-_BUFFER_KEYS = ("record_ids", "obs", "actions", "rewards", "logp", "values", "advantages", "keep")
+_BUFFER_KEYS = ("record_ids", "obs", "actions", "rewards", "terminated", "truncated", "logp", "values", "final_values",
+                "episode_ids", "last_values", "advantages", "keep")
+_SCHEDULE_KEYS = ("schedule_epochs", "schedule_indices", "schedule_lr")
+"""A round's minibatch schedule: all three, or none (an SB3 round's)."""
 
 
 def _check_buffer(tensors: dict[str, torch.Tensor], round_index: int, path: Path) -> None:
@@ -460,6 +491,10 @@ def _check_buffer(tensors: dict[str, torch.Tensor], round_index: int, path: Path
     missing = [key for key in _BUFFER_KEYS if key not in tensors]
     if missing:
         raise UserError(f"buffer {str(path)!r} lacks {', '.join(missing)} (not a saved round)")
+    schedule = [key for key in _SCHEDULE_KEYS if key in tensors]
+    if schedule and len(schedule) < len(_SCHEDULE_KEYS):
+        absent = next(key for key in _SCHEDULE_KEYS if key not in tensors)
+        raise UserError(f"buffer {str(path)!r} lacks {absent} beside {schedule[0]} (a minibatch schedule is saved whole)")
     ids = tensors["record_ids"]
     if ids.ndim != 2 or ids.shape[1] != 3 or not len(ids):
         raise UserError(f"buffer {str(path)!r} has malformed record_ids of shape {tuple(ids.shape)}")

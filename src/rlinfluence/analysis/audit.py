@@ -406,6 +406,12 @@ def _written_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None
         if missing:
             raise UserError(f"{path} has no column {missing[0]!r} (a harm table has {', '.join(HARM_TABLE_COLUMNS)})")
         _check_written(tables[-1], path, owner)
+        scores = set(tables[-1].columns) - {*HARM_TABLE_COLUMNS, "corrupted"}
+        first = set(tables[0].columns) - {*HARM_TABLE_COLUMNS, "corrupted"}
+        if scores != first:
+            odd = sorted(scores ^ first)[0]
+            raise UserError(f"{path} and {files[0]} hold different score columns ({odd!r} is in one only): "
+                            "every round's table scores with the same scorers")
     table = pd.concat(tables, ignore_index=True)
     for column in ("trusted", "corrupted"):
         if column in table and table[column].dtype != bool:
@@ -416,6 +422,9 @@ def _written_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None
     if rounds:
         table = table[table["round"].isin(list(rounds))]
     held = [c for c in table.columns if c not in (*HARM_TABLE_COLUMNS, "corrupted")]
+    if not held:
+        raise UserError(f"the score tables of {str(run_dir)!r} hold no harm column (only {', '.join(table.columns)}): "
+                        "add one score column per scorer, higher = more harmful")
     if scorer is not None and scorer not in held:
         raise UserError(f"unknown scorer {scorer!r}: the score tables of {str(run_dir)!r} hold {', '.join(held)}")
     return table, held, scorer

@@ -6,7 +6,8 @@ Modules, each importing only those before it:
     metrics     curve metrics: the paper's SE/RT reductions, rounds to fractions of a range
     tuning      grids, tuning scores, the choice per method
     execution   running pairs (through ``rlinfluence.executor``), resume, refusal of changed settings
-    comparison  the comparison: plan -> tune -> evaluate -> summary tables and plots
+    summary     a comparison folder's summary: metrics per method, tables, the reading, plots
+    comparison  the comparison: plan -> tune -> evaluate -> summary
     aggregate   several compare folders (envs) -> one table, rliable's plots, an HTML page
 
 The bootstrap and intervals (``rlinfluence.statistics``), the executor (``rlinfluence.executor``)
@@ -22,7 +23,8 @@ from __future__ import annotations
 from rlinfluence.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "comparison": ("compare", "plan_comparison", "summarize", "write_summary"),
+    "comparison": ("compare", "plan_comparison"),
+    "summary": ("summarize", "write_summary"),
     "execution": ("folder_lock", "run_pair"),
     "metrics": ("Curve", "first_reach", "pair_metrics", "reduction", "running_max_levels", "se_ave", "smooth",
                 "time_reduction"),

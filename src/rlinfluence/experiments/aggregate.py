@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from rlinfluence.errors import UserError, require_module
-from rlinfluence.experiments.comparison import markdown_table
+from rlinfluence.experiments.summary import markdown_table
 from rlinfluence.progress import progress_bar
 from rlinfluence.rundir import atomic_write
 from rlinfluence.statistics import (

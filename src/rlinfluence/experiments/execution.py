@@ -6,13 +6,14 @@ the executor does not change its result. A finished pair (``done.json``) is skip
 unfinished one is trained again from its start (pairs are short). A pair may fail as a result (a learning rate so
 large that the values diverge): it then ends with ``failed.json`` (round and reason) instead of
 stopping the comparison; a failed tuning candidate is never chosen, and a failed evaluation pair
-counts with the worst return of the comparison (``comparison.load_curves``). Local workers die with
+counts with the worst return of the comparison (``summary.load_curves``). Local workers die with
 the comparison's process (even on kill -9), so its folder lock covers every pair it started.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,13 +24,18 @@ from rlinfluence.errors import UserError
 from rlinfluence.executor import run_calls
 from rlinfluence.experiments.specs import config_difference
 from rlinfluence.ppo import PPO, PPOConfig
+from rlinfluence.rundir import atomic_write
 
 Job = tuple[dict[str, Any], str]
 
 def check_existing(jobs: list[Job]) -> None:
     """``UserError`` if a pair's folder was started with other settings than ``jobs`` ask for:
-    its results would silently stand for a different method."""
+    its results would silently stand for a different method; or if a pair's folder is a link
+    (planted, or left by hand): a pair is trained and read in a real folder of the comparison."""
     for config, run_dir in jobs:
+        if Path(run_dir).is_symlink():
+            raise UserError(f"{str(run_dir)!r} is a link (-> {os.readlink(run_dir)!r}): a comparison's pairs live in "
+                            "real folders inside it; remove the link to run that pair")
         path = Path(run_dir) / "config.json"
         if not path.is_file():
             continue
@@ -44,14 +50,22 @@ def check_existing(jobs: list[Job]) -> None:
 
 
 def finished(run_dir: str | Path) -> bool:
-    """Whether a pair has ended, completed (``done.json``) or failed (``failed.json``)."""
-    return (Path(run_dir) / "done.json").exists() or (Path(run_dir) / "failed.json").exists()
+    """Whether a pair has ended, completed (``done.json``) or failed (``failed.json``). An empty
+    record (a disk that filled up as an earlier version wrote it) is no end: the pair runs again."""
+    return any(_non_empty(Path(run_dir) / name) for name in ("done.json", "failed.json"))
+
+
+def _non_empty(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
 
 
 def failure(run_dir: str | Path) -> dict[str, Any] | None:
     """A failed pair's ``{"round": k, "error": reason}``; None if it did not fail."""
     path = Path(run_dir) / "failed.json"
-    if not path.exists():
+    if not _non_empty(path):
         return None
     try:
         record = json.loads(path.read_text())
@@ -88,9 +102,11 @@ def run_pair(config: dict[str, Any], run_dir: str, may_fail: bool = False) -> st
             raise
         if trainer.run is not None:
             trainer.run.close()
-        (path / "failed.json").write_text(json.dumps({"round": trainer.round, "error": str(exc)}))
+        record = json.dumps({"round": trainer.round, "error": str(exc)})
+        atomic_write(path / "failed.json", lambda p: p.write_text(record))  # a full disk: one line, no 0-byte record
         return run_dir
-    (path / "done.json").write_text(json.dumps({"round": trainer.round, "train_seconds": trainer.train_seconds}))
+    record = json.dumps({"round": trainer.round, "train_seconds": trainer.train_seconds})
+    atomic_write(path / "done.json", lambda p: p.write_text(record))
     return run_dir
 
 

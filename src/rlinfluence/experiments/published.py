@@ -23,8 +23,8 @@ from typing import Any
 import pandas as pd
 
 from rlinfluence.errors import UserError
-from rlinfluence.experiments.comparison import markdown_table, robust_cells, robust_columns
 from rlinfluence.experiments.specs import parse_methods
+from rlinfluence.experiments.summary import markdown_table, robust_cells, robust_columns
 
 # the summary.csv columns a published table reads (a committed CSV keeps just these)
 PUBLISHED_COLUMNS = (
@@ -111,7 +111,7 @@ def speed_p_values(data: pd.DataFrame, reference: str = "ppo") -> pd.Series:
 
 def headline_table(data: pd.DataFrame, reference: str = "ppo") -> list[str]:
     """Per env and method: its tuned values and the robust columns against ``reference``
-    (``comparison.robust_cells``), with the speed reading's p after Holm over the table's rows
+    (``summary.robust_cells``), with the speed reading's p after Holm over the table's rows
     (``speed_p_values``; a "faster" or "slower" whose adjusted p is 0.05 or more says "not after
     Holm")."""
     adjusted = speed_p_values(data, reference)

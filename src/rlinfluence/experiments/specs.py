@@ -42,8 +42,9 @@ def check_bootstrap_reps(reps: int) -> None:
     if not 1 <= reps <= MAX_REPS:
         raise UserError(f"--bootstrap-reps must be in [1, {MAX_REPS}], got {reps}")
 
-# keys that define the pair rather than the method: a spec must not change them
-PAIR_KEYS = ("env", "seed", "filter", "method", "run_root", "progress")
+# keys that define the pair rather than the method: a spec must not change them (eval_seed: every method
+# of a seed is evaluated on the same episodes)
+PAIR_KEYS = ("env", "seed", "eval_seed", "filter", "method", "run_root", "progress")
 # keys that change only how a run is shown or stored, never its numbers
 PRESENTATION_KEYS = ("method", "progress", "run_root", "tensorboard", "wandb", "wandb_project", "wandb_group",
                      "wandb_tags", "save_checkpoints")

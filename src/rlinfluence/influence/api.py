@@ -44,6 +44,8 @@ def score_buffer(
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(buffer, RolloutBuffer):
+        raise ValueError(f"buffer must be a RolloutBuffer (a collected round), got {type(buffer).__name__}")
     if buffer.advantages.numel() != len(buffer):
         raise ValueError(f"round {buffer.round} buffer has no advantages: call compute_advantages first")
     obs, actions, advantages = buffer.flat("obs"), buffer.flat("actions"), buffer.flat("advantages")

@@ -125,7 +125,10 @@ def parameter_device(policy: nn.Module) -> torch.device:
 
 def _as_batch(name: str, value: torch.Tensor, per_record_dims: int) -> torch.Tensor:
     """``value`` with a leading record dimension: one item (``per_record_dims`` dims) or a batch."""
-    value = torch.as_tensor(value)
+    try:
+        value = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name} must be a tensor or number, got {type(value).__name__}") from None
     if value.dim() == per_record_dims:
         return value.unsqueeze(0)
     if value.dim() == per_record_dims + 1:
@@ -155,8 +158,26 @@ class ActionTarget(LogProbTarget):
             )
         if actions.shape[0] != obs.shape[0]:
             raise ValueError(f"ActionTarget has {obs.shape[0]} observations but {actions.shape[0]} actions")
+        if not records.actions.is_floating_point():  # Discrete actions: indices, not rounded numbers
+            if actions.is_floating_point() and not torch.equal(actions, actions.round()):
+                raise ValueError(f"ActionTarget action {actions[actions != actions.round()][0].item()} is not an "
+                                 "action index (the buffer's actions are Discrete)")
+            if (actions < 0).any():
+                raise ValueError(f"ActionTarget action {int(actions.min())} is negative: not an action index")
         m = obs.shape[0]
         return obs, actions.to(records.actions.dtype), torch.full((m,), 1.0 / m, dtype=torch.float64)
+
+    def pieces(self, policy: nn.Module, records: Records, records_per_pass: int) -> Iterator[torch.Tensor]:
+        n_actions = getattr(policy, "n_actions", None)
+        head = getattr(policy, "action_head", None)
+        if n_actions is None and not getattr(policy, "continuous", True) and isinstance(head, nn.Linear):
+            n_actions = head.out_features  # an ActorCritic's Discrete head
+        if isinstance(n_actions, int) and not records.actions.is_floating_point():
+            actions = _as_batch("ActionTarget action", self.action, records.actions.dim() - 1)
+            if (actions >= n_actions).any():
+                raise ValueError(f"ActionTarget action {int(actions.max())} is out of range: the policy has "
+                                 f"{n_actions} actions (0..{n_actions - 1})")
+        yield from super().pieces(policy, records, records_per_pass)
 
     def __repr__(self) -> str:
         return f"ActionTarget(obs shape {tuple(torch.as_tensor(self.obs).shape)})"

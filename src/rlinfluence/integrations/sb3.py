@@ -47,6 +47,7 @@ stable-baselines3 is optional; this module needs it (``pip install "rlinfluence[
 from __future__ import annotations
 
 import numbers
+import os
 import time
 import warnings
 import zlib
@@ -567,6 +568,8 @@ class AuditCallback(BaseCallback):
         if unknown or not scorers:
             raise ValueError(f"unknown scorer {unknown[0] if unknown else None!r} for SB3 rollouts "
                              f"(choose from {', '.join(AUDIT_SCORERS)})")
+        if not isinstance(path, str | os.PathLike):
+            raise ValueError(f"path must be the run folder (a str or Path), got {path!r}")
         self.folder = Path(path) / AUDIT_SCORES
         not_index = [e for e in corrupted_envs if isinstance(e, bool) or not isinstance(e, numbers.Integral)]
         if not_index:
@@ -580,6 +583,10 @@ class AuditCallback(BaseCallback):
         bad = [e for e in self.corrupted_envs if not 0 <= e < n_envs]
         if bad:
             raise ValueError(f"corrupted_envs holds {bad[0]}, not a vec env index of this model (0..{n_envs - 1})")
+        for folder in (self.folder.parent, self.folder):  # audit/ and audit/scores/
+            if folder.is_symlink():
+                raise ValueError(f"{str(folder)!r} is a link (-> {os.readlink(folder)!r}): the score tables go into "
+                                 "real folders only")
         # rounds this callback did not write (another training into the same folder) would be audited with its own
         others = sorted(f.name for f in self.folder.glob("round_*.parquet")
                         if not f.stem.removeprefix("round_").isdigit() or int(f.stem.removeprefix("round_")) >= self.rounds)

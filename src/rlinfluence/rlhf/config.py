@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 import tyro
 
-from rlinfluence.config import check_drop_pct, check_plain_name, literal_choices
+from rlinfluence.config import check_drop_pct, check_field_types, check_plain_name, literal_choices
 from rlinfluence.errors import UserError
 from rlinfluence.helptext import StatedDefault
 
@@ -175,7 +175,8 @@ class RLHFConfig:
 
     def validate(self) -> None:
         """``UserError`` naming the first invalid value."""
-        for f in dataclasses.fields(self):  # a resumed config.json or the Python API: tyro checked nothing
+        check_field_types(self, RLHF_FIELD_TYPES)  # a resumed config.json or the Python API: tyro checked nothing
+        for f in dataclasses.fields(self):
             choices = literal_choices(RLHF_FIELD_TYPES[f.name])
             if choices and getattr(self, f.name) not in choices:
                 raise UserError(f"{f.name} must be one of {', '.join(map(str, choices))}, got {getattr(self, f.name)!r}")
@@ -266,7 +267,8 @@ class RLHFConfig:
             raise UserError(f"{source}: unknown RLHF config keys {unknown}")
         values = dict(values)
         for name in ("lora_target_modules", "broken_reward_workers"):  # JSON gives lists
-            values[name] = tuple(values.get(name, ()))
+            value = values.get(name, ())
+            values[name] = tuple(value) if isinstance(value, list | tuple) else value  # else refused by validate
         return cls(**values)
 
 

@@ -45,6 +45,10 @@ def load_prompts(split: str, path: str | Path | None = None, task: str = "sentim
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise UserError(f"cannot read prompt file {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise UserError(f"prompt file {str(path)!r} is not UTF-8 text (line {line}, byte {exc.start}: "
+                        f"{exc.object[exc.start:exc.start + 1]!r}); save it as UTF-8") from None
     prompts = []
     for number, line in enumerate(lines, 1):
         if not line.strip():

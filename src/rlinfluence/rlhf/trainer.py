@@ -117,6 +117,7 @@ class RLHFTrainer:
                                                    and has_template)
         if cfg.prompt_format == "chat" and not has_template:
             raise UserError(f"--prompt-format chat: the tokenizer of {cfg.model!r} has no chat template (use plain)")
+        self._check_context()
         trainable = self.policy.lora_parameters() + (list(self.policy.v_head.parameters()) if cfg.algo == "ppo" else [])
         self.optimizer = torch.optim.Adam(trainable, lr=cfg.learning_rate, eps=cfg.adam_eps)
         self.kl_ctl = AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
@@ -136,6 +137,25 @@ class RLHFTrainer:
                 if run_dir is None else RunDirectory.at(run_dir, cfg.tensorboard)
             )
             self.run.write_config(cfg.to_dict())
+
+    def _check_context(self) -> None:
+        """``UserError`` naming the first prompt that, with ``response_length`` new tokens, does not
+        fit the model's context (its position embeddings would be indexed past their end)."""
+        config = getattr(getattr(self.policy, "lm", None), "config", None)
+        context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+        if not isinstance(context, int) or not hasattr(self.policy, "prompt_texts"):
+            return
+        room = context - self.config.response_length
+        for split, prompts in (("train", self.train_prompts), ("val", self.val_prompts), ("test", self.test_prompts)):
+            if not prompts:  # the val split where nothing reads it
+                continue
+            texts = self.policy.prompt_texts(prompts, self.chat)
+            lengths = [len(ids) for ids in self.policy.tokenizer(texts, add_special_tokens=not self.chat)["input_ids"]]
+            too_long = next((i for i, n in enumerate(lengths) if n > room), None)
+            if too_long is not None:
+                raise UserError(f"{split} prompt {too_long} ({prompts[too_long][:40]!r}...) is {lengths[too_long]} tokens: "
+                                f"with response_length {self.config.response_length} it exceeds the model's context "
+                                f"of {context} tokens (shorten it, or lower --response-length)")
 
     # -- the loop -----------------------------------------------------------------------
     def learn(self) -> RLHFTrainer:
