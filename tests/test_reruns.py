@@ -1,5 +1,6 @@
 """Batched re-runs of a round's update equal serial re-runs (to float tolerance): keep masks, lr
-scales and epoch counts; Adam and SGD; gradient-norm clipping on and off; an MLP and a CNN; a
+scales and epoch counts; Adam and SGD; gradient-norm clipping on and off; an MLP (stacked), a
+Gaussian policy with an entropy bonus and a CNN (vmapped); a
 target_kl stop; and they leave the trainer at theta(k)."""
 
 import numpy as np
@@ -40,7 +41,8 @@ def _serial(saved, variants):
     {"optimizer": "sgd", "learning_rate": 0.05},
     {"max_grad_norm": None},
     {"env": "MiniGrid-Empty-5x5-v0", "n_steps": 32, "batch_size": 32},
-], ids=["adam-clipped", "sgd", "adam-unclipped", "cnn"])
+    {"env": "Pendulum-v1", "ent_coef": 0.01, "learning_rate": 0.003},
+], ids=["adam-clipped", "sgd", "adam-unclipped", "cnn", "gaussian-entropy"])
 def test_batched_reruns_equal_serial_reruns(tmp_path, overrides):
     saved = _saved(tmp_path, **overrides)
     variants = _variants(len(saved.buffer))

@@ -26,7 +26,7 @@ from torch import nn
 
 from rlinfluence.errors import UserError
 
-_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
 def orthogonal_init(module: nn.Module, gain: float) -> None:
@@ -137,12 +137,12 @@ class ActorCritic(nn.Module):
             # log N(a; mu, sigma) = sum_d [ -(a-mu)^2 / (2 sigma^2) - log sigma - log sqrt(2 pi) ]
             log_std = self.log_std.expand_as(out)
             z = (actions - out) * torch.exp(-log_std)
-            return (-0.5 * z.pow(2) - log_std - _LOG_SQRT_2PI).sum(-1)
+            return (-0.5 * z.pow(2) - log_std - LOG_SQRT_2PI).sum(-1)
         return torch.log_softmax(out, dim=-1).gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
 
     def _entropy(self, out: torch.Tensor) -> torch.Tensor:
         if self.continuous:
-            return (0.5 + _LOG_SQRT_2PI + self.log_std).sum(-1).expand(out.shape[0])
+            return (0.5 + LOG_SQRT_2PI + self.log_std).sum(-1).expand(out.shape[0])
         log_probs = torch.log_softmax(out, dim=-1)
         return -(log_probs.exp() * log_probs).sum(-1)
 
@@ -274,7 +274,7 @@ class NumpyActorCritic:
         value = (self._run(self.critic, x) @ self.value_head[0] + self.value_head[1])[:, 0]
         if self.log_std is not None:
             actions = out + noise * np.exp(self.log_std)
-            logp = (-0.5 * noise**2 - self.log_std - np.float32(_LOG_SQRT_2PI)).sum(-1)
+            logp = (-0.5 * noise**2 - self.log_std - np.float32(LOG_SQRT_2PI)).sum(-1)
         else:
             shifted = out - out.max(-1, keepdims=True)
             log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))

@@ -6,8 +6,9 @@ subsets and its drop arms, ``intervene`` under other masks and step sizes, ``exp
 harmful, random, leave-one-source-out and shorter-step variants. Each re-run is the same small
 network trained on the same buffer, step by step on 64-record minibatches: overhead-bound when
 run serially. Here the K variants' parameters and optimiser states are stacked ([K, ...]) and
-each step evaluates all K minibatches at once (``torch.func.vmap`` of ``grad`` of the loss under
-``functional_call``).
+each step evaluates all K minibatches at once: for an MLP actor-critic on the stacked parameters
+directly (each linear layer one ``baddbmm``, one backward of the summed losses), for any other
+policy by ``torch.func.vmap`` of ``grad`` of the loss under ``functional_call``.
 
 Variant v runs exactly what ``SavedRound.retrain(keep_v, lr_scale_v)`` runs: from theta(k) with
 the saved optimiser state, the generator restored and advanced past the round's collection
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from rlinfluence.checkpoint import SavedRound
 from rlinfluence.errors import UserError
 from rlinfluence.losses import normalize_advantages, ppo_terms
+from rlinfluence.policies import LOG_SQRT_2PI, ActorCritic, FlattenEncoder
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,53 @@ def _expand(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return mask.view(-1, *([1] * (like.dim() - 1)))
 
 
+def _stacked_mlp_gradients(policy: nn.Module, cfg) -> Callable | None:
+    """For an MLP actor-critic (flatten encoder, ``Linear``/``Tanh`` actor and critic), the variants'
+    gradients computed on the stacked parameters directly: each ``Linear`` of the m variants is one
+    ``baddbmm`` ([m, B, in] x [m, in, out]), and one backward of the sum of the variants' losses gives
+    each variant its own gradient (no variant's loss depends on another's parameters). The same
+    arithmetic as ``vmap`` of ``grad`` over ``functional_call`` (to float tolerance) without vmap's
+    per-operation cost. ``None`` for any other policy (a CNN): the caller vmaps."""
+    if not (isinstance(policy, ActorCritic) and isinstance(policy.encoder, FlattenEncoder)
+            and all(isinstance(layer, nn.Linear | nn.Tanh) for net in (policy.actor, policy.critic) for layer in net)):
+        return None
+    continuous = policy.continuous
+
+    def linear(p: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
+        return torch.baddbmm(p[f"{name}.bias"].unsqueeze(1), x, p[f"{name}.weight"].transpose(1, 2))
+
+    def mlp(p: dict[str, torch.Tensor], prefix: str, net: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(net):
+            x = torch.tanh(x) if isinstance(layer, nn.Tanh) else linear(p, f"{prefix}.{i}", x)
+        return x
+
+    def gradients(params: dict[str, torch.Tensor], obs, actions, old_logp, advantages, returns, old_values):
+        p = {n: t.detach().requires_grad_() for n, t in params.items()}
+        x = obs.reshape(*obs.shape[:2], -1)
+        x = x if x.is_floating_point() else x.float()
+        out = linear(p, "action_head", mlp(p, "actor", policy.actor, x))
+        values = linear(p, "value_head", mlp(p, "critic", policy.critic, x)).squeeze(-1)
+        if continuous:  # log N(a; mu, sigma) summed over dimensions; the entropy does not depend on mu
+            log_std = p["log_std"].unsqueeze(1)
+            z = (actions - out) * torch.exp(-log_std)
+            logp = (-0.5 * z.pow(2) - log_std - LOG_SQRT_2PI).sum(-1)
+            entropy = (0.5 + LOG_SQRT_2PI + log_std).sum(-1).expand_as(logp)
+        else:
+            log_probs = torch.log_softmax(out, dim=-1)
+            logp = log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+        terms = ppo_terms(logp, entropy, values, old_logp, advantages, returns, old_values, clip_range=cfg.clip_range,
+                          clip_range_vf=cfg.clip_range_vf, vf_coef=cfg.vf_coef, ent_coef=cfg.ent_coef,
+                          normalize_advantage=False)
+        value = terms.per_record.mean(dim=1)
+        grads = torch.autograd.grad(value.sum(), list(p.values()))
+        with torch.no_grad():
+            kl = ((terms.ratio - 1) - terms.log_ratio).mean(dim=1)
+        return dict(zip(p, grads, strict=True)), (value.detach(), kl)
+
+    return gradients
+
+
 def batched_retrain(saved: SavedRound, variants: Sequence[Variant]) -> Reruns:
     """Re-run round k's update once per variant, all together (module docstring). The trainer is
     left at theta(k). Falls back to serial ``SavedRound.retrain`` (said once, as a warning) where
@@ -155,7 +204,7 @@ def batched_retrain(saved: SavedRound, variants: Sequence[Variant]) -> Reruns:
                           normalize_advantage=False)
         return terms.per_record.mean(), terms.approx_kl()
 
-    gradients = vmap(grad_and_value(loss, has_aux=True))
+    gradients = _stacked_mlp_gradients(trainer.policy, cfg) or vmap(grad_and_value(loss, has_aux=True))
     running = torch.ones(n_variants, dtype=torch.bool)
     kl_sum, updates = torch.zeros(n_variants, dtype=torch.float64), torch.zeros(n_variants, dtype=torch.int64)
     for j in range(idx.shape[1]):
@@ -181,6 +230,7 @@ def batched_retrain(saved: SavedRound, variants: Sequence[Variant]) -> Reruns:
             grads = {n: g * _expand(clip, g) for n, g in grads.items()}
         step[:m] += on.double()
         t = step[:m].clamp(min=1)
+        every = bool(on.all())  # no variant stopped by target_kl: the step needs no mask
         for n in names:
             g, p = grads[n], params[n][:m]
             if adam:
@@ -190,11 +240,11 @@ def batched_retrain(saved: SavedRound, variants: Sequence[Variant]) -> Reruns:
                 size = (lr[:m] / (1 - beta1 ** t)).to(p.dtype)
                 root = torch.sqrt(1 - beta2 ** t).to(p.dtype)
                 p_new = p - _expand(size, p) * mean_new / (square_new.sqrt() / _expand(root, p) + group["eps"])
-                moments[n][0][:m] = torch.where(_expand(on, mean), mean_new, mean)
-                moments[n][1][:m] = torch.where(_expand(on, square), square_new, square)
+                moments[n][0][:m] = mean_new if every else torch.where(_expand(on, mean), mean_new, mean)
+                moments[n][1][:m] = square_new if every else torch.where(_expand(on, square), square_new, square)
             else:
                 p_new = p - _expand(lr[:m].to(p.dtype), p) * g
-            params[n][:m] = torch.where(_expand(on, p), p_new, p)
+            params[n][:m] = p_new if every else torch.where(_expand(on, p), p_new, p)
     back = torch.argsort(order)
     return Reruns([{n: params[n][k].clone() for n in names} for k in back.tolist()],
                   (kl_sum / updates.clamp(min=1))[back].tolist(), updates[back].tolist())
