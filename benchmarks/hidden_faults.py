@@ -313,15 +313,16 @@ def tune(args: argparse.Namespace) -> None:
                       f"selectivity {row['selectivity']:.3f}", flush=True)
 
 
-def learn_summary(args: argparse.Namespace) -> None:
-    """Paired differences of auc to PPO and to the oracle (t intervals), the share of the oracle's gain
-    (Fieller's interval), each arm's learning rate, selectivity and CPU per arm."""
+def learn_table(runs: pd.DataFrame) -> tuple[list[str], list[str]]:
+    """(the results table's lines, the summary lines) of per-run learning rows (``learn.csv``, or the
+    committed ``docs/data/<name>.csv``, from which ``publish_results.py --check`` rebuilds the table):
+    paired differences of auc to PPO and to the oracle (t intervals), the share of the oracle's gain
+    (Fieller's interval), each arm's learning rate, selectivity and CPU per arm, and the clean runs'
+    false quarantines (Clopper-Pearson)."""
     from rlinfluence.statistics import ci95, ratio_ci95
 
-    runs = pd.read_csv(Path(args.out) / "learn.csv").drop_duplicates(["env", "fault", "arm", "seed"], keep="last")
-    if args.data:
-        runs.to_csv(Path(args.data) / f"{args.name}.csv", index=False)
-    runs = with_divergence_padded(runs)
+    runs = with_divergence_padded(runs.drop_duplicates(["env", "fault", "arm", "seed"], keep="last"))
+    summary: list[str] = []
     lines = ["| env | fault | arm | lr | seeds | auc | auc - ppo's, paired [95% t] | auc - oracle's, paired [95% t] | "
              "share of the oracle's gain [95% Fieller] | selectivity (base rate) | CPU / PPO's |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -335,8 +336,8 @@ def learn_summary(args: argparse.Namespace) -> None:
                 if len(diff) >= 2 and arm != reference:
                     mean, low, high = ci95(diff)
                     cells.append(f"{mean:+.1f} [{low:+.1f}, {high:+.1f}]")
-                    print(f"{env}/{fault}/{arm}/auc_minus_{reference}: {mean:+.2f} [{low:+.2f}, {high:+.2f}] "
-                          f"(n={len(diff)})")
+                    summary.append(f"{env}/{fault}/{arm}/auc_minus_{reference}: {mean:+.2f} [{low:+.2f}, {high:+.2f}] "
+                                   f"(n={len(diff)})")
                 else:
                     cells.append("-")
             share = "-"
@@ -346,7 +347,7 @@ def learn_summary(args: argparse.Namespace) -> None:
                     ppo = by_arm["ppo"].loc[seeds, "auc"]
                     ratio, low, high = ratio_ci95(g.loc[seeds, "auc"] - ppo, by_arm["oracle"].loc[seeds, "auc"] - ppo)
                     share = f"{ratio:.2f} [{low:.2f}, {high:.2f}]"
-                    print(f"{env}/{fault}/{arm}/share_of_oracle_gain: {share} (n={len(seeds)})")
+                    summary.append(f"{env}/{fault}/{arm}/share_of_oracle_gain: {share} (n={len(seeds)})")
             lr = f"{g['learning_rate'].iloc[0]:.3g}" if "learning_rate" in g else "-"
             cpu = g["train_cpu_s"].mean() / by_arm["ppo"]["train_cpu_s"].mean() if "ppo" in by_arm else np.nan
             selectivity = g["selectivity"].mean()
@@ -359,8 +360,19 @@ def learn_summary(args: argparse.Namespace) -> None:
     for env, group in clean.groupby("env"):
         rounds, k = int(group["rounds"].sum()), int(group["rounds_dropping"].sum())
         low, high = clopper_pearson(k, rounds)
-        print(f"{env}/clean/quarantine_false_rounds: {k}/{rounds} [{low:.3f}, {high:.3f}] "
-              f"(runs with any: {int((group['rounds_dropping'] > 0).sum())}/{len(group)})")
+        summary.append(f"{env}/clean/quarantine_false_rounds: {k}/{rounds} [{low:.3f}, {high:.3f}] "
+                       f"(runs with any: {int((group['rounds_dropping'] > 0).sum())}/{len(group)})")
+    return lines, summary
+
+
+def learn_summary(args: argparse.Namespace) -> None:
+    """``learn_table`` of ``<out>/learn.csv``, printed; with ``--data``, the rows, the table, the
+    tuning runs and choices written as ``<data>/<name>*``."""
+    runs = pd.read_csv(Path(args.out) / "learn.csv")
+    if args.data:
+        runs.to_csv(Path(args.data) / f"{args.name}.csv", index=False)
+    lines, summary = learn_table(runs)
+    print("\n".join(summary))
     chosen_path = Path(args.out) / "chosen.json"
     if chosen_path.is_file():  # written by ``tune``: each arm's grid and whether its choice is interior
         chosen = json.loads(chosen_path.read_text())

@@ -9,7 +9,8 @@
 ``--collect`` gathers the summary rows of the confirmation folders (``confirm_iif_robust.py``)
 into docs/data/confirmation.csv, ``--collect-detection`` and ``--collect-corruption`` those of
 ``corruption_detection.py`` and ``corruption.py``; then every page of TABLES gets its
-tables between their markers (``rlinfluence.experiments.published``). Ends with one line per figure: ``<env>/<method>/<stat>: value``.
+tables between their markers (``rlinfluence.experiments.published``), and every table of
+LEARN_TABLES is rebuilt from its per-seed rows (``hidden_faults.learn_table``). Ends with one line per figure: ``<env>/<method>/<stat>: value``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from rlinfluence.experiments.published import (
     target_table,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hidden_faults import learn_table  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "docs" / "data"
 ENVS = ("FrozenLake-v1", "Acrobot-v1", "MiniGrid-Empty-8x8-v0", "LunarLander-v3")
@@ -47,6 +51,9 @@ TABLES = {
     "corruption-targets": ("corruption.csv", target_table, ("docs/results/harmful-records.md",)),
     "audit-flags": ("audit_flags.csv", flags_table, ("docs/results/harmful-records.md",)),
 }
+
+# learning tables of hidden_faults.py (``learn_table``): docs/data/<name>.csv -> docs/data/<name>_table.txt
+LEARN_TABLES = ("hidden_faults_learn_tuned", "reward_flip_tuned")
 
 
 def main() -> int:
@@ -90,6 +97,13 @@ def main() -> int:
                     print(f"{row.env}/{row.method}/paired_poi_auc: {row.poi_auc:.2f} "
                           f"[{row.poi_auc_lo:.2f}, {row.poi_auc_hi:.2f}]")
                 print(f"{row.env}/{row.method}/reached80: {row.reached80_n}/{row.seeds}")
+    for name in LEARN_TABLES:  # tables included whole from docs/data, rebuilt from their per-seed rows
+        lines, _ = learn_table(pd.read_csv(DATA / f"{name}.csv"))
+        path = DATA / f"{name}_table.txt"
+        if path.read_text() != "\n".join(lines) + "\n":
+            stale.append(str(path.relative_to(ROOT)))
+            if not args.check:
+                path.write_text("\n".join(lines) + "\n")
     if args.check and stale:
         print(f"stale generated tables in {', '.join(stale)}: run python benchmarks/publish_results.py", file=sys.stderr)
         return 1
