@@ -78,12 +78,12 @@ from rlinfluence.sources import (  # noqa: F401
     episode_floor,
     episode_starts,
     group_means,
-    holm,
     normal_scores,
     rounds_needed,
     source_test,
     verdict,
 )
+from rlinfluence.statistics import holm
 
 if TYPE_CHECKING:
     from rlinfluence.checkpoint import SavedRound

@@ -16,16 +16,9 @@ import numpy as np
 import pandas as pd
 
 from rlinfluence.errors import UserError
-from rlinfluence.experiments.execution import (
-    failure,
-)
+from rlinfluence.experiments.execution import failure
 from rlinfluence.experiments.metrics import Curve, level_of, pair_metrics, paired_speed
-from rlinfluence.experiments.specs import (
-    DEFAULT_REPS,
-    Clock,
-    dirname_of,
-    split_specs,
-)
+from rlinfluence.experiments.specs import DEFAULT_REPS, Clock, dirname_of, split_specs
 from rlinfluence.progress import progress_bar
 from rlinfluence.rundir import atomic_write
 from rlinfluence.statistics import (
