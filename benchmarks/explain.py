@@ -1,25 +1,34 @@
 """Does `explain` name the cause of a drop whose cause is known? Drops injected at update K:
 
 - ``step``:   the round's learning rate x ``--spike`` (one round);
-- ``data``:   ``--planted`` records given an advantage of ``--planted-size`` with the wrong sign
-              (minus the sign of their own), after the advantages were computed;
+- ``data``:   the ``--planted`` records of largest |advantage| (the ones that carried the most
+              signal) given an advantage of ``--planted-size`` with the wrong sign (minus the sign
+              of their own), after the advantages were computed: a sign bug that hits the largest
+              values. (Records chosen at random instead cancel out: half of them push toward
+              actions their state's others push away from, and half the seeds showed no drop.)
 - ``source``: env 0's rewards multiplied by ``--source-scale`` (negative: a flipped, miswired
               reward worker) in round K, its advantages recomputed.
 
-    python benchmarks/explain.py run --seeds 10 --out bench_out/explain
+    python benchmarks/explain.py run --drops 10 --out bench_out/explain
     python benchmarks/explain.py summary --out bench_out/explain --data docs/data
     python benchmarks/explain.py natural --env FrozenLake-v1 --lrs 0.32,0.64 --seeds 5 --out bench_out/explain
 
 Each injection is part of the round's saved buffer and schedule, so the plain re-run reproduces
 the injured update. Per (cause, seed): train ``--rounds`` rounds of PPO (8 envs x 256 steps,
 ``--env``, ``--lr``), inject at round K = ``--at``, then ``explain_round`` of update K (10%
-removals, 5 random draws, 100 evaluation episodes). One row per run in ``<out>/runs.csv``
-(resumes); ``summary`` prints ``<cause>/right: k/n`` (the verdict names the cause: ``source 0``
-for the source), the confusion table and ``seconds_per_drop: X``, and writes
+removals, 5 random draws, 100 evaluation episodes). An injection does not always lower the
+return (PPO's clipping bounds what one update can do, and a longer step can help a policy still
+learning): seeds 1, 2, ... run per cause until ``--drops`` of them gave a drop (the batched plain
+re-run below theta(k)), at most ``--max-seeds``; the others are rows too, read *no drop*. One row
+per run in ``<out>/runs.csv`` (resumes); ``summary`` prints ``<cause>/right: k/n`` over the
+injections that made a drop (the verdict names the cause: ``source 0`` for the source),
+``<cause>/no_drop: k/n`` over every seed tried, the confusion table and ``seconds_per_drop: X``,
+and writes
 ``<data>/explain_runs.csv`` and ``<data>/explain_table.txt``.
 
 ``natural``: drops nobody planted. Per learning rate and seed, PPO with the env's preset (every
-round saved, 100 evaluation episodes a round), then ``explain_round`` of each of its
+round saved, 100 evaluation episodes a round; ``--trainer sb3``: Stable-Baselines3's PPO, 8 envs x
+256 steps, written by ``RunDirectoryCallback``), then ``explain_round`` of each of its
 ``--drops`` largest drops beyond noise; one row per drop in ``<out>/natural.csv`` (a run that
 diverged is a row too), and the summary lines ``natural/<env>/lr_<lr>/verdicts: ...``.
 """
@@ -57,9 +66,8 @@ def injected_trainer(cause: str, at: int, spike: float, planted: int, planted_si
                 if cause == "step":
                     lr_scale *= spike
                 elif cause == "data":
-                    generator = torch.Generator().manual_seed(config.seed)
                     flat = buffer.advantages.view(-1)
-                    chosen = torch.randperm(len(flat), generator=generator)[:planted]
+                    chosen = flat.abs().argsort(descending=True, stable=True)[:planted]
                     flat[chosen] = -torch.sign(flat[chosen]) * planted_size
                 else:
                     buffer.rewards[:, 0] *= source_scale
@@ -100,36 +108,70 @@ def run_one(cause: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
 def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    done = finished(out / "runs.csv", ["cause", "seed"])
-    for seed in range(1, args.seeds + 1):
-        for cause in CAUSES:
-            if (cause, seed) not in done:
-                row = run_one(cause, seed, args, out)
-                print(f"{cause} seed {seed}: verdict {row['verdict']} (drop {row['drop']:.3g}, best {row['best']} "
-                      f"{row['best_recovered']:.2f}, {row['explain_wall_s']:.0f} s)", flush=True)
+    path = out / "runs.csv"
+    for cause in CAUSES:
+        for seed in range(1, args.max_seeds + 1):
+            rows = pd.read_csv(path) if path.exists() else pd.DataFrame(columns=["cause", "seed", "drop"])
+            mine = rows[rows["cause"] == cause]
+            if (mine["drop"] > 0).sum() >= args.drops:
+                break
+            if seed in set(mine["seed"]):
+                continue
+            row = run_one(cause, seed, args, out)
+            print(f"{cause} seed {seed}: verdict {row['verdict']} (drop {row['drop']:.3g}, best {row['best']} "
+                  f"{row['best_recovered']:.2f}, {row['explain_wall_s']:.0f} s)", flush=True)
 
 
 def summary(args: argparse.Namespace) -> None:
-    rows = pd.read_csv(Path(args.out) / "runs.csv")
-    verdicts = rows["verdict"].where(~rows["verdict"].str.startswith("source"), "source " +
-                                     rows["verdict"].str.split(" ").str[-1])
-    confusion = pd.crosstab(rows["cause"], verdicts)
+    every = pd.read_csv(Path(args.out) / "runs.csv")
+    rows = every[every["drop"] > 0]
+    confusion = pd.crosstab(rows["cause"], rows["verdict"])
     lines = [f"{cause}/right: {int(g['right'].sum())}/{len(g)}" for cause, g in rows.groupby("cause")]
-    lines.append(f"plain_reproduces_run: {int(rows['plain_reproduces_run'].sum())}/{len(rows)}")
+    lines += [f"{cause}/no_drop: {int((g['drop'] <= 0).sum())}/{len(g)}" for cause, g in every.groupby("cause")]
+    lines.append(f"plain_reproduces_run: {int(every['plain_reproduces_run'].sum())}/{len(every)}")
     lines.append(f"seconds_per_drop: {rows['explain_wall_s'].median():.1f} (median wall; update "
                  f"{rows['update_s'].median():.2f} s)")
     print(confusion.to_string())
     print("\n".join(lines))
     if args.data:
         data = Path(args.data)
-        rows.to_csv(data / "explain_runs.csv", index=False)
+        every.to_csv(data / "explain_runs.csv", index=False)
         (data / "explain_table.txt").write_text(confusion.to_string() + "\n\n" + "\n".join(lines) + "\n")
+
+
+EVAL_EPISODES = 100
+"""Evaluation episodes after every round of a natural run (what ``find_drops`` reads)."""
+
+
+def train_ours(args: argparse.Namespace, lr: float, seed: int, scratch: Path) -> Path:
+    """rlinfluence's PPO with the env's preset at ``lr``, every round saved; its run directory."""
+    from rlinfluence.ppo import PPO, PPOConfig
+
+    preset = PPOConfig.for_env(args.env)
+    config = PPOConfig.for_env(args.env, learning_rate=lr, seed=seed, save_buffers=True, eval_episodes=EVAL_EPISODES,
+                               run_root=str(scratch), progress=False, tensorboard=False,
+                               **({"total_timesteps": args.rounds * preset.n_steps * preset.n_envs}
+                                  if args.rounds else {}))
+    return PPO(config).learn().run.path
+
+
+def train_sb3(args: argparse.Namespace, lr: float, seed: int, scratch: Path) -> Path:
+    """Stable-Baselines3's PPO (8 envs x 256 steps, its defaults otherwise) at ``lr``, written by
+    ``RunDirectoryCallback``; its run directory."""
+    from stable_baselines3 import PPO as SB3PPO
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from rlinfluence.integrations.sb3_rundir import RunDirectoryCallback
+
+    model = SB3PPO("MlpPolicy", make_vec_env(args.env, n_envs=8, seed=seed), n_steps=256, learning_rate=lr,
+                   seed=seed, device="cpu")
+    model.learn((args.rounds or 20) * 2048, callback=RunDirectoryCallback(scratch / "run", EVAL_EPISODES))
+    return scratch / "run"
 
 
 def natural(args: argparse.Namespace) -> None:
     from rlinfluence.analysis.explain import explain_round, find_drops
     from rlinfluence.errors import UserError
-    from rlinfluence.ppo import PPO, PPOConfig
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,25 +183,20 @@ def natural(args: argparse.Namespace) -> None:
                 continue
             scratch = out / "scratch" / f"natural_{lr}_{seed}"
             shutil.rmtree(scratch, ignore_errors=True)
-            config = PPOConfig.for_env(args.env, learning_rate=lr, seed=seed, save_buffers=True, eval_episodes=100,
-                                       run_root=str(scratch), progress=False, tensorboard=False,
-                                       **({"total_timesteps": args.rounds * PPOConfig.for_env(args.env).n_steps
-                                           * PPOConfig.for_env(args.env).n_envs} if args.rounds else {}))
-            trainer = PPO(config)
-            base = {"env": args.env, "lr": lr, "seed": seed, "round": -1, "size": np.nan, "se": np.nan,
-                    "kl_spike": False, "verdict": "", "reproduces": np.nan, "best": "", "best_recovered": np.nan,
-                    "seconds": np.nan}
+            base = {"env": args.env, "trainer": args.trainer, "lr": lr, "seed": seed, "round": -1, "size": np.nan,
+                    "se": np.nan, "kl_spike": False, "verdict": "", "reproduces": np.nan, "best": "",
+                    "best_recovered": np.nan, "seconds": np.nan}
             try:
-                trainer.learn()
+                run_dir = (train_sb3 if args.trainer == "sb3" else train_ours)(args, lr, seed, scratch)
             except UserError as exc:
                 append_row(path, {**base, "verdict": f"diverged: {exc}"[:120]})
                 continue
-            metrics = pd.read_csv(trainer.run.path / "metrics.csv")
-            drops = find_drops(metrics, config.eval_episodes)[: args.drops]
+            metrics = pd.read_csv(run_dir / "metrics.csv")
+            drops = find_drops(metrics, EVAL_EPISODES)[: args.drops]
             if not drops:
                 append_row(path, {**base, "verdict": "no drop beyond noise"})
             for d in drops:
-                table, _ = explain_round(trainer.run.path, d.round, episodes=args.episodes, seed=seed)
+                table, _ = explain_round(run_dir, d.round, episodes=args.episodes, seed=seed)
                 scored = table.dropna(subset=["recovered_fraction"])
                 best = scored.loc[scored["recovered_fraction"].idxmax()] if len(scored) else None
                 row = {**base, "round": d.round, "size": d.size, "se": d.se, "kl_spike": d.kl_spike,
@@ -168,7 +205,7 @@ def natural(args: argparse.Namespace) -> None:
                        "best_recovered": np.nan if best is None else best["recovered_fraction"],
                        "seconds": table["seconds"].iloc[0]}
                 append_row(path, row)
-                print(f"{args.env} lr {lr} seed {seed} update {d.round}: -{d.size:.3g} -> {row['verdict']} "
+                print(f"{args.trainer} {args.env} lr {lr} seed {seed} update {d.round}: -{d.size:.3g} -> {row['verdict']} "
                       f"(best {row['best']} {row['best_recovered']:.2f})", flush=True)
             shutil.rmtree(scratch, ignore_errors=True)
     rows = pd.read_csv(path)
@@ -186,10 +223,11 @@ def main() -> None:
     r.add_argument("--lr", type=float, default=0.02)
     r.add_argument("--at", type=int, default=6)
     r.add_argument("--spike", type=float, default=30.0)
-    r.add_argument("--planted", type=int, default=20)
+    r.add_argument("--planted", type=int, default=200)
     r.add_argument("--planted-size", type=float, default=1000.0)
     r.add_argument("--source-scale", type=float, default=-10.0)
-    r.add_argument("--seeds", type=int, default=10)
+    r.add_argument("--drops", type=int, default=10, help="injections that made a drop, per cause")
+    r.add_argument("--max-seeds", type=int, default=30)
     r.add_argument("--episodes", type=int, default=100)
     r.add_argument("--draws", type=int, default=5)
     r.add_argument("--out", default="bench_out/explain")
@@ -197,7 +235,8 @@ def main() -> None:
     n.add_argument("--env", default="FrozenLake-v1")
     n.add_argument("--lrs", default="0.32,0.64")
     n.add_argument("--seeds", type=int, default=5)
-    n.add_argument("--rounds", type=int, default=0, help="0: the preset's")
+    n.add_argument("--rounds", type=int, default=0, help="0: the preset's (SB3: 20)")
+    n.add_argument("--trainer", choices=("rlinfluence", "sb3"), default="rlinfluence")
     n.add_argument("--drops", type=int, default=2)
     n.add_argument("--episodes", type=int, default=100)
     n.add_argument("--out", default="bench_out/explain")

@@ -14,14 +14,19 @@ from rlinfluence.errors import UserError
 from rlinfluence.ppo import PPO, PPOConfig
 
 
-def test_a_drop_is_an_update_whose_return_fell_beyond_twice_its_noise():
+def test_a_drop_is_an_update_whose_return_fell_beyond_its_noise_across_the_runs_updates():
     metrics = pd.DataFrame({"round": range(5), "eval_return_mean": [0.2, 0.5, 0.45, 0.1, 0.3],
                             "eval_return_std": [0.1] * 5, "approx_kl": [0.01, 0.01, 0.01, 0.2, 0.01]})
-    drops = find_drops(metrics, eval_episodes=100)  # noise s.e. 0.1 * sqrt(2 / 100) = 0.014
+    drops = find_drops(metrics, eval_episodes=100)  # s.e. 0.1 * sqrt(2 / 100) = 0.014; z(0.05 / 4 updates) = 2.24
     assert [d.round for d in drops] == [3, 2] and drops[0].size == pytest.approx(0.35)
     assert drops[0].kl_spike and not drops[1].kl_spike
     assert [d.round for d in find_drops(metrics, 100, threshold=0.1)] == [3]
     assert [d.round for d in find_drops(metrics, eval_episodes=1)] == [3]  # 1 episode: s.e. 0.14, only 0.35 passes
+    # a 0.04 fall (2.8 s.e.) is a drop among 4 updates, noise among 100: z(0.05 / 100) = 3.48
+    flat = pd.DataFrame({"round": range(101), "eval_return_mean": [0.5, 0.46] * 50 + [0.5],
+                         "eval_return_std": [0.1] * 101, "approx_kl": [0.01] * 101})
+    assert find_drops(flat, eval_episodes=100) == []
+    assert len(find_drops(flat.iloc[:5], eval_episodes=100)) == 2
 
 
 def _rows(**recovered):
@@ -60,6 +65,18 @@ def test_each_constructed_case_gets_its_verdict(recovered, verdict):
     assert verdict_of(_rows(**recovered)) == verdict
 
 
+def test_after_a_kl_spike_a_removal_explains_only_if_it_restores_a_normal_step():
+    rows = _rows(harmful=0.9, random=CHANCE, **{"random-source": CHANCE}, source=[0.1, 0.0], step=0.9)
+    rows = pd.concat([pd.DataFrame([{"kind": "plain", "counterfactual": "plain"}]), rows], ignore_index=True)
+    rows["kl_level"] = 0.05
+    rows["approx_kl"] = 3.0  # thirty times the step: every re-run stays a spike, the lucky removal too
+    assert verdict_of(rows) == "step"
+    rows.loc[rows["kind"] == "harmful", "approx_kl"] = 0.01  # removing those records restores a normal step
+    assert verdict_of(rows) == "data"
+    rows["approx_kl"] = 0.01  # no spike: the removal beyond its band is the data, as without the column
+    assert verdict_of(rows) == "data"
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     config = PPOConfig(env="CartPole-v1", n_envs=4, n_steps=64, batch_size=64, total_timesteps=4 * 256,
@@ -74,14 +91,17 @@ def test_each_counterfactual_changes_only_what_it_says(run):
     n = len(saved.buffer)
     source = saved.buffer.record_ids()[:, 1]
     by_name = {c.name: c for c in chosen}
-    assert set(harm) == {"influence", "influence-fresh", "tracin"}
+    assert set(harm) == {"influence", "influence-fresh", "tracin", "abs-advantage"}
     assert by_name["plain"].keep.all() and by_name["plain"].lr_scale == 1.0 and by_name["plain"].n_epochs is None
-    for name in ("harmful 10% influence", "harmful 10% influence-fresh", "harmful 10% tracin", "random 10% draw 1"):
+    for name in ("harmful 10% influence", "harmful 10% influence-fresh", "harmful 10% tracin",
+                 "harmful 10% abs-advantage", "random 10% draw 1"):
         c = by_name[name]
         assert int((~c.keep).sum()) == round(0.1 * n) and c.lr_scale == 1.0 and c.n_epochs is None
     assert int((~by_name["random 25% draw 2"].keep).sum()) == n // 4  # as many as one of the 4 sources has
     dropped = ~by_name["harmful 10% influence"].keep
     assert harm["influence"][dropped].min() >= harm["influence"][~dropped].max()  # the most harmful
+    extreme = saved.buffer.flat("advantages").abs()
+    assert extreme[~by_name["harmful 10% abs-advantage"].keep].min() >= extreme[by_name["harmful 10% abs-advantage"].keep].max()
     for s in range(4):
         assert torch.equal(by_name[f"source {s}"].keep, source != s)
     assert by_name["lr/2"].keep.all() and by_name["lr/2"].lr_scale == 0.5

@@ -127,7 +127,7 @@ class ExplainArgs:
     round: int | None = None
     """explain this update (theta(k) -> theta(k+1)) instead of the largest drop"""
     threshold: float = 0.0
-    """a drop must also exceed this much evaluation return (beside twice its noise)"""
+    """a drop must also exceed this much evaluation return (beside its noise across the run's updates)"""
     pct: float = 10.0
     """share of records the harmful and random counterfactuals remove, in (0, 100)"""
     episodes: int = 100

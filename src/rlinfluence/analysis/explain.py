@@ -3,9 +3,11 @@ say whether the data, one source or the step was to blame.
 
 **Drops.** Row k of a run's metrics evaluates theta(k+1), so the update theta(k) -> theta(k+1)
 changed the evaluation return by d_k = R_k - R_{k-1}. It is a drop when -d_k exceeds both
-``threshold`` and twice its noise, 2 sqrt(s_k^2 / n + s_{k-1}^2 / n) (s the evaluation's
-standard deviation over its n episodes); an approx_kl above ``KL_SPIKE`` times the run's median
-is listed beside it.
+``threshold`` and its noise across the run's U updates, z sqrt(s_k^2 / n + s_{k-1}^2 / n) with
+z = Phi^-1(1 - 0.05 / U) (s the evaluation's standard deviation over its n episodes; Bonferroni
+over the updates, so a run whose return only fluctuates shows a drop with probability <= 0.05,
+where a fixed 2 s.e. would flag about one update in 44 of every run); an approx_kl above
+``KL_SPIKE`` times the run's median is listed beside it.
 
 **Counterfactuals** of update k, from the saved theta(k), its optimiser state and buffer, batched
 (``rlinfluence.reruns``), each with the round's own kept records and step scale unless it says
@@ -15,7 +17,8 @@ otherwise:
     harmful m% S     without the m% records most harmful by scorer S (snapshot influence on the
                      in-sample return target, and on the return target of a fresh rollout of
                      theta(k), one round's steps, which the round's own advantages did not
-                     write; TracIn of the round where it was recorded)
+                     write; TracIn of the round where it was recorded; and, not attribution,
+                     ``abs-advantage``: the m% records of largest |advantage|)
     random m% draw j without m% uniformly random records (``draws`` draws: the chance band), and
                      ``draws`` more without as many random records as a source has
     source s         without every record of env s (leave one source out)
@@ -43,7 +46,11 @@ among the draws, since with one source broken they are removals of a source's si
 and one of many sources beats a band of a few draws by luck alone): *source s* when leaving s out recovers beyond it;
 else *data* when removing the harmful records recovers beyond the band and the band's mean does
 not recover; else *step* when a shorter step recovers and no targeted removal recovers beyond
-the band; else *not explained*.
+the band; else *not explained*. When the update itself was a KL spike (the plain re-run's
+approx_kl above ``KL_SPIKE`` times the median of the run's other updates), a removal explains the
+drop only if it also brings the update's approx_kl back under that level: removing the culprit
+restores a normal step, while after a step thirty times too long every re-run is chaotic and some
+removal recovers by luck with the step as long as before.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
+import scipy.stats
 import torch
 
 from rlinfluence.errors import UserError
@@ -67,6 +75,8 @@ if TYPE_CHECKING:
     from rlinfluence.sections import Section
 
 KL_SPIKE = 5.0
+DROP_ALPHA = 0.05
+"""The chance that a run whose return only fluctuates shows any drop (module docstring)."""
 RECOVERS = 0.5
 VERDICTS = ("source", "data", "step", "not explained")
 
@@ -98,12 +108,13 @@ def find_drops(metrics: pd.DataFrame, eval_episodes: int, threshold: float = 0.0
     kl = rows["approx_kl"].to_numpy(float) if "approx_kl" in rows else np.full(len(rows), np.nan)
     median_kl = float(np.nanmedian(kl)) if np.isfinite(kl).any() else math.nan
     spread = rows["eval_return_std"].fillna(0.0).to_numpy(float)
+    z = float(scipy.stats.norm.ppf(1 - DROP_ALPHA / max(1, len(rows) - 1)))
     drops = []
     for i in range(1, len(rows)):
         before, after = float(rows["eval_return_mean"][i - 1]), float(rows["eval_return_mean"][i])
         se = math.sqrt((spread[i] ** 2 + spread[i - 1] ** 2) / eval_episodes)
         size = before - after
-        if size > max(threshold, 2 * se):
+        if size > max(threshold, z * se):
             drops.append(Drop(int(rows["round"][i]), before, after, size, se, float(kl[i]),
                               bool(kl[i] > KL_SPIKE * median_kl)))
     return sorted(drops, key=lambda d: -d.size)
@@ -140,6 +151,9 @@ def counterfactuals(saved, pct: float = 10.0, draws: int = 5, worst_episodes: in
     harm["influence-fresh"] = -score_round(saved, target, "snapshot/batch", seed).double()
     if saved.tracin is not None:
         harm["tracin"] = -saved.tracin.double()
+    # not attribution: a few records with absurd advantages (a reward-scale or sign bug) take over
+    # every minibatch's normalisation, and no gradient score need see them
+    harm["abs-advantage"] = buffer.flat("advantages").double().abs()
     out = [Counterfactual("plain", "plain", keep)]
     for name, h in harm.items():
         out.append(Counterfactual(f"harmful {pct:g}% {name}", "harmful", keep & drop_lowest(-h, n_drop)))
@@ -195,6 +209,9 @@ def verdict_of(rows: pd.DataFrame) -> str:
     for i in rows.index[kind == "source"]:  # the other sources left out are chance draws of a source's size too
         level[i] = band(pd.concat([recovered[kind == "random-source"], recovered[(kind == "source") & (rows.index != i)]]))[1]
     beyond = recovers & (recovered > level)
+    plain_kl = rows.loc[kind == "plain", "approx_kl"] if "kl_level" in rows else pd.Series(dtype=float)
+    if len(plain_kl) and plain_kl.iloc[0] > rows["kl_level"].iloc[0]:  # the update was a KL spike
+        beyond &= rows["approx_kl"] <= rows["kl_level"]
     sources = rows[(rows["kind"] == "source") & beyond]
     if len(sources):
         return sources.sort_values("recovered_fraction").iloc[-1]["counterfactual"]
@@ -210,7 +227,8 @@ def explain_round(run_dir: str | Path, round_index: int, pct: float = 10.0, epis
                   worst_episodes: int = 3, seed: int = 0) -> tuple[pd.DataFrame, dict[str, torch.Tensor]]:
     """(one row per counterfactual of update ``round_index``, the harm scores): ``round``,
     ``counterfactual``, ``kind``, ``kept``, ``lr_scale``, ``return_mean``, ``recovered_fraction``,
-    ``ci_low``, ``ci_high``, the drop's ``verdict``, ``plain_reproduces_run`` and ``seconds``."""
+    ``ci_low``, ``ci_high``, the drop's ``verdict``, ``kl_level`` (``KL_SPIKE`` times the median
+    approx_kl of the run's other updates), ``plain_reproduces_run`` and ``seconds``."""
     from rlinfluence.analysis.intervention import matches_checkpoint
     from rlinfluence.checkpoint import load_round
     from rlinfluence.reruns import Variant, batched_retrain
@@ -249,6 +267,9 @@ def explain_round(run_dir: str | Path, round_index: int, pct: float = 10.0, epis
                      "ci_low": low, "ci_high": high})
     table = pd.DataFrame(rows)
     table["return_before"], table["return_after"], table["drop"] = float(before.mean()), float(recorded.mean()), drop
+    metrics = pd.read_csv(run.path / "metrics.csv")
+    others = metrics.loc[metrics["round"] != round_index, "approx_kl"] if "approx_kl" in metrics else pd.Series()
+    table["kl_level"] = KL_SPIKE * float(others.median()) if others.notna().any() else math.inf
     table["verdict"] = verdict_of(table) if drop > 0 else "the re-run does not reproduce the drop"
     table["plain_reproduces_run"], table["plain_float_gap"] = reproduces, float_gap
     table["seconds"] = time.perf_counter() - start
