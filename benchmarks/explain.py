@@ -185,7 +185,7 @@ def natural(args: argparse.Namespace) -> None:
             shutil.rmtree(scratch, ignore_errors=True)
             base = {"env": args.env, "trainer": args.trainer, "lr": lr, "seed": seed, "round": -1, "size": np.nan,
                     "se": np.nan, "kl_spike": False, "verdict": "", "reproduces": np.nan, "best": "",
-                    "best_recovered": np.nan, "seconds": np.nan}
+                    "best_recovered": np.nan, "seconds": np.nan, "update_s": np.nan}
             try:
                 run_dir = (train_sb3 if args.trainer == "sb3" else train_ours)(args, lr, seed, scratch)
             except UserError as exc:
@@ -203,7 +203,9 @@ def natural(args: argparse.Namespace) -> None:
                        "verdict": table["verdict"].iloc[0], "reproduces": bool(table["plain_reproduces_run"].iloc[0]),
                        "best": "" if best is None else best["counterfactual"],
                        "best_recovered": np.nan if best is None else best["recovered_fraction"],
-                       "seconds": table["seconds"].iloc[0]}
+                       "seconds": table["seconds"].iloc[0],
+                       "update_s": float(metrics.set_index("round")["update_seconds"].get(d.round, np.nan))
+                       if "update_seconds" in metrics else np.nan}
                 append_row(path, row)
                 print(f"{args.trainer} {args.env} lr {lr} seed {seed} update {d.round}: -{d.size:.3g} -> {row['verdict']} "
                       f"(best {row['best']} {row['best_recovered']:.2f})", flush=True)
