@@ -98,6 +98,7 @@ def run_one(cause: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
            "best": table.loc[table["recovered_fraction"].idxmax(), "counterfactual"]
            if table["recovered_fraction"].notna().any() else "",
            "best_recovered": table["recovered_fraction"].max(),
+           "beyond_band": ";".join(table.loc[table["beyond_band"], "counterfactual"]),
            "explain_cpu_s": time.process_time() - cpu, "explain_wall_s": table["seconds"].iloc[0],
            "update_s": float(pd.read_csv(trainer.run.path / "metrics.csv")["update_seconds"].iloc[args.at])}
     shutil.rmtree(scratch, ignore_errors=True)
@@ -185,7 +186,7 @@ def natural(args: argparse.Namespace) -> None:
             shutil.rmtree(scratch, ignore_errors=True)
             base = {"env": args.env, "trainer": args.trainer, "lr": lr, "seed": seed, "round": -1, "size": np.nan,
                     "se": np.nan, "kl_spike": False, "verdict": "", "reproduces": np.nan, "best": "",
-                    "best_recovered": np.nan, "seconds": np.nan, "update_s": np.nan}
+                    "best_recovered": np.nan, "beyond_band": "", "seconds": np.nan, "update_s": np.nan}
             try:
                 run_dir = (train_sb3 if args.trainer == "sb3" else train_ours)(args, lr, seed, scratch)
             except UserError as exc:
@@ -203,6 +204,7 @@ def natural(args: argparse.Namespace) -> None:
                        "verdict": table["verdict"].iloc[0], "reproduces": bool(table["plain_reproduces_run"].iloc[0]),
                        "best": "" if best is None else best["counterfactual"],
                        "best_recovered": np.nan if best is None else best["recovered_fraction"],
+                       "beyond_band": ";".join(table.loc[table["beyond_band"], "counterfactual"]),
                        "seconds": table["seconds"].iloc[0],
                        "update_s": float(metrics.set_index("round")["update_seconds"].get(d.round, np.nan))
                        if "update_seconds" in metrics else np.nan}

@@ -190,11 +190,16 @@ BAND_SDS = 3.0
 than its mean plus this many standard deviations."""
 
 
-def verdict_of(rows: pd.DataFrame) -> str:
-    """The drop's verdict from its counterfactual rows (module docstring). A removal counts only
-    beyond the chance band of removals of its size: random records as many as a source has for
-    ``source``, ``pct``% for ``harmful`` and ``episode``."""
-    recovers = (rows["recovered_fraction"] >= RECOVERS) & (rows["ci_low"] > 0)
+def _recovers(rows: pd.DataFrame) -> pd.Series:
+    return (rows["recovered_fraction"] >= RECOVERS) & (rows["ci_low"] > 0)
+
+
+def beyond_band(rows: pd.DataFrame) -> pd.Series:
+    """Per counterfactual row: a removal that recovers the drop beyond the chance band of
+    removals of its size (random records as many as a source has for ``source``, ``pct``% for
+    ``harmful`` and ``episode``), and after a KL spike brings the step back under ``kl_level``
+    (module docstring)."""
+    recovers = _recovers(rows)
 
     def band(draws: pd.Series) -> tuple[float, float]:  # (mean, the level a removal must beat)
         draws = draws.dropna()
@@ -212,13 +217,19 @@ def verdict_of(rows: pd.DataFrame) -> str:
     plain_kl = rows.loc[kind == "plain", "approx_kl"] if "kl_level" in rows else pd.Series(dtype=float)
     if len(plain_kl) and plain_kl.iloc[0] > rows["kl_level"].iloc[0]:  # the update was a KL spike
         beyond &= rows["approx_kl"] <= rows["kl_level"]
-    sources = rows[(rows["kind"] == "source") & beyond]
+    return beyond & rows["kind"].isin(["harmful", "source", "episode"])
+
+
+def verdict_of(rows: pd.DataFrame) -> str:
+    """The drop's verdict from its counterfactual rows (module docstring)."""
+    beyond, kind = beyond_band(rows), rows["kind"]
+    sources = rows[(kind == "source") & beyond]
     if len(sources):
         return sources.sort_values("recovered_fraction").iloc[-1]["counterfactual"]
-    if (beyond & (rows["kind"] == "harmful")).any() and pct_band[0] < RECOVERS:
+    chance = rows.loc[kind == "random", "recovered_fraction"].mean()  # NaN without draws: no band to recover
+    if (beyond & (kind == "harmful")).any() and not chance >= RECOVERS:
         return "data"
-    removals = rows["kind"].isin(["harmful", "source", "episode"])
-    if (recovers & (rows["kind"] == "step")).any() and not (beyond & removals).any():
+    if (_recovers(rows) & (kind == "step")).any() and not beyond.any():
         return "step"
     return "not explained"
 
@@ -227,7 +238,8 @@ def explain_round(run_dir: str | Path, round_index: int, pct: float = 10.0, epis
                   worst_episodes: int = 3, seed: int = 0) -> tuple[pd.DataFrame, dict[str, torch.Tensor]]:
     """(one row per counterfactual of update ``round_index``, the harm scores): ``round``,
     ``counterfactual``, ``kind``, ``kept``, ``lr_scale``, ``return_mean``, ``recovered_fraction``,
-    ``ci_low``, ``ci_high``, the drop's ``verdict``, ``kl_level`` (``KL_SPIKE`` times the median
+    ``ci_low``, ``ci_high``, ``beyond_band`` (a removal beyond its chance band), the drop's ``verdict``, ``kl_level``
+    (``KL_SPIKE`` times the median
     approx_kl of the run's other updates), ``plain_reproduces_run`` and ``seconds``."""
     from rlinfluence.analysis.intervention import matches_checkpoint
     from rlinfluence.checkpoint import load_round
@@ -270,6 +282,7 @@ def explain_round(run_dir: str | Path, round_index: int, pct: float = 10.0, epis
     metrics = pd.read_csv(run.path / "metrics.csv")
     others = metrics.loc[metrics["round"] != round_index, "approx_kl"] if "approx_kl" in metrics else pd.Series()
     table["kl_level"] = KL_SPIKE * float(others.median()) if others.notna().any() else math.inf
+    table["beyond_band"] = beyond_band(table) if drop > 0 else False
     table["verdict"] = verdict_of(table) if drop > 0 else "the re-run does not reproduce the drop"
     table["plain_reproduces_run"], table["plain_float_gap"] = reproduces, float_gap
     table["seconds"] = time.perf_counter() - start
