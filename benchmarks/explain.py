@@ -136,8 +136,8 @@ def summary(args: argparse.Namespace) -> None:
     print("\n".join(lines))
     if args.data:
         data = Path(args.data)
-        every.to_csv(data / "explain_runs.csv", index=False)
-        (data / "explain_table.txt").write_text(confusion.to_string() + "\n\n" + "\n".join(lines) + "\n")
+        every.to_csv(data / f"{args.name}_runs.csv", index=False)
+        (data / f"{args.name}_table.txt").write_text(confusion.to_string() + "\n\n" + "\n".join(lines) + "\n")
 
 
 EVAL_EPISODES = 100
@@ -212,11 +212,44 @@ def natural(args: argparse.Namespace) -> None:
                 print(f"{args.trainer} {args.env} lr {lr} seed {seed} update {d.round}: -{d.size:.3g} -> {row['verdict']} "
                       f"(best {row['best']} {row['best_recovered']:.2f})", flush=True)
             shutil.rmtree(scratch, ignore_errors=True)
-    rows = pd.read_csv(path)
-    for (env, lr), group in rows.groupby(["env", "lr"]):
+    print("\n".join(natural_lines(pd.read_csv(path))))
+
+
+ATTRIBUTION = ("influence", "influence-fresh", "tracin")
+
+
+def natural_lines(rows: pd.DataFrame) -> list[str]:
+    """Per trainer, env and learning rate: the verdicts of its drops (runs without one counted
+    once), the fraction of each drop the best counterfactual recovered, and which removals made
+    the *data* verdicts (an attribution scorer's, or only the |advantage| one)."""
+    rows = rows.assign(trainer=rows.get("trainer", pd.Series("rlinfluence", index=rows.index)).fillna("rlinfluence"))
+    lines = []
+    for (trainer, env, lr), group in rows.groupby(["trainer", "env", "lr"]):
         counts = group["verdict"].str.split(":").str[0].value_counts()
-        print(f"natural/{env}/lr_{lr:g}/verdicts: " + ", ".join(f"{k} {v}" for k, v in counts.items())
-              + f" ({group['seed'].nunique()} seeds)")
+        name = f"natural/{'' if trainer == 'rlinfluence' else trainer + '/'}{env}/lr_{lr:g}"
+        lines.append(f"{name}/verdicts: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+                     + f" ({group['seed'].nunique()} seeds)")
+        drops = group[group["round"] >= 0]
+        if len(drops):
+            lines.append(f"{name}/best_recovered: median {drops['best_recovered'].median():.2f} "
+                         f"(range {drops['best_recovered'].min():.2f}-{drops['best_recovered'].max():.2f}, "
+                         f"{len(drops)} drops); seconds_per_drop median {drops['seconds'].median():.1f}")
+        data = group[group["verdict"] == "data"]
+        if len(data):
+            by = data["beyond_band"].fillna("").str.split(";")
+            attributed = by.apply(lambda names: any(n.split(" ")[-1] in ATTRIBUTION for n in names if "harmful" in n))
+            lines.append(f"{name}/data_by_attribution: {int(attributed.sum())}/{len(data)} "
+                         f"(the others by |advantage| alone, or unrecorded)")
+    return lines
+
+
+def natural_summary(args: argparse.Namespace) -> None:
+    rows = pd.concat([pd.read_csv(Path(out) / "natural.csv") for out in args.outs.split(",")], ignore_index=True)
+    lines = natural_lines(rows)
+    print("\n".join(lines))
+    if args.data:
+        rows.to_csv(Path(args.data) / "explain_natural.csv", index=False)
+        (Path(args.data) / "explain_natural_summary.txt").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -247,9 +280,13 @@ def main() -> None:
     s = sub.add_parser("summary")
     s.add_argument("--out", default="bench_out/explain")
     s.add_argument("--data", default="")
+    s.add_argument("--name", default="explain", help="writes <data>/<name>_runs.csv and <name>_table.txt")
+    ns = sub.add_parser("natural-summary")
+    ns.add_argument("--outs", required=True, help="comma-separated natural output folders")
+    ns.add_argument("--data", default="")
     args = parser.parse_args()
     np.seterr(all="ignore")
-    {"run": run, "natural": natural, "summary": summary}[args.command](args)
+    {"run": run, "natural": natural, "summary": summary, "natural-summary": natural_summary}[args.command](args)
 
 
 if __name__ == "__main__":
