@@ -79,6 +79,7 @@ def injected_trainer(cause: str, at: int, spike: float, planted: int, planted_si
 
 def run_one(cause: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     from rlinfluence.analysis.explain import explain_round
+    from rlinfluence.errors import UserError
     from rlinfluence.ppo import PPOConfig
 
     scratch = out / "scratch" / f"{cause}_{seed}"
@@ -86,8 +87,13 @@ def run_one(cause: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     config = PPOConfig.for_env(args.env, n_envs=8, n_steps=256, batch_size=64, learning_rate=args.lr, seed=seed,
                                total_timesteps=(args.at + 1) * 2048, eval_episodes=20, save_buffers=True,
                                run_root=str(scratch), progress=False, tensorboard=False)
-    trainer = injected_trainer(cause, args.at, args.spike, args.planted, args.planted_size, args.source_scale,
-                               config).learn()
+    try:
+        trainer = injected_trainer(cause, args.at, args.spike, args.planted, args.planted_size, args.source_scale,
+                                   config).learn()
+    except UserError as exc:  # the injured update's loss was not finite: no theta(k+1) to explain
+        row = {"cause": cause, "seed": seed, "verdict": f"diverged: {exc}"[:120], "right": False, "drop": np.nan}
+        append_row(out / "runs.csv", row)
+        return row
     cpu = time.process_time()
     table, _ = explain_round(trainer.run.path, args.at, episodes=args.episodes, draws=args.draws, seed=seed)
     row = {"cause": cause, "seed": seed, "verdict": table["verdict"].iloc[0],
@@ -119,8 +125,8 @@ def run(args: argparse.Namespace) -> None:
             if seed in set(mine["seed"]):
                 continue
             row = run_one(cause, seed, args, out)
-            print(f"{cause} seed {seed}: verdict {row['verdict']} (drop {row['drop']:.3g}, best {row['best']} "
-                  f"{row['best_recovered']:.2f}, {row['explain_wall_s']:.0f} s)", flush=True)
+            print(f"{cause} seed {seed}: verdict {row['verdict']} (drop {row['drop']:.3g}, best {row.get('best')} "
+                  f"{row.get('best_recovered', np.nan):.2f}, {row.get('explain_wall_s', np.nan):.0f} s)", flush=True)
 
 
 def summary(args: argparse.Namespace) -> None:
@@ -128,7 +134,9 @@ def summary(args: argparse.Namespace) -> None:
     rows = every[every["drop"] > 0]
     confusion = pd.crosstab(rows["cause"], rows["verdict"])
     lines = [f"{cause}/right: {int(g['right'].sum())}/{len(g)}" for cause, g in rows.groupby("cause")]
-    lines += [f"{cause}/no_drop: {int((g['drop'] <= 0).sum())}/{len(g)}" for cause, g in every.groupby("cause")]
+    lines += [f"{cause}/no_drop: {int((g['drop'] <= 0).sum())}/{len(g)}"
+              + (f" (and {int(g['drop'].isna().sum())} diverged)" if g["drop"].isna().any() else "")
+              for cause, g in every.groupby("cause")]
     lines.append(f"plain_reproduces_run: {int(every['plain_reproduces_run'].sum())}/{len(every)}")
     lines.append(f"seconds_per_drop: {rows['explain_wall_s'].median():.1f} (median wall; update "
                  f"{rows['update_s'].median():.2f} s)")
@@ -239,7 +247,7 @@ def natural_lines(rows: pd.DataFrame) -> list[str]:
             by = data["beyond_band"].fillna("").str.split(";")
             attributed = by.apply(lambda names: any(n.split(" ")[-1] in ATTRIBUTION for n in names if "harmful" in n))
             lines.append(f"{name}/data_by_attribution: {int(attributed.sum())}/{len(data)} "
-                         f"(the others by |advantage| alone, or unrecorded)")
+                         f"(the others by |advantage| alone)")
     return lines
 
 
