@@ -237,7 +237,7 @@ def natural_lines(rows: pd.DataFrame) -> list[str]:
         name = f"natural/{'' if trainer == 'rlinfluence' else trainer + '/'}{env}/lr_{lr:g}"
         lines.append(f"{name}/verdicts: " + ", ".join(f"{k} {v}" for k, v in counts.items())
                      + f" ({group['seed'].nunique()} seeds)")
-        drops = group[group["round"] >= 0]
+        drops = group[(group["round"] >= 0) & group["best_recovered"].notna()]  # drops the re-run reproduced
         if len(drops):
             lines.append(f"{name}/best_recovered: median {drops['best_recovered'].median():.2f} "
                          f"(range {drops['best_recovered'].min():.2f}-{drops['best_recovered'].max():.2f}, "
