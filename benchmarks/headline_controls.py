@@ -1,0 +1,134 @@
+"""Controls for the headline table: is iif-robust faster than tuned PPO because it selects records,
+or because it takes a longer step (and drops records at all)?
+
+    python benchmarks/headline_controls.py tune --env FrozenLake-v1 --out bench_out/controls
+    python benchmarks/headline_controls.py confirm --env FrozenLake-v1 --out bench_out/controls --data docs/data
+
+Each env starts from its study in ``benchmarks/studies/<env>.json`` (rounds, evaluation episodes,
+settings, the learning-rate grid, and the chosen rates of ppo and iif-robust). Two arms the study
+lacked:
+
+- **step-matched PPO**: PPO with a different step length per round, ``STEP_VARIANTS``
+  (target_kl early stopping at three levels, 5, 20 and 30 epochs instead of 10). Each variant's
+  learning rate is tuned over the study's grid on 3 tuning seeds (1001-1003), each is then
+  evaluated on the study's seeds 1-5, and the best by mean normalised auc is kept: the protocol
+  that picked iif-robust among its ~8 variants, with as many variants and one more tuning seed;
+- **random drops at iif-robust's kept fraction**: ``random@drop_pct=P`` with P = 100 x (1 - the
+  mean kept fraction of iif-robust at its chosen rate on the tuning seeds), its rate tuned the same
+  way: iif-robust's fewer records without its choice of which.
+
+``tune`` runs that study (``<out>/<env>/tune``); ``confirm`` reruns ppo and iif-robust at the
+study's chosen rates and the two new arms at theirs on seeds 101-110 (which no choice saw) with
+``rlinfluence compare`` (``<out>/<env>/confirm``), prints its summary lines, and with ``--data``
+writes ``<data>/controls_<env>_scores.csv`` (per seed) and ``controls_<env>_summary.csv``.
+Re-running resumes.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pandas as pd  # noqa: E402
+
+STUDIES = Path(__file__).parent / "studies"
+STEP_VARIANTS = ("ppo-kl01=ppo@target_kl=0.01", "ppo-kl03=ppo@target_kl=0.03", "ppo-kl10=ppo@target_kl=0.1",
+                 "ppo-e5=ppo@n_epochs=5", "ppo-e20=ppo@n_epochs=20", "ppo-e30=ppo@n_epochs=30")
+TUNE_SEEDS = (1001, 1002, 1003)
+
+
+def study(env: str) -> dict:
+    return json.loads((STUDIES / f"{env}.json").read_text())
+
+
+def kept_fraction(env: str, scratch: Path) -> float:
+    """iif-robust's mean kept fraction over every round of the tuning seeds, at its chosen rate."""
+    from rlinfluence.ppo import PPO, PPOConfig
+
+    s = study(env)
+    preset = PPOConfig.for_env(env)
+    fractions = []
+    for seed in TUNE_SEEDS:
+        config = PPOConfig.for_env(env, filter="iif", drop_pct="auto", seed=seed, eval_episodes=0,
+                                   learning_rate=s["chosen"]["iif-robust"]["learning_rate"],
+                                   total_timesteps=s["rounds"] * preset.n_steps * preset.n_envs,
+                                   run_root=str(scratch), progress=False, tensorboard=False)
+        trainer = PPO(config).learn()
+        fractions.append(float(pd.read_csv(trainer.run.path / "metrics.csv")["kept_fraction"].mean()))
+    shutil.rmtree(scratch, ignore_errors=True)
+    return sum(fractions) / len(fractions)
+
+
+def common(env: str) -> dict:
+    s = study(env)
+    return {"env": env, "rounds": s["rounds"], "eval_episodes": s["eval_episodes"], "set": tuple(s["set"]),
+            "drop_pct": s["drop_pct"], "clock": "cpu", "progress": False}
+
+
+def tune(args: argparse.Namespace) -> None:
+    from rlinfluence.experiments import CompareConfig, compare
+
+    folder = Path(args.out) / args.env
+    folder.mkdir(parents=True, exist_ok=True)
+    kept_file = folder / "iif_robust_kept.json"
+    if not kept_file.is_file():
+        kept_file.write_text(json.dumps({"kept_fraction": kept_fraction(args.env, folder / "scratch")}))
+    drop = round(100 * (1 - json.loads(kept_file.read_text())["kept_fraction"]), 1)
+    print(f"{args.env}: iif-robust keeps {100 - drop:.1f}% of records on the tuning seeds; random drops {drop}%",
+          flush=True)
+    compare(CompareConfig(**common(args.env), methods=("ppo", *STEP_VARIANTS, f"random-kept=random@drop_pct={drop}"),
+                          tune=tuple(study(args.env)["tune"]), tune_seeds=len(TUNE_SEEDS),
+                          tune_first_seed=TUNE_SEEDS[0], first_seed=1, seeds=5, out=str(folder / "tune"),
+                          workers=args.workers))
+
+
+def confirm(args: argparse.Namespace) -> None:
+    from rlinfluence.experiments import CompareConfig, compare
+
+    folder = Path(args.out) / args.env
+    tuned = json.loads((folder / "tune" / "compare.json").read_text())["chosen"]
+    scores = pd.read_csv(folder / "tune" / "scores.csv")  # normalised auc per (method, seed 1-5)
+    labels = [v.split("=", 1)[0] for v in STEP_VARIANTS]
+    step = scores[scores["method"].isin(labels)].groupby("method")["auc"].mean().sort_values(kind="stable").index[-1]
+    spec = dict(v.split("=", 1) for v in STEP_VARIANTS)[step]
+    random_spec = next(m for m in json.loads((folder / "tune" / "compare.json").read_text())["methods"]
+                       if m.startswith("random-kept="))
+    chosen = study(args.env)["chosen"]
+    methods = (f"ppo=ppo@learning_rate={chosen['ppo']['learning_rate']}",
+               f"iif-robust=iif@drop_pct=auto,learning_rate={chosen['iif-robust']['learning_rate']}",
+               f"{step}={spec},learning_rate={tuned[step]['learning_rate']}",
+               f"{random_spec},learning_rate={tuned['random-kept']['learning_rate']}")
+    print(f"{args.env}: the step-matched PPO kept is {step} (best mean auc on seeds 1-5); confirming "
+          + " ".join(methods), flush=True)
+    out = compare(CompareConfig(**common(args.env), methods=methods, reference="ppo", first_seed=101, seeds=10,
+                                out=str(folder / "confirm"), workers=args.workers))
+    print((out / "summary.md").read_text())
+    if args.data:
+        data = Path(args.data)
+        pd.read_csv(out / "scores.csv").to_csv(data / f"controls_{args.env}_scores.csv", index=False)
+        pd.read_csv(out / "summary.csv").to_csv(data / f"controls_{args.env}_summary.csv", index=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("tune", "confirm"):
+        p = sub.add_parser(name)
+        p.add_argument("--env", default="FrozenLake-v1")
+        p.add_argument("--out", default="bench_out/controls")
+        p.add_argument("--workers", type=int, default=2)
+        if name == "confirm":
+            p.add_argument("--data", default="")
+    args = parser.parse_args()
+    {"tune": tune, "confirm": confirm}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
