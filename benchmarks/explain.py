@@ -19,7 +19,8 @@ the injured update. Per (cause, seed): train ``--rounds`` rounds of PPO (8 envs 
 removals, 5 random draws, 100 evaluation episodes). An injection does not always lower the
 return (PPO's clipping bounds what one update can do, and a longer step can help a policy still
 learning): seeds 1, 2, ... run per cause until ``--drops`` of them gave a drop (the batched plain
-re-run below theta(k)), at most ``--max-seeds``; the others are rows too, read *no drop*. One row
+re-run below theta(k) beyond noise: the paired interval over the evaluation episodes above 0), at
+most ``--max-seeds``; the others are rows too, read *no drop*. One row
 per run in ``<out>/runs.csv`` (resumes); ``summary`` prints ``<cause>/right: k/n`` over the
 injections that made a drop (the verdict names the cause: ``source 0`` for the source),
 ``<cause>/no_drop: k/n`` over every seed tried, the confusion table and ``seconds_per_drop: X``,
@@ -98,7 +99,8 @@ def run_one(cause: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     table, _ = explain_round(trainer.run.path, args.at, episodes=args.episodes, draws=args.draws, seed=seed)
     row = {"cause": cause, "seed": seed, "verdict": table["verdict"].iloc[0],
            "right": table["verdict"].iloc[0] == ("source 0" if cause == "source" else cause),
-           "drop": table["drop"].iloc[0], "return_before": table["return_before"].iloc[0],
+           "drop": table["drop"].iloc[0], "drop_ci_low": table["drop_ci_low"].iloc[0],
+           "return_before": table["return_before"].iloc[0],
            "return_after": table["return_after"].iloc[0],
            "plain_reproduces_run": bool(table["plain_reproduces_run"].iloc[0]),
            "best": table.loc[table["recovered_fraction"].idxmax(), "counterfactual"]
@@ -112,15 +114,21 @@ def run_one(cause: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     return row
 
 
+def made_drop(rows: pd.DataFrame) -> pd.Series:
+    """The injections that lowered the return beyond noise on the explanation's own episodes."""
+    verdict = rows["verdict"].astype(str)
+    return ~verdict.str.startswith("the re-run does not reproduce") & ~verdict.str.startswith("diverged")
+
+
 def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "runs.csv"
     for cause in CAUSES:
         for seed in range(1, args.max_seeds + 1):
-            rows = pd.read_csv(path) if path.exists() else pd.DataFrame(columns=["cause", "seed", "drop"])
+            rows = pd.read_csv(path) if path.exists() else pd.DataFrame(columns=["cause", "seed", "verdict"])
             mine = rows[rows["cause"] == cause]
-            if (mine["drop"] > 0).sum() >= args.drops:
+            if made_drop(mine).sum() >= args.drops:
                 break
             if seed in set(mine["seed"]):
                 continue
@@ -131,13 +139,15 @@ def run(args: argparse.Namespace) -> None:
 
 def summary(args: argparse.Namespace) -> None:
     every = pd.read_csv(Path(args.out) / "runs.csv")
-    rows = every[every["drop"] > 0]
+    rows = every[made_drop(every)]
+    diverged = every["verdict"].astype(str).str.startswith("diverged")
     confusion = pd.crosstab(rows["cause"], rows["verdict"])
     lines = [f"{cause}/right: {int(g['right'].sum())}/{len(g)}" for cause, g in rows.groupby("cause")]
-    lines += [f"{cause}/no_drop: {int((g['drop'] <= 0).sum())}/{len(g)}"
-              + (f" (and {int(g['drop'].isna().sum())} diverged)" if g["drop"].isna().any() else "")
+    lines += [f"{cause}/no_drop: {int((~made_drop(g) & ~diverged[g.index]).sum())}/{len(g)}"
+              + (f" (and {int(diverged[g.index].sum())} diverged)" if diverged[g.index].any() else "")
               for cause, g in every.groupby("cause")]
-    lines.append(f"plain_reproduces_run: {int(every['plain_reproduces_run'].sum())}/{len(every)}")
+    trained = every[~diverged]
+    lines.append(f"plain_reproduces_run: {int(trained['plain_reproduces_run'].astype(bool).sum())}/{len(trained)}")
     lines.append(f"seconds_per_drop: {rows['explain_wall_s'].median():.1f} (median wall; update "
                  f"{rows['update_s'].median():.2f} s)")
     print(confusion.to_string())
@@ -194,7 +204,8 @@ def natural(args: argparse.Namespace) -> None:
             shutil.rmtree(scratch, ignore_errors=True)
             base = {"env": args.env, "trainer": args.trainer, "lr": lr, "seed": seed, "round": -1, "size": np.nan,
                     "se": np.nan, "kl_spike": False, "verdict": "", "reproduces": np.nan, "best": "",
-                    "best_recovered": np.nan, "beyond_band": "", "seconds": np.nan, "update_s": np.nan}
+                    "best_recovered": np.nan, "beyond_band": "", "seconds": np.nan, "update_s": np.nan,
+                    "drop_ci_low": np.nan}
             try:
                 run_dir = (train_sb3 if args.trainer == "sb3" else train_ours)(args, lr, seed, scratch)
             except UserError as exc:
@@ -209,6 +220,7 @@ def natural(args: argparse.Namespace) -> None:
                 scored = table.dropna(subset=["recovered_fraction"])
                 best = scored.loc[scored["recovered_fraction"].idxmax()] if len(scored) else None
                 row = {**base, "round": d.round, "size": d.size, "se": d.se, "kl_spike": d.kl_spike,
+                       "drop_ci_low": table["drop_ci_low"].iloc[0],
                        "verdict": table["verdict"].iloc[0], "reproduces": bool(table["plain_reproduces_run"].iloc[0]),
                        "best": "" if best is None else best["counterfactual"],
                        "best_recovered": np.nan if best is None else best["recovered_fraction"],

@@ -117,6 +117,9 @@ def test_explain_writes_one_row_per_counterfactual_and_the_plain_rerun_reproduce
     assert {"round", "counterfactual", "return_mean", "recovered_fraction", "ci_low", "ci_high", "verdict"} <= \
         set(table.columns)
     assert table["plain_reproduces_run"].all() and (table["round"] == 2).all()
+    # a fall within noise on these episodes is not explained: nothing would divide by it
+    assert (table["drop_ci_low"].iloc[0] > 0) == (table["verdict"].iloc[0] != "the re-run does not reproduce the drop")
+    assert table["drop_ci_low"].iloc[0] > 0 or table["recovered_fraction"].isna().all()
     assert table["counterfactual"].iloc[0] == "plain" and "verdict:" in out
     assert cli.main(["report", str(run)]) == 0  # explain is a section of the run's report
     html = next(run.glob("report*.html")).read_text()

@@ -36,7 +36,9 @@ batched re-runs equal serial ones to float tolerance, not bit for bit, and in a 
 (a large step, a near-deterministic policy) rounding alone can move the return: so theta(k+1)
 here is the *batched* plain re-run, the same arithmetic as every counterfactual, and the serial
 plain re-run is checked against the saved theta(k+1) (``plain_reproduces_run``), with the
-largest parameter gap between the two (``plain_float_gap``).
+largest parameter gap between the two (``plain_float_gap``). The drop is explained only where it
+is reproduced beyond noise: the paired 95% interval of R(theta(k)) - R(theta(k+1)) over the
+episodes lies above 0 (``drop_ci_low``); otherwise every recovered fraction would divide by noise.
 
 **Verdict** (a counterfactual *recovers* when recovered >= ``RECOVERS`` and its interval lies
 above 0; a removal counts *beyond its chance band* when it recovers more than every random
@@ -269,21 +271,23 @@ def explain_round(run_dir: str | Path, round_index: int, pct: float = 10.0, epis
     # the batched counterfactuals are compared with the batched plain re-run, the same arithmetic:
     # where float rounding alone moves the return, that is the noise every counterfactual carries
     reference = returns[0]
-    drop = float(before.mean() - reference.mean())
+    drop, drop_low, _ = ci95(before - reference)  # paired over the episodes: a fall within noise explains nothing
+    reproduced = drop_low > 0
     rows = []
     for c, r, kl in zip(chosen, returns, reruns.approx_kl, strict=True):
-        fraction, low, high = _recovery(r, reference, drop) if drop > 0 and c.kind != "plain" else (math.nan,) * 3
+        fraction, low, high = _recovery(r, reference, drop) if reproduced and c.kind != "plain" else (math.nan,) * 3
         rows.append({"round": round_index, "counterfactual": c.name, "kind": c.kind, "kept": int(c.keep.sum()),
                      "lr_scale": c.lr_scale * step_scale, "n_epochs": c.n_epochs or trainer.config.n_epochs,
                      "approx_kl": kl, "return_mean": float(r.mean()), "recovered_fraction": fraction,
                      "ci_low": low, "ci_high": high})
     table = pd.DataFrame(rows)
     table["return_before"], table["return_after"], table["drop"] = float(before.mean()), float(recorded.mean()), drop
+    table["drop_ci_low"] = drop_low
     metrics = pd.read_csv(run.path / "metrics.csv")
     others = metrics.loc[metrics["round"] != round_index, "approx_kl"] if "approx_kl" in metrics else pd.Series()
     table["kl_level"] = KL_SPIKE * float(others.median()) if others.notna().any() else math.inf
-    table["beyond_band"] = beyond_band(table) if drop > 0 else False
-    table["verdict"] = verdict_of(table) if drop > 0 else "the re-run does not reproduce the drop"
+    table["beyond_band"] = beyond_band(table) if reproduced else False
+    table["verdict"] = verdict_of(table) if reproduced else "the re-run does not reproduce the drop"
     table["plain_reproduces_run"], table["plain_float_gap"] = reproduces, float_gap
     table["seconds"] = time.perf_counter() - start
     return table, harm
