@@ -19,7 +19,8 @@ lacked:
 
 ``tune`` runs that study (``<out>/<env>/tune``); ``confirm`` reruns ppo and iif-robust at the
 study's chosen rates and the two new arms at theirs on seeds 101-110 (which no choice saw) with
-``rlinfluence compare`` (``<out>/<env>/confirm``), prints its summary lines, and with ``--data``
+``rlinfluence compare`` (``<out>/<env>/confirm``; plus PPO at the rate this study's three tuning
+seeds chose, where it differs from the study's), prints its summary, and with ``--data``
 writes ``<data>/controls_<env>_scores.csv`` (per seed) and ``controls_<env>_summary.csv``.
 Re-running resumes.
 """
@@ -105,6 +106,8 @@ def confirm(args: argparse.Namespace) -> None:
                f"iif-robust=iif@drop_pct=auto,learning_rate={chosen['iif-robust']['learning_rate']}",
                f"{step}={spec},learning_rate={tuned[step]['learning_rate']}",
                f"{random_spec},learning_rate={tuned['random-kept']['learning_rate']}")
+    if tuned["ppo"]["learning_rate"] != chosen["ppo"]["learning_rate"]:  # three tuning seeds chose another rate
+        methods += (f"ppo-retuned=ppo@learning_rate={tuned['ppo']['learning_rate']}",)
     print(f"{args.env}: the step-matched PPO kept is {step} (best mean auc on seeds 1-5); confirming "
           + " ".join(methods), flush=True)
     out = compare(CompareConfig(**common(args.env), methods=methods, reference="ppo", first_seed=101, seeds=10,
