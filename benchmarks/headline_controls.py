@@ -21,7 +21,10 @@ lacked:
 study's chosen rates and the two new arms at theirs on seeds 101-110 (which no choice saw) with
 ``rlinfluence compare`` (``<out>/<env>/confirm``; plus PPO at the rate this study's three tuning
 seeds chose, where it differs from the study's), prints its summary, and with ``--data``
-writes ``<data>/controls_<env>_scores.csv`` (per seed) and ``controls_<env>_summary.csv``.
+writes ``<data>/controls_<env>_scores.csv`` (per seed), ``controls_<env>_curves.csv`` (every run's
+evaluation return per round) and ``controls_<env>_summary.csv``, and the
+choices' evidence: ``controls_<env>_tuning.csv`` (each arm's grid) and ``controls_<env>_pick_scores.csv``
+(the variants on seeds 1-5).
 Re-running resumes.
 """
 
@@ -117,6 +120,13 @@ def confirm(args: argparse.Namespace) -> None:
         data = Path(args.data)
         pd.read_csv(out / "scores.csv").to_csv(data / f"controls_{args.env}_scores.csv", index=False)
         pd.read_csv(out / "summary.csv").to_csv(data / f"controls_{args.env}_summary.csv", index=False)
+        curves = pd.concat([pd.read_csv(run / "metrics.csv", usecols=["round", "eval_return_mean", "approx_kl"])
+                            .assign(method=run.name.split("__seed")[0], seed=int(run.name.split("__seed")[1]))
+                            for run in sorted(out.glob("*__seed*"))], ignore_index=True)
+        curves.to_csv(data / f"controls_{args.env}_curves.csv", index=False)
+        # the choices' evidence: each arm's tuning grid (3 seeds) and the variants' scores on seeds 1-5
+        pd.read_csv(folder / "tune" / "tuning.csv").to_csv(data / f"controls_{args.env}_tuning.csv", index=False)
+        pd.read_csv(folder / "tune" / "scores.csv").to_csv(data / f"controls_{args.env}_pick_scores.csv", index=False)
 
 
 def main() -> None:
