@@ -5,7 +5,8 @@ thread, no evaluation), with wall-clock timers around each phase:
 - collect: ``PPO.collect``, of which env stepping (``SyncVectorEnv.step``) and the policy's
   forward (the NumPy rollout actor); the rest is buffer writes and bookkeeping;
 - advantages: ``RolloutBuffer.compute_advantages`` (GAE);
-- update: ``PPO.update``, of which the loss forward (``ppo_loss``), ``backward`` and the
+- update: ``PPO.update``, of which the loss forward (the policy's ``evaluate_actions`` and
+  ``ppo_terms``), ``backward`` and the
   optimiser's ``step``; the rest is minibatch indexing, diagnostics and Python;
 - logging: ``RunDirectory.log_round`` (CSV and TensorBoard) and checkpoints.
 
@@ -28,6 +29,7 @@ import torch
 
 import rlinfluence.ppo as ppo_module
 from rlinfluence.buffer import RolloutBuffer
+from rlinfluence.policies import ActorCritic
 from rlinfluence.ppo import PPO, PPOConfig
 from rlinfluence.rundir import RunDirectory
 
@@ -53,7 +55,8 @@ def instrument() -> None:
     patch(PPO, "collect", "collect")
     patch(RolloutBuffer, "compute_advantages", "advantages")
     patch(PPO, "update", "update")
-    patch(ppo_module, "ppo_loss", "loss forward")
+    patch(ppo_module, "ppo_terms", "loss terms")  # the trainer's minibatch step calls both
+    patch(ActorCritic, "evaluate_actions", "policy evaluate")
     patch(torch.Tensor, "backward", "backward")
     patch(torch.optim.SGD, "step", "optimiser step")
     patch(RunDirectory, "log_round", "logging")
@@ -82,10 +85,11 @@ def main() -> None:
         ("  rest of collect", SECONDS["collect"] - SECONDS["env step"] - SECONDS["policy forward"], "collect"),
         ("advantages", SECONDS["advantages"], None),
         ("update", SECONDS["update"], None),
-        ("  loss forward", SECONDS["loss forward"], "update"),
+        ("  loss forward", SECONDS["policy evaluate"] + SECONDS["loss terms"], "update"),
         ("  backward", SECONDS["backward"], "update"),
         ("  optimiser step", SECONDS["optimiser step"], "update"),
-        ("  rest of update", SECONDS["update"] - SECONDS["loss forward"] - SECONDS["backward"] - SECONDS["optimiser step"], "update"),
+        ("  rest of update", SECONDS["update"] - SECONDS["policy evaluate"] - SECONDS["loss terms"] - SECONDS["backward"]
+         - SECONDS["optimiser step"], "update"),
         ("logging + checkpoints", SECONDS["logging"] + SECONDS["checkpoints"], None),
         ("other", total - SECONDS["collect"] - SECONDS["advantages"] - SECONDS["update"] - SECONDS["logging"] - SECONDS["checkpoints"], None),
     ]
