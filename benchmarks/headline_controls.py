@@ -52,14 +52,14 @@ def study(env: str) -> dict:
     return json.loads((STUDIES / f"{env}.json").read_text())
 
 
-def kept_fraction(env: str, scratch: Path) -> float:
-    """iif-robust's mean kept fraction over every round of the tuning seeds, at its chosen rate."""
+def kept_fraction(env: str, scratch: Path, seeds: tuple[int, ...]) -> float:
+    """iif-robust's mean kept fraction over every round of the tuning ``seeds``, at its chosen rate."""
     from rlinfluence.ppo import PPO, PPOConfig
 
     s = study(env)
     preset = PPOConfig.for_env(env)
     fractions = []
-    for seed in TUNE_SEEDS:
+    for seed in seeds:
         config = PPOConfig.for_env(env, filter="iif", drop_pct="auto", seed=seed, eval_episodes=0,
                                    learning_rate=s["chosen"]["iif-robust"]["learning_rate"],
                                    total_timesteps=s["rounds"] * preset.n_steps * preset.n_envs,
@@ -81,15 +81,18 @@ def tune(args: argparse.Namespace) -> None:
 
     folder = Path(args.out) / args.env
     folder.mkdir(parents=True, exist_ok=True)
+    tune_seeds = TUNE_SEEDS[: args.tune_seeds]
+    variants = [v for v in STEP_VARIANTS if v.split("=", 1)[0] in args.variants.split(",")] \
+        if args.variants else list(STEP_VARIANTS)
     kept_file = folder / "iif_robust_kept.json"
     if not kept_file.is_file():
-        kept_file.write_text(json.dumps({"kept_fraction": kept_fraction(args.env, folder / "scratch")}))
+        kept_file.write_text(json.dumps({"kept_fraction": kept_fraction(args.env, folder / "scratch", tune_seeds)}))
     drop = round(100 * (1 - json.loads(kept_file.read_text())["kept_fraction"]), 1)
     print(f"{args.env}: iif-robust keeps {100 - drop:.1f}% of records on the tuning seeds; random drops {drop}%",
           flush=True)
-    compare(CompareConfig(**common(args.env), methods=("ppo", *STEP_VARIANTS, f"random-kept=random@drop_pct={drop}"),
-                          tune=tuple(study(args.env)["tune"]), tune_seeds=len(TUNE_SEEDS),
-                          tune_first_seed=TUNE_SEEDS[0], first_seed=1, seeds=5, out=str(folder / "tune"),
+    compare(CompareConfig(**common(args.env), methods=("ppo", *variants, f"random-kept=random@drop_pct={drop}"),
+                          tune=tuple(study(args.env)["tune"]), tune_seeds=len(tune_seeds),
+                          tune_first_seed=tune_seeds[0], first_seed=1, seeds=args.pick_seeds, out=str(folder / "tune"),
                           workers=args.workers))
 
 
@@ -99,11 +102,11 @@ def confirm(args: argparse.Namespace) -> None:
     folder = Path(args.out) / args.env
     tuned = json.loads((folder / "tune" / "compare.json").read_text())["chosen"]
     scores = pd.read_csv(folder / "tune" / "scores.csv")  # normalised auc per (method, seed 1-5)
-    labels = [v.split("=", 1)[0] for v in STEP_VARIANTS]
+    tried = json.loads((folder / "tune" / "compare.json").read_text())["methods"]
+    labels = [v.split("=", 1)[0] for v in STEP_VARIANTS if v in tried]
     step = scores[scores["method"].isin(labels)].groupby("method")["auc"].mean().sort_values(kind="stable").index[-1]
     spec = dict(v.split("=", 1) for v in STEP_VARIANTS)[step]
-    random_spec = next(m for m in json.loads((folder / "tune" / "compare.json").read_text())["methods"]
-                       if m.startswith("random-kept="))
+    random_spec = next(m for m in tried if m.startswith("random-kept="))
     chosen = study(args.env)["chosen"]
     methods = (f"ppo=ppo@learning_rate={chosen['ppo']['learning_rate']}",
                f"iif-robust=iif@drop_pct=auto,learning_rate={chosen['iif-robust']['learning_rate']}",
@@ -139,6 +142,10 @@ def main() -> None:
         p.add_argument("--workers", type=int, default=2)
         if name == "confirm":
             p.add_argument("--data", default="")
+        else:  # a smaller protocol where runs are slow (say which in the results)
+            p.add_argument("--variants", default="", help="comma-separated labels of STEP_VARIANTS (default: all)")
+            p.add_argument("--tune-seeds", type=int, default=len(TUNE_SEEDS), choices=range(1, len(TUNE_SEEDS) + 1))
+            p.add_argument("--pick-seeds", type=int, default=5, help="seeds 1.. that pick the step variant")
     args = parser.parse_args()
     {"tune": tune, "confirm": confirm}[args.command](args)
 
