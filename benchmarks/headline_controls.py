@@ -114,7 +114,8 @@ def confirm(args: argparse.Namespace) -> None:
                f"{random_spec},learning_rate={tuned['random-kept']['learning_rate']}")
     if tuned["ppo"]["learning_rate"] != chosen["ppo"]["learning_rate"]:  # three tuning seeds chose another rate
         methods += (f"ppo-retuned=ppo@learning_rate={tuned['ppo']['learning_rate']}",)
-    print(f"{args.env}: the step-matched PPO kept is {step} (best mean auc on seeds 1-5); confirming "
+    print(f"{args.env}: the step-matched PPO kept is {step} (best mean auc on seeds "
+          f"{sorted(scores['seed'].unique().tolist())}); confirming "
           + " ".join(methods), flush=True)
     out = compare(CompareConfig(**common(args.env), methods=methods, reference="ppo", first_seed=101, seeds=10,
                                 out=str(folder / "confirm"), workers=args.workers))
