@@ -116,8 +116,10 @@ def run_one(cause: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
 
 def made_drop(rows: pd.DataFrame) -> pd.Series:
     """The injections that lowered the return beyond noise on the explanation's own episodes."""
+    from rlinfluence.analysis.explain import NOT_REPRODUCED
+
     verdict = rows["verdict"].astype(str)
-    return ~verdict.str.startswith("the re-run does not reproduce") & ~verdict.str.startswith("diverged")
+    return (verdict != NOT_REPRODUCED) & ~verdict.str.startswith("diverged")
 
 
 def run(args: argparse.Namespace) -> None:

@@ -80,6 +80,8 @@ KL_SPIKE = 5.0
 DROP_ALPHA = 0.05
 """The chance that a run whose return only fluctuates shows any drop (module docstring)."""
 RECOVERS = 0.5
+NOT_REPRODUCED = "the re-run does not reproduce the drop"
+"""The verdict where the batched plain re-run does not fall beyond noise on the episodes."""
 VERDICTS = ("source", "data", "step", "not explained")
 
 
@@ -240,9 +242,9 @@ def explain_round(run_dir: str | Path, round_index: int, pct: float = 10.0, epis
                   worst_episodes: int = 3, seed: int = 0) -> tuple[pd.DataFrame, dict[str, torch.Tensor]]:
     """(one row per counterfactual of update ``round_index``, the harm scores): ``round``,
     ``counterfactual``, ``kind``, ``kept``, ``lr_scale``, ``return_mean``, ``recovered_fraction``,
-    ``ci_low``, ``ci_high``, ``beyond_band`` (a removal beyond its chance band), the drop's ``verdict``, ``kl_level``
-    (``KL_SPIKE`` times the median
-    approx_kl of the run's other updates), ``plain_reproduces_run`` and ``seconds``."""
+    ``ci_low``, ``ci_high``, ``beyond_band`` (a removal beyond its chance band), the drop's
+    ``verdict``, ``kl_level`` (``KL_SPIKE`` times the median approx_kl of the run's other
+    updates), ``plain_reproduces_run`` and ``seconds``."""
     from rlinfluence.analysis.intervention import matches_checkpoint
     from rlinfluence.checkpoint import load_round
     from rlinfluence.reruns import Variant, batched_retrain
@@ -287,7 +289,7 @@ def explain_round(run_dir: str | Path, round_index: int, pct: float = 10.0, epis
     others = metrics.loc[metrics["round"] != round_index, "approx_kl"] if "approx_kl" in metrics else pd.Series()
     table["kl_level"] = KL_SPIKE * float(others.median()) if others.notna().any() else math.inf
     table["beyond_band"] = beyond_band(table) if reproduced else False
-    table["verdict"] = verdict_of(table) if reproduced else "the re-run does not reproduce the drop"
+    table["verdict"] = verdict_of(table) if reproduced else NOT_REPRODUCED
     table["plain_reproduces_run"], table["plain_float_gap"] = reproduces, float_gap
     table["seconds"] = time.perf_counter() - start
     return table, harm
