@@ -9,7 +9,8 @@ settings, the learning-rate grid, and the chosen rates of ppo and iif-robust). T
 lacked:
 
 - **step-matched PPO**: PPO with a different step length per round, ``STEP_VARIANTS``
-  (target_kl early stopping at three levels, 5, 20 and 30 epochs instead of 10). Each variant's
+  (target_kl early stopping at three levels, a KL-adaptive learning rate at two, 5, 20 and 30
+  epochs instead of 10). Each variant's
   learning rate is tuned over the study's grid on 3 tuning seeds (1001-1003), each is then
   evaluated on the study's seeds 1-5, and the best by mean normalised auc is kept: the protocol
   that picked iif-robust among its ~8 variants, with as many variants and one more tuning seed;
@@ -44,6 +45,7 @@ import pandas as pd  # noqa: E402
 
 STUDIES = Path(__file__).parent / "studies"
 STEP_VARIANTS = ("ppo-kl01=ppo@target_kl=0.01", "ppo-kl03=ppo@target_kl=0.03", "ppo-kl10=ppo@target_kl=0.1",
+                 "ppo-akl01=ppo@adaptive_kl=0.01", "ppo-akl03=ppo@adaptive_kl=0.03",
                  "ppo-e5=ppo@n_epochs=5", "ppo-e20=ppo@n_epochs=20", "ppo-e30=ppo@n_epochs=30")
 TUNE_SEEDS = (1001, 1002, 1003)
 

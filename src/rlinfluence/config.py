@@ -109,6 +109,11 @@ class PPOConfig:
     """global gradient-norm clip; None = no clipping (as the paper's code ran)"""
     target_kl: float | None = None
     """stop the round's update once approx_kl > 1.5 * target_kl (SB3); None = never"""
+    adaptive_kl: float | None = None
+    """KL-adaptive learning rate (RSL-RL's adaptive schedule): before each optimiser step the rate
+    is divided by 1.5 when the minibatch's approx_kl > 2 * adaptive_kl and multiplied by 1.5 when
+    0 < approx_kl < adaptive_kl / 2, kept within [learning_rate / 100, 10 * learning_rate] and
+    carried from round to round (in the checkpoint); None = a constant rate"""
     filter: Literal["none", "iif", "iif-robust", "random", "advantage", "td-error", "reward-extremes",
                     "dtv", "advantage-sign", "oracle", "quarantine"] = "none"
     """records to drop before each update: none = standard PPO; iif = influence-based filtering
@@ -310,10 +315,12 @@ class PPOConfig:
         for name in ("gamma", "gae_lambda"):
             if not 0 <= getattr(self, name) <= 1:
                 raise UserError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        for name in ("clip_range", "clip_range_vf", "max_grad_norm", "target_kl"):
+        for name in ("clip_range", "clip_range_vf", "max_grad_norm", "target_kl", "adaptive_kl"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise UserError(f"{name} must be > 0 (or None), got {value}")
+        if self.adaptive_kl is not None and self.step_control != "none":
+            raise UserError(f"adaptive_kl and step_control {self.step_control!r} both set the step's length: choose one")
         if self.filter == "iif-robust":
             raise UserError(f"{self._robust_conflicts()[0]}: use --filter iif to choose the options yourself")
         check_drop_pct(self.drop_pct, auto=self.filter == "iif")

@@ -201,6 +201,9 @@ class PPO:
         step_scale = round_step_scale(self, buffer, keep) if cfg.step_control != "none" else 1.0
         t2 = time.perf_counter()
         update_stats = self.update(buffer, keep, context.sample_weights, lr_scale=step_scale)
+        if cfg.adaptive_kl is not None:  # training moves the rate on; a re-run of the update does not
+            for group in self.optimizer.param_groups:
+                group["lr"] = update_stats["learning_rate"]
         self._check_weights(buffer.round)
         t3 = time.perf_counter()
         # rendering --save-frames is not training: out of both clocks
@@ -373,13 +376,24 @@ class PPO:
         With ``sample_weights`` each epoch instead draws |kept| records with replacement,
         with probability proportional to their weights (prioritised minibatches).
         """
+        rate = self.learning_rate
         for group in self.optimizer.param_groups:
-            group["lr"] = self.config.learning_rate * lr_scale
+            group["lr"] = rate * lr_scale
         try:
-            return self._update(buffer, keep, sample_weights, self.config.n_epochs if n_epochs is None else n_epochs)
+            stats = self._update(buffer, keep, sample_weights, self.config.n_epochs if n_epochs is None else n_epochs)
+            stats["learning_rate"] = self.optimizer.param_groups[0]["lr"] / lr_scale  # where adaptive_kl left it
+            return stats
         finally:
             for group in self.optimizer.param_groups:
-                group["lr"] = self.config.learning_rate
+                group["lr"] = rate
+
+    @property
+    def learning_rate(self) -> float:
+        """The rate the next update starts from: ``learning_rate``, or with ``adaptive_kl`` where the
+        last round's update left it (the optimiser's state carries it, so checkpoints do too)."""
+        if self.config.adaptive_kl is None:
+            return self.config.learning_rate
+        return self.optimizer.param_groups[0]["lr"]
 
     def _update(self, buffer: RolloutBuffer, keep: torch.Tensor, sample_weights: torch.Tensor | None,
                 n_epochs: int) -> dict[str, float]:
@@ -471,6 +485,8 @@ class PPO:
                 )
             if cfg.target_kl is not None and terms.approx_kl().item() > 1.5 * cfg.target_kl:
                 return None
+            if cfg.adaptive_kl is not None:
+                adapt_learning_rate(optimizer, terms.approx_kl().item(), cfg.adaptive_kl, cfg.learning_rate)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
         if cfg.max_grad_norm is not None:
@@ -587,6 +603,17 @@ class PPO:
     def resume(cls, run_dir: str | Path, filter: Filter | None = None) -> PPO:
         """Continue a run from its newest loadable checkpoint (``restore.resume``)."""
         return restore.resume(cls, run_dir, filter)
+
+
+def adapt_learning_rate(optimizer: torch.optim.Optimizer, approx_kl: float, adaptive_kl: float,
+                        learning_rate: float) -> None:
+    """RSL-RL's adaptive schedule, before a step: lr / 1.5 when approx_kl > 2 * adaptive_kl,
+    lr * 1.5 when 0 < approx_kl < adaptive_kl / 2, within [learning_rate / 100, 10 * learning_rate]."""
+    for group in optimizer.param_groups:
+        if approx_kl > 2 * adaptive_kl:
+            group["lr"] = max(group["lr"] / 1.5, learning_rate / 100)
+        elif 0 < approx_kl < adaptive_kl / 2:
+            group["lr"] = min(group["lr"] * 1.5, 10 * learning_rate)
 
 
 def _check_finite(values: np.ndarray, what: str, round_index: int) -> None:

@@ -160,8 +160,8 @@ def _stacked_mlp_gradients(policy: nn.Module, cfg) -> Callable | None:
 def batched_retrain(saved: SavedRound, variants: Sequence[Variant]) -> Reruns:
     """Re-run round k's update once per variant, all together (module docstring). The trainer is
     left at theta(k). Falls back to serial ``SavedRound.retrain`` (said once, as a warning) where
-    the update cannot be batched: prioritised minibatches or an optimiser other than plain Adam or
-    SGD."""
+    the update cannot be batched: prioritised minibatches, an optimiser other than plain Adam or
+    SGD, or a KL-adaptive rate (``adaptive_kl``: each variant's rate would follow its own KL)."""
     trainer, cfg = saved.trainer, saved.trainer.config
     if not variants:
         return Reruns([], [], [])
@@ -169,6 +169,9 @@ def batched_retrain(saved: SavedRound, variants: Sequence[Variant]) -> Reruns:
     group = trainer.optimizer.param_groups[0]
     plain = not group.get("weight_decay") and not group.get("amsgrad") and not group.get("maximize") \
         and not group.get("momentum") and len(trainer.optimizer.param_groups) == 1
+    if cfg.adaptive_kl is not None:
+        warnings.warn("a KL-adaptive rate cannot be batched: re-running the variants one by one", stacklevel=2)
+        return _serial(saved, variants)
     if not plain:
         warnings.warn("this optimiser's update cannot be batched: re-running the variants one by one", stacklevel=2)
         return _serial(saved, variants)
@@ -193,7 +196,7 @@ def batched_retrain(saved: SavedRound, variants: Sequence[Variant]) -> Reruns:
         if state:
             step += float(state[0]["step"])
         beta1, beta2 = group["betas"]
-    lr = torch.tensor([cfg.learning_rate * variants[k].lr_scale for k in order.tolist()], dtype=torch.float64)
+    lr = torch.tensor([trainer.learning_rate * variants[k].lr_scale for k in order.tolist()], dtype=torch.float64)
     tensors = {name: saved.buffer.flat(name) for name in ("obs", "actions", "logp", "values", "advantages", "returns")}
     evaluate = _Evaluate(trainer.policy)
 

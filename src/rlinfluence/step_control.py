@@ -86,7 +86,7 @@ def probe(trainer: PPO, buffer: RolloutBuffer, train: torch.Tensor, measured: to
     optimizer = type(trainer.optimizer)(policy.parameters(), **trainer.optimizer.defaults)
     optimizer.load_state_dict(trainer.optimizer.state_dict())
     for group in optimizer.param_groups:
-        group["lr"] = cfg.learning_rate * lr_scale
+        group["lr"] = trainer.learning_rate * lr_scale
     tensors = trainer._update_tensors(buffer)
     generator = torch.Generator().manual_seed(derived_seed(cfg.seed, buffer.round, 5))
     order = train[torch.randperm(len(train), generator=generator)]

@@ -258,7 +258,9 @@ def explain_round(run_dir: str | Path, round_index: int, pct: float = 10.0, epis
     saved = load_round(run.path, round_index)
     trainer = saved.trainer
     # the step the round took: its saved minibatch schedule's learning rate over the configured one
-    step_scale = saved.schedule[0].lr / trainer.config.learning_rate if saved.schedule else 1.0
+    # (a KL-adaptive rate moves within the round, and excludes step control: scale 1)
+    step_scale = saved.schedule[0].lr / trainer.config.learning_rate \
+        if saved.schedule and trainer.config.adaptive_kl is None else 1.0
     chosen, harm = counterfactuals(saved, pct, draws, worst_episodes, seed)
     before = trainer.evaluate(episodes)  # theta(k), on the episodes every policy below plays
     reruns = batched_retrain(saved, [Variant(c.keep, c.lr_scale * step_scale, c.n_epochs) for c in chosen])
