@@ -7,7 +7,8 @@
     python benchmarks/publish_results.py --check                       # exit 1 if a page's table differs
 
 ``--collect`` gathers the summary rows of the confirmation folders (``confirm_iif_robust.py``)
-into docs/data/confirmation.csv, ``--collect-detection`` and ``--collect-corruption`` those of
+into docs/data/confirmation.csv and every run's curve into confirmation_curves.csv (per seed and
+round; ``--check`` recomputes the summary rows from it), ``--collect-detection`` and ``--collect-corruption`` those of
 ``corruption_detection.py`` and ``corruption.py``; then every page of TABLES gets its
 tables between their markers (``rlinfluence.experiments.published``), and every table of
 LEARN_TABLES is rebuilt from its per-seed rows (``hidden_faults.learn_table``). Ends with one line per figure: ``<env>/<method>/<stat>: value``.
@@ -24,13 +25,16 @@ import pandas as pd
 
 from rlinfluence.errors import UserError
 from rlinfluence.experiments.published import (
+    PUBLISHED_COLUMNS,
     collect,
+    curves_frame,
     detection_by_round_table,
     detection_table,
     fill,
     flags_table,
     gap_table,
     headline_table,
+    summary_from_curves,
     target_table,
 )
 
@@ -68,6 +72,7 @@ def main() -> int:
     if args.collect:
         folders = [Path(args.collect) / env for env in ENVS if (Path(args.collect) / env / "summary.csv").is_file()]
         collect(folders).to_csv(DATA / "confirmation.csv", index=False)
+        curves_frame(folders).to_csv(DATA / "confirmation_curves.csv", index=False)
     if args.collect_detection:
         pd.read_csv(args.collect_detection).to_csv(DATA / "detection.csv", index=False)
     if args.collect_flags:
@@ -104,10 +109,36 @@ def main() -> int:
             stale.append(str(path.relative_to(ROOT)))
             if not args.check:
                 path.write_text("\n".join(lines) + "\n")
+    if (DATA / "confirmation_curves.csv").is_file() and not summary_matches_curves("confirmation"):
+        stale.append("docs/data/confirmation.csv (not what confirmation_curves.csv gives: collect both again)")
     if args.check and stale:
         print(f"stale generated tables in {', '.join(stale)}: run python benchmarks/publish_results.py", file=sys.stderr)
         return 1
     return 0
+
+
+def summary_matches_curves(name: str) -> bool:
+    """Whether docs/data/<name>.csv's summary figures are what its per-seed curves give
+    (``summary_from_curves``: every numeric column, the reading and the failed seeds)."""
+    published = pd.read_csv(DATA / f"{name}.csv", dtype={"failed_seeds": str}, keep_default_na=False,
+                            na_values=[""])
+    recomputed = summary_from_curves(pd.read_csv(DATA / f"{name}_curves.csv"))
+    keys = ["env", "method"]
+    merged = published.merge(recomputed, on=keys, how="outer", suffixes=("", "_recomputed"), indicator=True)
+    if (merged["_merge"] != "both").any():
+        return False
+    for column in PUBLISHED_COLUMNS:
+        if column in keys or f"{column}_recomputed" not in merged:
+            continue
+        a, b = merged[column], merged[f"{column}_recomputed"]
+        if column in ("verdict80", "failed_seeds"):
+            same = a.fillna("").astype(str) == b.fillna("").astype(str)
+        else:
+            a, b = pd.to_numeric(a), pd.to_numeric(b)
+            same = ((a - b).abs() <= 1e-9 * (1 + b.abs())) | (a.isna() & b.isna())
+        if not same.all():
+            return False
+    return True
 
 
 if __name__ == "__main__":

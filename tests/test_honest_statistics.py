@@ -180,6 +180,35 @@ def test_a_table_regenerated_from_a_fixture_folder_equals_the_committed_one(tmp_
         fill(page, "other", lines)
 
 
+def test_a_folders_summary_is_recomputed_from_its_per_seed_curves_alone(tmp_path):
+    from rlinfluence.experiments.published import (
+        PUBLISHED_COLUMNS,
+        curves_frame,
+        summary_from_curves,
+    )
+
+    out = tmp_path / "FrozenLake-v1"
+    for seed in range(1, 6):
+        _write_run(out / f"ppo__seed{seed}", _step_curve(10) + 0.01 * seed)
+        _write_run(out / f"slow__seed{seed}", _step_curve(12 if seed != 3 else None))
+        _write_run(out / f"bad__seed{seed}", _step_curve(6)[: 20 if seed != 2 else 4])
+    (out / "bad__seed2" / "failed.json").write_text(json.dumps({"error": "non-finite", "round": 4}))
+    (out / "compare.json").write_text(json.dumps({"env": "FrozenLake-v1", "first_seed": 1, "seeds": 5, "smooth": 1,
+                                                  "clock": "cpu", "reference": "ppo"}))
+    write_summary(out, ["ppo", "slow", "bad"], range(1, 6), clock="cpu", reference="ppo", reps=200)
+    frame = curves_frame([out])
+    assert len(frame) == 3 * 5 * ROUNDS and frame.loc[frame["method"] == "bad", "failed"].sum() == ROUNDS  # padded
+    recomputed = summary_from_curves(frame, reps=200)
+    expected = pd.read_csv(out / "summary.csv")
+    numeric = [c for c in PUBLISHED_COLUMNS if c in expected and c != "failed_seeds"
+               and pd.api.types.is_numeric_dtype(expected[c])]
+    assert len(numeric) > 20
+    pd.testing.assert_frame_equal(recomputed[numeric], expected[numeric], check_exact=False, rtol=1e-12,
+                                  check_dtype=False)
+    assert list(recomputed["verdict80"]) == list(expected["verdict80"])
+    assert list(recomputed["failed_seeds"]) == ["", "", "2"]
+
+
 def test_the_docs_tables_are_the_ones_their_committed_data_gives():
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run([sys.executable, str(root / "benchmarks" / "publish_results.py"), "--check"],

@@ -63,6 +63,56 @@ def collect(folders: Sequence[str | Path]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
+# per-seed data of a published table: each run's curve as its folder's summary read it
+CURVE_COLUMNS = ("env", "reference", "method", "seed", "round", "eval_return", "cpu_seconds", "approx_kl", "failed")
+
+
+def curves_frame(folders: Sequence[str | Path]) -> pd.DataFrame:
+    """Every evaluation run of each finished compare folder, one row per round: the curve its
+    summary read (``summary.load_curves``: smoothed with the folder's window, timed by its clock, a
+    failed run padded after its last round and ``failed`` set), so that ``summary_from_curves``
+    recomputes the folder's summary rows from these rows alone."""
+    from rlinfluence.experiments.execution import failure
+    from rlinfluence.experiments.specs import dirname_of
+    from rlinfluence.experiments.summary import load_curves
+
+    frames = []
+    for folder in map(Path, folders):
+        settings = json.loads((folder / "compare.json").read_text())
+        methods = list(pd.read_csv(folder / "summary.csv")["method"])
+        seeds = range(settings["first_seed"], settings["first_seed"] + settings["seeds"])
+        reference = settings["reference"]
+        curves = load_curves(folder, methods, seeds, settings["smooth"], settings["clock"], reference)
+        for (method, seed), curve in curves.items():
+            kl = curve.approx_kl if curve.approx_kl is not None else [math.nan] * len(curve.returns)
+            frames.append(pd.DataFrame({
+                "env": settings["env"], "reference": reference, "method": method, "seed": seed,
+                "round": range(len(curve.returns)), "eval_return": curve.returns, "cpu_seconds": curve.seconds,
+                "approx_kl": kl, "failed": failure(folder / f"{dirname_of(method)}__seed{seed}") is not None}))
+    return pd.concat(frames, ignore_index=True)[list(CURVE_COLUMNS)]
+
+
+def summary_from_curves(frame: pd.DataFrame, reps: int | None = None, seed: int = 0) -> pd.DataFrame:
+    """The summary rows (``summary.summarize``, its default bootstrap) of each env's curves in
+    ``frame`` (``curves_frame``'s columns), methods in their order of appearance."""
+    from rlinfluence.experiments.metrics import Curve
+    from rlinfluence.experiments.summary import summarize
+    from rlinfluence.statistics import DEFAULT_REPS
+
+    rows = []
+    for env, runs in frame.groupby("env", sort=False):
+        methods = list(dict.fromkeys(runs["method"]))
+        seeds = sorted(runs["seed"].unique().tolist())
+        curves = {(m, int(s)): Curve(g["eval_return"].to_numpy(float), g["cpu_seconds"].to_numpy(float),
+                                      g["approx_kl"].to_numpy(float))
+                  for (m, s), g in runs.sort_values("round").groupby(["method", "seed"], sort=False)}
+        failed = {(m, int(s)) for m, s in runs.loc[runs["failed"], ["method", "seed"]].itertuples(index=False)}
+        rows += [{"env": env, **row} for row in summarize(
+            Path(str(env)), methods, seeds, reference=str(runs["reference"].iloc[0]),
+            reps=DEFAULT_REPS if reps is None else reps, curves=curves, seed=seed, failed=failed)]
+    return pd.DataFrame(rows)
+
+
 def _cpu_per_round(folder: Path, method: str) -> float:
     per_seed = []
     for metrics in folder.glob(f"{method}__seed*/metrics.csv"):

@@ -106,10 +106,11 @@ def speed_verdict(row: dict[str, Any]) -> str:
 def summarize(out: Path, methods: Sequence[str], seeds: Sequence[int], window: int = 1, clock: Clock = "wall",
               reference: str = "ppo", reps: int = DEFAULT_REPS,
               curves: dict[tuple[str, int], Curve] | None = None, seed: int = 0,
-              progress: bool = False) -> list[dict[str, Any]]:
+              progress: bool = False, failed: set[tuple[str, int]] | None = None) -> list[dict[str, Any]]:
     """Per method against ``reference``, every seed pair counted (``curves`` = ``load_curves``'s
-    result saves reading the runs again; ``seed`` seeds every bootstrap; ``progress`` shows a
-    line per method summarised, the bootstraps taking a while):
+    result saves reading the runs again, ``failed`` the (method, seed) runs that failed, read from
+    ``out`` where not given; ``seed`` seeds every bootstrap; ``progress`` shows a line per method
+    summarised, the bootstraps taking a while):
 
     - the paper's metrics (docs/method.md, section 7.2): mean, s.e. and number of seed pairs where defined;
     - censoring-aware rounds to 80% of the reference's range: seeds reached, the restricted mean of
@@ -119,6 +120,8 @@ def summarize(out: Path, methods: Sequence[str], seeds: Sequence[int], window: i
     if reference not in methods:
         raise UserError(f"reference {reference!r} is not among the methods {list(methods)}")
     curves = curves if curves is not None else load_curves(out, methods, seeds, window, clock, reference)
+    if failed is None:
+        failed = {(m, s) for m in methods for s in seeds if failure(out / f"{dirname_of(m)}__seed{s}") is not None}
     scores = normalised_scores(curves, methods, seeds, reference)
     matrices = {kind: {m: scores[scores.method == m][kind].to_numpy()[:, None] for m in methods}
                 for kind in ("auc", "final")}
@@ -131,15 +134,15 @@ def summarize(out: Path, methods: Sequence[str], seeds: Sequence[int], window: i
     rows = []
     with progress_bar(progress, f"summary ({reps} bootstrap draws)", len(methods)) as advance:
         for method in methods:
-            rows.append(_summary_row(method, curves, reference, seeds, reps, seed, matrices, estimates, finite, out,
-                                     raw))
+            rows.append(_summary_row(method, curves, reference, seeds, reps, seed, matrices, estimates, finite,
+                                     failed, raw))
             advance(method)
     return rows
 
 
 def _summary_row(method: str, curves: dict[tuple[str, int], Curve], reference: str, seeds: Sequence[int], reps: int,
                  seed: int, matrices: dict[str, dict[str, np.ndarray]], estimates: dict[str, Any], finite: bool,
-                 out: Path, raw: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
+                 failed: set[tuple[str, int]], raw: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
     """One method's row of ``summarize``."""
     per_seed = [pair_metrics(curves[reference, s], curves[method, s]) for s in seeds]
     row: dict[str, Any] = {"method": method, "seeds": len(seeds)}
@@ -176,8 +179,7 @@ def _summary_row(method: str, curves: dict[tuple[str, int], Curve], reference: s
     kls = [float(np.nanmean(curves[method, s].approx_kl)) for s in seeds
            if curves[method, s].approx_kl is not None and np.isfinite(curves[method, s].approx_kl).any()]
     row["approx_kl_mean"] = float(np.mean(kls)) if kls else math.nan
-    row["failed_seeds"] = " ".join(str(s) for s in seeds
-                                   if failure(out / f"{dirname_of(method)}__seed{s}") is not None)
+    row["failed_seeds"] = " ".join(str(s) for s in seeds if (method, s) in failed)
     return row
 
 
