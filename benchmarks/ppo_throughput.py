@@ -12,6 +12,7 @@ binds; it still pays for computing the norm, which is part of its cost as a libr
 
     python benchmarks/ppo_throughput.py                  # 3 repeats, 1 thread
     python benchmarks/ppo_throughput.py --repeats 5 --threads 2
+    python benchmarks/ppo_throughput.py --compile --total-timesteps 102400   # + ours compiled
 
 The last lines are the summary: ``ours_steps_per_s``, ``sb3_steps_per_s``, ``speedup_vs_sb3``.
 """
@@ -25,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 
 ENV_ID = "LunarLander-v3"
 TARGET = 1.5
@@ -36,7 +38,7 @@ HPARAMS = dict(
 )
 
 
-def run_ours(total_timesteps: int, seed: int, threads: int) -> dict:
+def run_ours(total_timesteps: int, seed: int, threads: int, compile: bool = False) -> dict:
     import torch
 
     torch.set_num_threads(threads)
@@ -46,7 +48,7 @@ def run_ours(total_timesteps: int, seed: int, threads: int) -> dict:
         env=ENV_ID, seed=seed, total_timesteps=total_timesteps, n_envs=1, optimizer="sgd",
         max_grad_norm=None, clip_range_vf=None, normalize_advantage=True, target_kl=None,
         hidden_sizes=(64, 64), eval_episodes=0, torch_threads=threads, progress=False,
-        tensorboard=False, save_checkpoints=False, save_buffers=False, record_minibatches=False,
+        tensorboard=False, save_checkpoints=False, save_buffers=False, record_minibatches=False, compile=compile,
         **HPARAMS,
     )
     trainer = PPO(config, run_dir=False)
@@ -93,23 +95,26 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both")
     parser.add_argument("--total-timesteps", type=int, default=20_480)
     parser.add_argument("--seed", type=int, default=1, help="seed of the first repeat")
-    parser.add_argument("--worker", choices=["ours", "sb3"], help=argparse.SUPPRESS)
+    parser.add_argument("--compile", action="store_true",
+                        help="also ours with compile=True (its compile time counted), alternated with the others")
+    parser.add_argument("--worker", choices=["ours", "sb3", "ours-compiled"], help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.worker:
-        run = run_ours if args.worker == "ours" else run_sb3
+        run = {"ours": run_ours, "sb3": run_sb3, "ours-compiled": partial(run_ours, compile=True)}[args.worker]
         print(json.dumps(run(args.total_timesteps, args.seed, args.threads)))
         return
 
     print(f"{ENV_ID}: {args.total_timesteps} steps, {HPARAMS}, SGD, no grad clipping, "
           f"{args.threads} torch thread(s), {args.repeats} alternated repeats")
-    rates: dict[str, list[float]] = {"ours": [], "sb3": []}
+    impls = ("ours", "sb3", "ours-compiled") if args.compile else ("ours", "sb3")
+    rates: dict[str, list[float]] = {impl: [] for impl in impls}
     for r in range(args.repeats):
-        for impl in ("ours", "sb3"):
+        for impl in impls:
             res = spawn(impl, args, args.seed + r)
             rate = res["steps"] / res["seconds"]
             rates[impl].append(rate)
-            print(f"  repeat {r + 1} {impl:4s}: {res['steps']} steps in {res['seconds']:7.2f} s "
+            print(f"  repeat {r + 1} {impl:13s}: {res['steps']} steps in {res['seconds']:7.2f} s "
                   f"= {rate:7.1f} steps/s (torch threads {res['threads']})", flush=True)
 
     ours, sb3 = statistics.median(rates["ours"]), statistics.median(rates["sb3"])
@@ -120,6 +125,10 @@ def main() -> None:
     print(f"ours_steps_per_s: {ours:.1f}")
     print(f"sb3_steps_per_s: {sb3:.1f}")
     print(f"speedup_vs_sb3: {speedup:.2f}")
+    if args.compile:
+        compiled = statistics.median(rates["ours-compiled"])
+        print(f"ours_compiled_steps_per_s: {compiled:.1f}")
+        print(f"compiled_speedup_vs_sb3: {compiled / sb3:.2f}")
 
 
 if __name__ == "__main__":

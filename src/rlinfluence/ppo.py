@@ -122,6 +122,8 @@ class PPO:
             self.env.single_observation_space, self.env.single_action_space,
             config.hidden_sizes, config.encoder,
         ).to(self.device)  # initialised on the CPU (the same weights on every device), then moved
+        # --compile: the minibatch loss of the trainer's own policy, compiled on its first step
+        self._policy_terms = torch.compile(policy_terms, dynamic=False) if config.compile else policy_terms
         if config.optimizer == "sgd":
             self.optimizer: torch.optim.Optimizer = torch.optim.SGD(self.policy.parameters(), lr=config.learning_rate)
         else:
@@ -473,9 +475,10 @@ class PPO:
             fields = [*fields[:3], normalize_advantages(fields[3]), *fields[4:]]
         obs, actions, *rest = fields
         with tracin.capture(fields) if tracin is not None else contextlib.nullcontext():
-            terms = ppo_terms(*policy.evaluate_actions(obs, actions), *rest, clip_range=cfg.clip_range,
-                              clip_range_vf=cfg.clip_range_vf, vf_coef=cfg.vf_coef, ent_coef=cfg.ent_coef,
-                              normalize_advantage=cfg.normalize_advantage and tracin is None)
+            terms_of = self._policy_terms if policy is self.policy else policy_terms  # a probe's copy: eager
+            terms = terms_of(policy, obs, actions, *rest, clip_range=cfg.clip_range, clip_range_vf=cfg.clip_range_vf,
+                             vf_coef=cfg.vf_coef, ent_coef=cfg.ent_coef,
+                             normalize_advantage=cfg.normalize_advantage and tracin is None)
             loss = terms.per_record.mean()
             if not math.isfinite(loss.item()):
                 raise UserError(
@@ -603,6 +606,13 @@ class PPO:
     def resume(cls, run_dir: str | Path, filter: Filter | None = None) -> PPO:
         """Continue a run from its newest loadable checkpoint (``restore.resume``)."""
         return restore.resume(cls, run_dir, filter)
+
+
+def policy_terms(policy: ActorCritic, obs: torch.Tensor, actions: torch.Tensor, *rest: torch.Tensor,
+                 **loss_kwargs: Any) -> PPOTerms:
+    """``ppo_terms`` of ``policy``'s outputs on (obs, actions); ``rest`` = old log-probs,
+    advantages, returns, old values (the function ``PPOConfig.compile`` compiles)."""
+    return ppo_terms(*policy.evaluate_actions(obs, actions), *rest, **loss_kwargs)
 
 
 def adapt_learning_rate(optimizer: torch.optim.Optimizer, approx_kl: float, adaptive_kl: float,
