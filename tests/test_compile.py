@@ -4,7 +4,6 @@ to float rounding, and refuses TracIn (which records the eager update's layers).
 import shutil
 
 import pytest
-import torch
 
 from rlinfluence.errors import UserError
 from rlinfluence.ppo import PPO
