@@ -93,7 +93,7 @@ def tune(args: argparse.Namespace) -> None:
     print(f"{args.env}: iif-robust keeps {100 - drop:.1f}% of records on the tuning seeds; random drops {drop}%",
           flush=True)
     compare(CompareConfig(**common(args.env), methods=("ppo", *variants, f"random-kept=random@drop_pct={drop}"),
-                          tune=tuple(study(args.env)["tune"]), tune_seeds=len(tune_seeds),
+                          tune=(args.grid,) if args.grid else tuple(study(args.env)["tune"]), tune_seeds=len(tune_seeds),
                           tune_first_seed=tune_seeds[0], first_seed=1, seeds=args.pick_seeds, out=str(folder / "tune"),
                           workers=args.workers))
 
@@ -149,6 +149,8 @@ def main() -> None:
             p.add_argument("--variants", default="", help="comma-separated labels of STEP_VARIANTS (default: all)")
             p.add_argument("--tune-seeds", type=int, default=len(TUNE_SEEDS), choices=range(1, len(TUNE_SEEDS) + 1))
             p.add_argument("--pick-seeds", type=int, default=5, help="seeds 1.. that pick the step variant")
+            p.add_argument("--grid", default="", help="the tuning grid instead of the study's, e.g. "
+                           "learning_rate=0.005,0.01,0.02 (for variants whose rate the study's grid does not reach)")
     args = parser.parse_args()
     {"tune": tune, "confirm": confirm}[args.command](args)
 

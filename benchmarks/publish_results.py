@@ -84,7 +84,7 @@ def main() -> int:
     for name, (data_file, build, pages) in TABLES.items():
         if not (DATA / data_file).is_file():
             continue
-        data = pd.read_csv(DATA / data_file)
+        data = pd.read_csv(DATA / data_file, dtype={"failed_seeds": str})
         lines = build(data)
         for page in pages:
             path = ROOT / page

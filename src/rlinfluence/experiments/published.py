@@ -45,7 +45,7 @@ def collect(folders: Sequence[str | Path]) -> pd.DataFrame:
         if not summary.is_file() or not config.is_file():
             raise UserError(f"{str(folder)!r} is not a finished compare folder (no summary.csv / compare.json)")
         settings = json.loads(config.read_text())
-        rows = pd.read_csv(summary).assign(env=settings["env"], folder=folder.name, first_seed=settings["first_seed"])
+        rows = pd.read_csv(summary, dtype={"failed_seeds": str}).assign(env=settings["env"], folder=folder.name, first_seed=settings["first_seed"])
         missing = sorted(set(PUBLISHED_COLUMNS) - set(rows.columns))
         if missing:
             raise UserError(f"{summary} has no {', '.join(missing)}: re-run `rlinfluence compare --out {folder}`")

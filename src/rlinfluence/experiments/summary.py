@@ -301,8 +301,10 @@ def robust_note(reference: str, reps: int, n_seeds: int) -> list[str]:
         f"'faster' for a method that reaches 80% on fewer seeds than {reference}.",
         f"Normalised scores: 0 = {reference}'s mean first-round return, 1 = its mean plateau; auc = mean of the "
         "normalised curve (speed), final = normalised plateau. A failed run scores at most 0 after it stops. "
-        "P(> reference) is paired: the fraction of seeds on which the method's auc beats its pair's. Intervals: "
-        f"95% percentile bootstrap over seeds ({reps} replications, seeded: the same seed gives the same interval).",
+        "P(> reference) is paired: the fraction of seeds on which the method's auc beats its pair's. Intervals (95%): "
+        "a t interval over seeds for every mean and paired difference, the exact Clopper-Pearson interval for "
+        f"P(> {reference}) (a fraction of seeds), a percentile bootstrap over seeds for the IQMs ({reps} "
+        "replications, seeded: the same seed gives the same interval).",
     ]
 
 
