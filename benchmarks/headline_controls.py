@@ -11,7 +11,8 @@ lacked:
 - **step-matched PPO**: PPO with a different step length per round, ``STEP_VARIANTS``
   (target_kl early stopping at three levels, a KL-adaptive learning rate at two, 5, 20 and 30
   epochs instead of 10). Each variant's
-  learning rate is tuned over the study's grid on 3 tuning seeds (1001-1003), each is then
+  learning rate is tuned over the study's grid (``--grid`` gives another, for variants whose
+  rate that grid does not reach) on 3 tuning seeds (1001-1003), each is then
   evaluated on the study's seeds 1-5, and the best by mean normalised auc is kept: the protocol
   that picked iif-robust among its ~8 variants, with as many variants and one more tuning seed;
 - **random drops at iif-robust's kept fraction**: ``random@drop_pct=P`` with P = 100 x (1 - the
