@@ -34,6 +34,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 from concurrent.futures import ProcessPoolExecutor  # noqa: E402
@@ -328,6 +329,9 @@ def learn_table(runs: pd.DataFrame) -> tuple[list[str], list[str]]:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (env, fault), group in runs.groupby(["env", "fault"], sort=False):
         by_arm = {arm: g.set_index("seed") for arm, g in group.groupby("arm")}
+        # decimals for about three significant digits of the setting's auc (CartPole's hundreds, MiniGrid's 0.5)
+        scale = float(group["auc"].abs().max())
+        digits = max(1, 2 - math.floor(math.log10(scale))) if scale > 0 else 1
         for arm, g in by_arm.items():
             cells = []
             for reference in ("ppo", "oracle"):
@@ -335,9 +339,9 @@ def learn_table(runs: pd.DataFrame) -> tuple[list[str], list[str]]:
                 diff = (g.loc[seeds, "auc"] - by_arm[reference].loc[seeds, "auc"]).to_numpy() if len(seeds) else []
                 if len(diff) >= 2 and arm != reference:
                     mean, low, high = ci95(diff)
-                    cells.append(f"{mean:+.1f} [{low:+.1f}, {high:+.1f}]")
-                    summary.append(f"{env}/{fault}/{arm}/auc_minus_{reference}: {mean:+.2f} [{low:+.2f}, {high:+.2f}] "
-                                   f"(n={len(diff)})")
+                    cells.append(f"{mean:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]")
+                    summary.append(f"{env}/{fault}/{arm}/auc_minus_{reference}: {mean:+.{digits + 1}f} "
+                                   f"[{low:+.{digits + 1}f}, {high:+.{digits + 1}f}] (n={len(diff)})")
                 else:
                     cells.append("-")
             share = "-"
@@ -353,7 +357,7 @@ def learn_table(runs: pd.DataFrame) -> tuple[list[str], list[str]]:
             selectivity = g["selectivity"].mean()
             failed = g.index[g["diverged"].notna()].tolist() if "diverged" in g else []
             arm_cell = f"{arm} (diverged: seeds {' '.join(map(str, failed))})" if failed else arm
-            lines.append(f"| {env} | {fault} | {arm_cell} | {lr} | {len(g)} | {g['auc'].mean():.1f} | {cells[0]} | "
+            lines.append(f"| {env} | {fault} | {arm_cell} | {lr} | {len(g)} | {g['auc'].mean():.{digits}f} | {cells[0]} | "
                          f"{cells[1]} | {share} | {'-' if np.isnan(selectivity) else f'{selectivity:.2f}'} "
                          f"({g['base_rate'].iloc[0]:.3f}) | {cpu:.2f} |")
     clean = runs[(runs["fault"] == "clean") & (runs["arm"] == "quarantine")]

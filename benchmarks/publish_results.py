@@ -5,10 +5,12 @@
         --collect-corruption bench_out/corruption
     python benchmarks/publish_results.py                               # rewrite the tables from docs/data/
     python benchmarks/publish_results.py --check                       # exit 1 if a page's table differs
+    python benchmarks/publish_results.py --collect-run bench_out/minigrid40   # one compare folder -> docs/data/<name>.csv
 
 ``--collect`` gathers the summary rows of the confirmation folders (``confirm_iif_robust.py``)
 into docs/data/confirmation.csv and every run's curve into confirmation_curves.csv (per seed and
-round; ``--check`` recomputes the summary rows from it), ``--collect-detection`` and ``--collect-corruption`` those of
+round; ``--check`` recomputes the summary rows from it), ``--collect-run`` one compare folder's
+into docs/data/<its name>.csv and <its name>_curves.csv (checked the same way), ``--collect-detection`` and ``--collect-corruption`` those of
 ``corruption_detection.py`` and ``corruption.py``; then every page of TABLES gets its
 tables between their markers (``rlinfluence.experiments.published``), and every table of
 LEARN_TABLES is rebuilt from its per-seed rows (``hidden_faults.learn_table``). Ends with one line per figure: ``<env>/<method>/<stat>: value``.
@@ -66,6 +68,7 @@ def main() -> int:
     parser.add_argument("--collect-detection", metavar="CSV", help="corruption_detection.py's detection.csv")
     parser.add_argument("--collect-corruption", metavar="DIR", help="corruption.py's compare folders")
     parser.add_argument("--collect-flags", metavar="CSV", help="audit_flags.py's flags.csv")
+    parser.add_argument("--collect-run", metavar="DIR", help="one compare folder: its summary and curves, named after it")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated table is stale")
     args = parser.parse_args()
     DATA.mkdir(parents=True, exist_ok=True)
@@ -73,6 +76,10 @@ def main() -> int:
         folders = [Path(args.collect) / env for env in ENVS if (Path(args.collect) / env / "summary.csv").is_file()]
         collect(folders).to_csv(DATA / "confirmation.csv", index=False)
         curves_frame(folders).to_csv(DATA / "confirmation_curves.csv", index=False)
+    if args.collect_run:
+        folder = Path(args.collect_run)
+        collect([folder]).to_csv(DATA / f"{folder.name}.csv", index=False)
+        curves_frame([folder]).to_csv(DATA / f"{folder.name}_curves.csv", index=False)
     if args.collect_detection:
         pd.read_csv(args.collect_detection).to_csv(DATA / "detection.csv", index=False)
     if args.collect_flags:
@@ -109,8 +116,10 @@ def main() -> int:
             stale.append(str(path.relative_to(ROOT)))
             if not args.check:
                 path.write_text("\n".join(lines) + "\n")
-    if (DATA / "confirmation_curves.csv").is_file() and not summary_matches_curves("confirmation"):
-        stale.append("docs/data/confirmation.csv (not what confirmation_curves.csv gives: collect both again)")
+    for curves in sorted(DATA.glob("*_curves.csv")):  # a published summary beside its per-seed curves
+        name = curves.name.removesuffix("_curves.csv")
+        if (DATA / f"{name}.csv").is_file() and not summary_matches_curves(name):
+            stale.append(f"docs/data/{name}.csv (not what {curves.name} gives: collect both again)")
     if args.check and stale:
         print(f"stale generated tables in {', '.join(stale)}: run python benchmarks/publish_results.py", file=sys.stderr)
         return 1
