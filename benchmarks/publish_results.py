@@ -36,6 +36,7 @@ from rlinfluence.experiments.published import (
     flags_table,
     gap_table,
     headline_table,
+    read_summary,
     summary_from_curves,
     target_table,
 )
@@ -91,7 +92,7 @@ def main() -> int:
     for name, (data_file, build, pages) in TABLES.items():
         if not (DATA / data_file).is_file():
             continue
-        data = pd.read_csv(DATA / data_file, dtype={"failed_seeds": str})
+        data = read_summary(DATA / data_file)
         lines = build(data)
         for page in pages:
             path = ROOT / page
@@ -129,8 +130,7 @@ def main() -> int:
 def summary_matches_curves(name: str) -> bool:
     """Whether docs/data/<name>.csv's summary figures are what its per-seed curves give
     (``summary_from_curves``: every numeric column, the reading and the failed seeds)."""
-    published = pd.read_csv(DATA / f"{name}.csv", dtype={"failed_seeds": str}, keep_default_na=False,
-                            na_values=[""])
+    published = read_summary(DATA / f"{name}.csv")
     recomputed = summary_from_curves(pd.read_csv(DATA / f"{name}_curves.csv"))
     keys = ["env", "method"]
     merged = published.merge(recomputed, on=keys, how="outer", suffixes=("", "_recomputed"), indicator=True)

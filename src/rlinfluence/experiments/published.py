@@ -35,6 +35,12 @@ PUBLISHED_COLUMNS = (
 )
 
 
+def read_summary(path: str | Path) -> pd.DataFrame:
+    """A summary CSV (compare's summary.csv or a published docs/data table) with ``failed_seeds``
+    as text: a column of seed numbers would otherwise read as floats ("107.0")."""
+    return pd.read_csv(path, dtype={"failed_seeds": str})
+
+
 def collect(folders: Sequence[str | Path]) -> pd.DataFrame:
     """Every method row of each finished compare folder's summary.csv, with its env and first seed,
     ``tuning`` (how its values were chosen: tuned in the folder, the reference's choice, or given)
@@ -45,7 +51,7 @@ def collect(folders: Sequence[str | Path]) -> pd.DataFrame:
         if not summary.is_file() or not config.is_file():
             raise UserError(f"{str(folder)!r} is not a finished compare folder (no summary.csv / compare.json)")
         settings = json.loads(config.read_text())
-        rows = pd.read_csv(summary, dtype={"failed_seeds": str}).assign(env=settings["env"], folder=folder.name, first_seed=settings["first_seed"])
+        rows = read_summary(summary).assign(env=settings["env"], folder=folder.name, first_seed=settings["first_seed"])
         missing = sorted(set(PUBLISHED_COLUMNS) - set(rows.columns))
         if missing:
             raise UserError(f"{summary} has no {', '.join(missing)}: re-run `rlinfluence compare --out {folder}`")
