@@ -10,9 +10,12 @@ thread, no evaluation), with wall-clock timers around each phase:
   optimiser's ``step``; the rest is minibatch indexing, diagnostics and Python;
 - logging: ``RunDirectory.log_round`` (CSV and TensorBoard) and checkpoints.
 
+With ``--update-engine numpy`` the loss forward is ``NumpyUpdate.forward`` and the backward row
+is ``NumpyUpdate.step``, the written-out backward and the optimiser's step together.
+
 Timers add about a microsecond per call. Prints a table, then ``name: value`` lines.
 
-    python benchmarks/ppo_profile.py [--rounds 10]
+    python benchmarks/ppo_profile.py [--rounds 10] [--update-engine numpy]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 
 import rlinfluence.ppo as ppo_module
 from rlinfluence.buffer import RolloutBuffer
+from rlinfluence.numpy_update import NumpyUpdate
 from rlinfluence.policies import ActorCritic
 from rlinfluence.ppo import PPO, PPOConfig
 from rlinfluence.rundir import RunDirectory
@@ -59,6 +63,8 @@ def instrument() -> None:
     patch(ActorCritic, "evaluate_actions", "policy evaluate")
     patch(torch.Tensor, "backward", "backward")
     patch(torch.optim.SGD, "step", "optimiser step")
+    patch(NumpyUpdate, "forward", "loss terms")
+    patch(NumpyUpdate, "step", "backward")
     patch(RunDirectory, "log_round", "logging")
     patch(RunDirectory, "save_checkpoint", "checkpoints")
     actor = ppo_module.rollout_actor
@@ -69,10 +75,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--run-root", default="bench_out/ppo_profile")
+    parser.add_argument("--update-engine", choices=["torch", "numpy"], default="torch")
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = PPOConfig.for_env("LunarLander-v3", total_timesteps=args.rounds * 2048, eval_episodes=0,
-                               max_grad_norm=None, progress=False, run_root=args.run_root)
+                               max_grad_norm=None, progress=False, run_root=args.run_root,
+                               update_engine=args.update_engine)
     trainer = PPO(config)
     instrument()
     start = time.perf_counter()

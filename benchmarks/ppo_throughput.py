@@ -1,20 +1,24 @@
 """Training throughput: our PPO vs Stable-Baselines3's PPO on the same problem.
 
-Both train LunarLander-v3 with the paper's preset (n_steps 2048, batch 64, 10 epochs, plain SGD
+Both train LunarLander-v3 (or ``--env CartPole-v1``) with the paper's preset (n_steps 2048, batch 64, 10 epochs, plain SGD
 lr 5e-3, gamma 0.99, lambda 0.95, clip 0.2, ent 0, vf 0.5, no gradient clipping) for 20,480
 environment steps, one environment, on the CPU, with no evaluation. Every run happens in a
 fresh subprocess, runs alternate (ours, sb3, ours, sb3, ...), and both get the same torch
 thread count (and the same OMP/MKL/OpenBLAS thread variables). The figure is
-``steps / wall-clock seconds of learn()`` (construction and imports excluded for both).
+``steps / wall-clock seconds of learn()`` (construction and imports excluded for both). Ours runs
+twice: with the default torch update and with ``update_engine="numpy"`` (the same loss, its
+gradient written out in NumPy; not bit-identical to the torch update).
 
 SB3 cannot switch gradient clipping off, so it gets ``max_grad_norm=1e10`` (a clip that never
 binds; it still pays for computing the norm, which is part of its cost as a library).
 
     python benchmarks/ppo_throughput.py                  # 3 repeats, 1 thread
+    python benchmarks/ppo_throughput.py --env CartPole-v1
     python benchmarks/ppo_throughput.py --repeats 5 --threads 2
     python benchmarks/ppo_throughput.py --compile --total-timesteps 102400   # + ours compiled
 
-The last lines are the summary: ``ours_steps_per_s``, ``sb3_steps_per_s``, ``speedup_vs_sb3``.
+The last lines are the summary: ``ours_steps_per_s``, ``sb3_steps_per_s``, ``speedup_vs_sb3``,
+``numpy_steps_per_s``, ``numpy_speedup_vs_sb3``.
 """
 
 from __future__ import annotations
@@ -28,8 +32,7 @@ import sys
 import time
 from functools import partial
 
-ENV_ID = "LunarLander-v3"
-TARGET = 1.5
+TARGET = 4.0
 
 # The single set of hyperparameters both implementations are given.
 HPARAMS = dict(
@@ -38,17 +41,19 @@ HPARAMS = dict(
 )
 
 
-def run_ours(total_timesteps: int, seed: int, threads: int, compile: bool = False) -> dict:
+def run_ours(env_id: str, total_timesteps: int, seed: int, threads: int, compile: bool = False,
+             update_engine: str = "torch") -> dict:
     import torch
 
     torch.set_num_threads(threads)
     from rlinfluence.ppo import PPO, PPOConfig
 
     config = PPOConfig(
-        env=ENV_ID, seed=seed, total_timesteps=total_timesteps, n_envs=1, optimizer="sgd",
+        env=env_id, seed=seed, total_timesteps=total_timesteps, n_envs=1, optimizer="sgd",
         max_grad_norm=None, clip_range_vf=None, normalize_advantage=True, target_kl=None,
         hidden_sizes=(64, 64), eval_episodes=0, torch_threads=threads, progress=False,
         tensorboard=False, save_checkpoints=False, save_buffers=False, record_minibatches=False, compile=compile,
+        update_engine=update_engine,
         **HPARAMS,
     )
     trainer = PPO(config, run_dir=False)
@@ -58,14 +63,14 @@ def run_ours(total_timesteps: int, seed: int, threads: int, compile: bool = Fals
     return {"steps": trainer.env_steps, "seconds": seconds, "threads": torch.get_num_threads()}
 
 
-def run_sb3(total_timesteps: int, seed: int, threads: int) -> dict:
+def run_sb3(env_id: str, total_timesteps: int, seed: int, threads: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
     from stable_baselines3 import PPO
 
     model = PPO(
-        "MlpPolicy", ENV_ID, seed=seed, device="cpu", verbose=0, max_grad_norm=1e10,
+        "MlpPolicy", env_id, seed=seed, device="cpu", verbose=0, max_grad_norm=1e10,
         clip_range_vf=None, normalize_advantage=True, target_kl=None,
         policy_kwargs=dict(optimizer_class=torch.optim.SGD, net_arch=dict(pi=[64, 64], vf=[64, 64])),
         **HPARAMS,
@@ -81,7 +86,7 @@ def spawn(impl: str, args: argparse.Namespace, seed: int) -> dict:
     env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = str(args.threads)
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--seed", str(seed),
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--seed", str(seed), "--env", args.env,
            "--threads", str(args.threads), "--total-timesteps", str(args.total_timesteps)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -91,23 +96,23 @@ def spawn(impl: str, args: argparse.Namespace, seed: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--env", default="LunarLander-v3", help="gymnasium id (LunarLander-v3, CartPole-v1)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each implementation")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both")
     parser.add_argument("--total-timesteps", type=int, default=20_480)
     parser.add_argument("--seed", type=int, default=1, help="seed of the first repeat")
     parser.add_argument("--compile", action="store_true",
                         help="also ours with compile=True (its compile time counted), alternated with the others")
-    parser.add_argument("--worker", choices=["ours", "sb3", "ours-compiled"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=list(RUNNERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.worker:
-        run = {"ours": run_ours, "sb3": run_sb3, "ours-compiled": partial(run_ours, compile=True)}[args.worker]
-        print(json.dumps(run(args.total_timesteps, args.seed, args.threads)))
+        print(json.dumps(RUNNERS[args.worker](args.env, args.total_timesteps, args.seed, args.threads)))
         return
 
-    print(f"{ENV_ID}: {args.total_timesteps} steps, {HPARAMS}, SGD, no grad clipping, "
+    print(f"{args.env}: {args.total_timesteps} steps, {HPARAMS}, SGD, no grad clipping, "
           f"{args.threads} torch thread(s), {args.repeats} alternated repeats")
-    impls = ("ours", "sb3", "ours-compiled") if args.compile else ("ours", "sb3")
+    impls = ("ours", "sb3", "ours-numpy", "ours-compiled") if args.compile else ("ours", "sb3", "ours-numpy")
     rates: dict[str, list[float]] = {impl: [] for impl in impls}
     for r in range(args.repeats):
         for impl in impls:
@@ -125,11 +130,17 @@ def main() -> None:
     print(f"ours_steps_per_s: {ours:.1f}")
     print(f"sb3_steps_per_s: {sb3:.1f}")
     print(f"speedup_vs_sb3: {speedup:.2f}")
+    fast = statistics.median(rates["ours-numpy"])
+    print(f"numpy_steps_per_s: {fast:.1f}")
+    print(f"numpy_speedup_vs_sb3: {fast / sb3:.2f}")
     if args.compile:
         compiled = statistics.median(rates["ours-compiled"])
         print(f"ours_compiled_steps_per_s: {compiled:.1f}")
         print(f"compiled_speedup_vs_sb3: {compiled / sb3:.2f}")
 
+
+RUNNERS = {"ours": run_ours, "sb3": run_sb3, "ours-numpy": partial(run_ours, update_engine="numpy"),
+           "ours-compiled": partial(run_ours, compile=True)}
 
 if __name__ == "__main__":
     main()

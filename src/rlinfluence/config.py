@@ -210,6 +210,11 @@ class PPOConfig:
     """torch.compile the update's minibatch loss, forward and backward (on the CPU it needs a C++
     compiler): its updates about 30% faster once compiled, a few seconds to compile, so it pays on
     long runs; float rounding differs from the eager update (not bit for bit); not with tracin"""
+    update_engine: Literal["torch", "numpy"] = "torch"
+    """how the update's minibatch steps run: torch (autograd), or numpy (the same loss, its gradient
+    written out, the optimiser's step on one flat vector: several times faster steps at small
+    minibatches; MLP policies on the CPU with SGD or Adam; float32 rounding differs from torch's,
+    so not bit for bit; not with tracin or compile)"""
     tensorboard: bool = True
     """write TensorBoard event files"""
     wandb: bool = False
@@ -325,6 +330,9 @@ class PPOConfig:
                 raise UserError(f"{name} must be > 0 (or None), got {value}")
         if self.compile and self.tracin:
             raise UserError("compile and tracin: TracIn records the eager update's layers; choose one")
+        if self.update_engine == "numpy" and (self.tracin or self.compile):
+            raise UserError(f"update_engine numpy and {'tracin' if self.tracin else 'compile'}: "
+                            f"{'TracIn records' if self.tracin else 'compile compiles'} the torch update; choose one")
         if self.adaptive_kl is not None and self.step_control != "none":
             raise UserError(f"adaptive_kl and step_control {self.step_control!r} both set the step's length: choose one")
         if self.filter == "iif-robust":

@@ -280,7 +280,7 @@ class NumpyActorCritic:
             log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
             cdf = np.exp(log_probs).cumsum(-1)
             actions = np.minimum((cdf < noise).sum(-1), cdf.shape[-1] - 1)
-            logp = np.take_along_axis(log_probs, actions[:, None], -1)[:, 0]
+            logp = log_probs[np.arange(len(actions)), actions]  # take_along_axis's overhead is 10x this
         return actions, logp.astype(np.float32), value
 
 

@@ -52,6 +52,7 @@ from rlinfluence.losses import (
     ppo_terms,
     update_diagnostics,
 )
+from rlinfluence.numpy_update import NumpyUpdate
 from rlinfluence.policies import ActorCritic, make_policy, rollout_actor, tempered
 from rlinfluence.progress import progress_bar
 from rlinfluence.rundir import RunDirectory
@@ -128,6 +129,11 @@ class PPO:
             self.optimizer: torch.optim.Optimizer = torch.optim.SGD(self.policy.parameters(), lr=config.learning_rate)
         else:
             self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.learning_rate, eps=config.adam_eps)
+        self._numpy_update = NumpyUpdate(
+            self.policy, self.optimizer, clip_range=config.clip_range, clip_range_vf=config.clip_range_vf,
+            vf_coef=config.vf_coef, ent_coef=config.ent_coef, normalize_advantage=config.normalize_advantage,
+            max_grad_norm=config.max_grad_norm,
+        ) if config.update_engine == "numpy" else None
 
         self.round = 0  # completed rounds
         self.rounds_planned = math.ceil(config.total_timesteps / config.rollout_size)  # learn() may say otherwise
@@ -417,28 +423,39 @@ class PPO:
         self.schedule = []
         self.tracin = self._tracin_recorder(tensors) if cfg.tracin else None
         steps: list[PPOTerms] = []  # each step's terms, detached: the diagnostics are read once, after the round
-        stop = False
-        for epoch in range(n_epochs):
-            if sample_weights is None:
-                perm = kept[torch.randperm(len(kept), generator=self.generator)]
-            else:
-                draw = torch.multinomial(sample_weights[kept], len(kept), replacement=True, generator=self.generator)
-                perm = kept[draw]
-            at = perm.to(self.device)
-            shuffled = [tensors[k][at] for k in MINIBATCH_FIELDS]  # one gather per epoch; minibatches are slices
-            for m in range(n_minibatches):
-                rows = slice(m * cfg.batch_size, (m + 1) * cfg.batch_size)
-                idx = perm[rows]
-                out = self._minibatch_step(self.policy, self.optimizer, [f[rows] for f in shuffled], idx,
-                                           buffer.round, epoch, self.tracin)
-                if out is None:
-                    stop = True
-                    break
-                if cfg.record_minibatches or cfg.save_buffers:
-                    self.schedule.append(MinibatchStep(epoch, idx, self.optimizer.param_groups[0]["lr"]))
-                steps.append(out)
-            if stop:
-                break
+        fast = self._numpy_update
+        if fast is not None:
+            fast.begin()
+        try:
+            for epoch in range(n_epochs):
+                if sample_weights is None:
+                    perm = kept[torch.randperm(len(kept), generator=self.generator)]
+                else:
+                    draw = torch.multinomial(sample_weights[kept], len(kept), replacement=True,
+                                             generator=self.generator)
+                    perm = kept[draw]
+                at = perm.to(self.device)
+                shuffled = [tensors[k][at] for k in MINIBATCH_FIELDS]  # one gather per epoch; minibatches are slices
+                if fast is not None:
+                    shuffled = [f.numpy() for f in shuffled]
+                for m in range(n_minibatches):
+                    rows = slice(m * cfg.batch_size, (m + 1) * cfg.batch_size)
+                    idx = perm[rows]
+                    fields = [f[rows] for f in shuffled]
+                    out = (self._numpy_minibatch_step(fast, fields, buffer.round, epoch) if fast is not None else
+                           self._minibatch_step(self.policy, self.optimizer, fields, idx, buffer.round, epoch,
+                                                self.tracin))
+                    if out is None:
+                        break
+                    if cfg.record_minibatches or cfg.save_buffers:
+                        self.schedule.append(MinibatchStep(epoch, idx, self.optimizer.param_groups[0]["lr"]))
+                    steps.append(out)
+                else:
+                    continue
+                break  # target_kl stopped the update
+        finally:
+            if fast is not None:
+                fast.end()
         n_updates = len(steps)
         stats = update_diagnostics(steps, cfg.clip_range)
         with torch.no_grad():
@@ -480,16 +497,8 @@ class PPO:
                              vf_coef=cfg.vf_coef, ent_coef=cfg.ent_coef,
                              normalize_advantage=cfg.normalize_advantage and tracin is None)
             loss = terms.per_record.mean()
-            if not math.isfinite(loss.item()):
-                raise UserError(
-                    f"round {round_index}: non-finite loss {loss.item()} at epoch {epoch} (policy_loss "
-                    f"{terms.pg.mean().item()}, value_loss {terms.vf.mean().item()}); stopped before the "
-                    f"round's checkpoint (check the env's reward scale)"
-                )
-            if cfg.target_kl is not None and terms.approx_kl().item() > 1.5 * cfg.target_kl:
+            if not self._take_step(terms, loss.item(), optimizer, round_index, epoch):
                 return None
-            if cfg.adaptive_kl is not None:
-                adapt_learning_rate(optimizer, terms.approx_kl().item(), cfg.adaptive_kl, cfg.learning_rate)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
         if cfg.max_grad_norm is not None:
@@ -500,6 +509,32 @@ class PPO:
         optimizer.step()
         return PPOTerms(*(t.detach() for t in (terms.per_record, terms.pg, terms.vf, terms.entropy, terms.ratio,
                                               terms.log_ratio)))
+
+    def _numpy_minibatch_step(self, fast: NumpyUpdate, fields: list[np.ndarray], round_index: int, epoch: int
+                              ) -> PPOTerms | None:
+        """``_minibatch_step`` of the trainer's own policy by the NumPy engine (``update_engine numpy``)."""
+        terms = fast.forward(*fields)
+        if not self._take_step(terms, float(terms.per_record.mean()), self.optimizer, round_index, epoch):
+            return None
+        fast.step(self.optimizer.param_groups[0]["lr"])
+        return terms
+
+    def _take_step(self, terms: PPOTerms, loss: float, optimizer: torch.optim.Optimizer, round_index: int,
+                   epoch: int) -> bool:
+        """Whether to step on a minibatch of loss ``loss``: False when target_kl stops the update;
+        a non-finite loss is a ``UserError``; adaptive_kl sets the optimiser's rate first."""
+        cfg = self.config
+        if not math.isfinite(loss):
+            raise UserError(
+                f"round {round_index}: non-finite loss {loss} at epoch {epoch} (policy_loss "
+                f"{terms.pg.mean().item()}, value_loss {terms.vf.mean().item()}); stopped before the "
+                f"round's checkpoint (check the env's reward scale)"
+            )
+        if cfg.target_kl is not None and terms.approx_kl().item() > 1.5 * cfg.target_kl:
+            return False
+        if cfg.adaptive_kl is not None:
+            adapt_learning_rate(optimizer, terms.approx_kl().item(), cfg.adaptive_kl, cfg.learning_rate)
+        return True
 
     def _check_weights(self, round_index: int) -> None:
         """``UserError`` if the update left a non-finite parameter (before any checkpoint of it)."""
