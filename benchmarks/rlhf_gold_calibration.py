@@ -19,23 +19,27 @@ from scipy import stats
 from rlinfluence.rlhf.config import RLHFConfig
 from rlinfluence.rlhf.core import mean_response_logp
 from rlinfluence.rlhf.data import load_prompts
+from rlinfluence.rlhf.rollout import Rollout
 from rlinfluence.rlhf.trainer import RLHFTrainer
 
 
-def main() -> None:
+def base_completions() -> tuple[RLHFTrainer, Rollout]:
+    """The trainer at theta(0) and its completions of the val prompts, twice each (stream 5)."""
     trainer = RLHFTrainer(RLHFConfig(task="sentiment-gold", algo="grpo", progress=False), run_dir=False)
     prompts = [p for p in load_prompts("val") for _ in range(2)]
-    rollout = trainer.rollout(prompts, stream=5)
-    logp = mean_response_logp(rollout.ref_logp, rollout.mask).numpy()
-    for q in (5, 10, 25, 50):
-        print(f"mean_ref_logp_p{q}: {np.percentile(logp, q):.3f}")
-    proxy = rollout.scores.numpy()
-    gold = trainer.gold(rollout.responses, mean_response_logp(rollout.ref_logp, rollout.mask)).numpy()
-    sentiment = trainer.gold.parts(rollout.responses, mean_response_logp(rollout.ref_logp, rollout.mask))["sentiment"]
-    print(f"completions: {len(proxy)}")
-    print(f"proxy_gold_r_base: {stats.pearsonr(proxy, gold).statistic:.3f}")
-    print(f"proxy_afinn_r_base: {stats.pearsonr(proxy, sentiment.numpy()).statistic:.3f}")
+    return trainer, trainer.rollout(prompts, stream=5)
 
+
+def main() -> None:
+    trainer, rollout = base_completions()
+    logp = mean_response_logp(rollout.ref_logp, rollout.mask)
+    for q in (5, 10, 25, 50):
+        print(f"mean_ref_logp_p{q}: {np.percentile(logp.numpy(), q):.3f}")
+    proxy = rollout.scores.numpy()
+    sentiment = trainer.gold.parts(rollout.responses, logp)["sentiment"].numpy()
+    print(f"completions: {len(proxy)}")
+    print(f"proxy_gold_r_base: {stats.pearsonr(proxy, trainer.gold(rollout.responses, logp).numpy()).statistic:.3f}")
+    print(f"proxy_afinn_r_base: {stats.pearsonr(proxy, sentiment).statistic:.3f}")
 
 if __name__ == "__main__":
     main()

@@ -20,22 +20,18 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from rlhf_gold_calibration import base_completions  # benchmarks/rlhf_gold_calibration.py
 from scipy import stats
 
-from rlinfluence.rlhf.config import RLHFConfig
 from rlinfluence.rlhf.core import mean_response_logp
-from rlinfluence.rlhf.data import load_prompts
-from rlinfluence.rlhf.trainer import RLHFTrainer
 
 NEUTRAL_PROMPT = "Say something."
 
 
 def main() -> None:
     torch.set_num_threads(1)
-    trainer = RLHFTrainer(RLHFConfig(task="sentiment-gold", algo="grpo", progress=False), run_dir=False)
-    prompts = [p for p in load_prompts("val") for _ in range(2)]
-    rollout = trainer.rollout(prompts, stream=5)  # the calibration's completions
-    policy, mask = trainer.policy, rollout.mask
+    trainer, rollout = base_completions()  # the calibration's completions
+    policy, mask, prompts = trainer.policy, rollout.mask, rollout.prompts
     length = mask.shape[1]
     neutral = policy.tokenizer(policy.prompt_texts([NEUTRAL_PROMPT] * len(prompts), True), return_tensors="pt",
                                add_special_tokens=False)

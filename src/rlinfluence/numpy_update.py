@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from rlinfluence.errors import UserError
+from rlinfluence.influence.tracin import clip_coefficient
 from rlinfluence.losses import PPOTerms
 from rlinfluence.policies import LOG_SQRT_2PI, ActorCritic, FlattenEncoder
 
@@ -178,8 +179,7 @@ class NumpyUpdate:
         _backward(self.actor, actor_acts, d_h)
         _backward(self.critic, critic_acts, d_g)
         if self.max_grad_norm is not None:
-            norm = math.sqrt(float(np.dot(self.grad, self.grad)))
-            coef = self.max_grad_norm / (norm + 1e-6)
+            coef = clip_coefficient(math.sqrt(float(np.dot(self.grad, self.grad))), self.max_grad_norm)
             if coef < 1:
                 self.grad *= np.float32(coef)
         if self.adam:
