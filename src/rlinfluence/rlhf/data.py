@@ -24,9 +24,11 @@ from rlinfluence.errors import UserError
 
 SPLITS = ("train", "val", "test")
 PROMPT_FILES = {task: Path(__file__).with_name("data") / f"{task}_prompts.jsonl" for task in ("sentiment", "toxicity")}
-PROMPT_FILES["sentiment-gold"] = PROMPT_FILES["sentiment"]  # the same prompts, judged by a gold reward too
+GOLD_TASKS = ("sentiment-gold", "sentiment-relevance")
+"""The tasks that train on the sentiment proxy and judge every completion by a gold reward too."""
+PROMPT_FILES.update({task: PROMPT_FILES["sentiment"] for task in GOLD_TASKS})  # the same prompts
 GOLD_EXTRA_TEST = 50
-"""Train prompts of the sentiment set that task ``sentiment-gold`` moves to its test split (the last ones)."""
+"""Train prompts of the sentiment set that the gold tasks move to their test split (the last ones)."""
 
 
 def load_prompts(split: str, path: str | Path | None = None, task: str = "sentiment") -> list[str]:
@@ -39,7 +41,7 @@ def load_prompts(split: str, path: str | Path | None = None, task: str = "sentim
         raise UserError(f"unknown split {split!r} (choose from {', '.join(SPLITS)})")
     if path is None and task not in PROMPT_FILES:
         raise UserError(f"unknown task {task!r} (choose from {', '.join(PROMPT_FILES)})")
-    shipped_gold = path is None and task == "sentiment-gold"
+    shipped_gold = path is None and task in GOLD_TASKS
     path = Path(path) if path is not None else PROMPT_FILES[task]
     try:
         lines = path.read_text(encoding="utf-8").splitlines()

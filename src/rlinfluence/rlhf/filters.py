@@ -9,7 +9,9 @@ mask ``[N]`` (groups are ``group_size`` consecutive completions of one prompt):
   m - k lowest for some k (their Theorem), so m + 1 candidates per group are compared;
 - ``random_subset``: a uniformly random subset of a given kept fraction (the control of "which");
 - ``zero_variance_groups``: the groups whose rewards are all equal (their advantages are all 0,
-  they carry no gradient): what DAPO's dynamic sampling drops.
+  they carry no gradient): what DAPO's dynamic sampling drops;
+- ``gold_agreement``: the ceiling of a gold task, which no practitioner has: keep the completions
+  the update moves the way the gold reward would.
 
 DTV (``rlinfluence.rlhf.influence.sequence_influence(target="mean")``) and IIF score the
 completions by gradients instead; the trainer drops their negatives alike.
@@ -29,6 +31,16 @@ def _groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
 def advantage_sign(sequence_advantages: torch.Tensor) -> torch.Tensor:
     """keep_i = A_i >= 0 (a group of equal rewards has A = 0 everywhere and is kept)."""
     return sequence_advantages >= 0
+
+
+def gold_agreement(sequence_advantages: torch.Tensor, gold: torch.Tensor, group_size: int) -> torch.Tensor:
+    """keep_i = A_i (g_i - mean_{j in i's group} g_j) >= 0: drop a completion when the update
+    pushes it the opposite way to its gold advantage (raises a completion the gold reward ranks
+    below its group's mean, or lowers one it ranks above). What a perfect scorer of each
+    completion's effect on the gold reward could do: the ceiling of a gold-targeted filter."""
+    grouped = _groups(gold.double(), group_size)
+    centred = (grouped - grouped.mean(1, keepdim=True)).flatten()
+    return sequence_advantages.double().cpu() * centred >= 0
 
 
 def zero_variance_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:

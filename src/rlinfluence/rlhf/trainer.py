@@ -45,15 +45,23 @@ from rlinfluence.progress import progress_bar
 from rlinfluence.rlhf.audit import harm_table, write_harm_table
 from rlinfluence.rlhf.config import RLHFConfig  # noqa: F401  (importable from here)
 from rlinfluence.rlhf.core import AdaptiveKLController, grpo_loss, mean_response_logp, ppo_losses
-from rlinfluence.rlhf.data import load_prompts
-from rlinfluence.rlhf.filters import advantage_sign, pods, random_subset, zero_variance_groups
+from rlinfluence.rlhf.data import GOLD_TASKS, load_prompts
+from rlinfluence.rlhf.filters import (
+    advantage_sign,
+    gold_agreement,
+    pods,
+    random_subset,
+    zero_variance_groups,
+)
 from rlinfluence.rlhf.influence import heldout_sequence_influence, sequence_influence
 from rlinfluence.rlhf.model import PolicyWithValueHead, load_policy
 from rlinfluence.rlhf.report import save_completions, write_report
 from rlinfluence.rlhf.reward import (
+    GOLD_REWARDS,
+    RELEVANCE_PROMPT,
     TASK_REWARDS,
-    GoldSentimentReward,
     ProfanityReward,
+    RelevanceGoldReward,
     RewardFn,
     ShardedReward,
 )
@@ -102,18 +110,18 @@ class RLHFTrainer:
         self.train_prompts = prompts(train_prompts, "train", None)
         needs_val = cfg.filter == "iif" and cfg.target == "seq" and cfg.target_source == "fresh"
         self.val_prompts = prompts(val_prompts, "val", cfg.val_prompts) if needs_val else []
-        self.test_prompts = prompts(test_prompts, "test", cfg.test_prompts)
+        self.test_prompts = prompts(test_prompts, cfg.eval_split, cfg.test_prompts)
         self.reference_reward = reward_fn if reward_fn is not None else TASK_REWARDS[cfg.task]()
         sharded = cfg.reward_workers > 1 or cfg.broken_reward_workers
         self.reward_fn = ShardedReward(self.reference_reward, cfg.reward_workers, cfg.broken_reward_workers) \
             if sharded else self.reference_reward
-        self.gold = GoldSentimentReward() if cfg.task == "sentiment-gold" else None
+        self.gold = GOLD_REWARDS[cfg.task]() if cfg.task in GOLD_REWARDS else None
         self.policy = policy if policy is not None else load_policy(
             cfg.model, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
             target_modules=list(cfg.lora_target_modules) or None, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype)
         self.policy.eval()  # no dropout anywhere: the round starts at ratio 1 exactly
         has_template = bool(getattr(self.policy.tokenizer, "chat_template", None))
-        self.chat = cfg.prompt_format == "chat" or (cfg.prompt_format == "auto" and cfg.task in ("sentiment", "sentiment-gold")
+        self.chat = cfg.prompt_format == "chat" or (cfg.prompt_format == "auto" and cfg.task in ("sentiment", *GOLD_TASKS)
                                                    and has_template)
         if cfg.prompt_format == "chat" and not has_template:
             raise UserError(f"--prompt-format chat: the tokenizer of {cfg.model!r} has no chat template (use plain)")
@@ -235,7 +243,7 @@ class RLHFTrainer:
         merged = concatenate(found, self.policy.tokenizer.pad_token_id)
         return merged.select(torch.arange(informative)), stats
 
-    def rule_keep(self, rollout: Rollout) -> torch.Tensor:
+    def rule_keep(self, rollout: Rollout, gold: torch.Tensor | None) -> torch.Tensor:
         """The keep mask of a filter that needs no gradient (``rlinfluence.rlhf.filters``); random
         draws are seeded by (seed, round), so a resumed run draws the same."""
         cfg = self.config
@@ -243,6 +251,8 @@ class RLHFTrainer:
             return advantage_sign(rollout.sequence_advantages)
         if cfg.filter == "pods":
             return pods(rollout.scores, cfg.responses_per_prompt, cfg.pods_keep)
+        if cfg.filter == "gold-oracle":
+            return gold_agreement(rollout.sequence_advantages, gold, cfg.responses_per_prompt)
         generator = torch.Generator().manual_seed(derived_seed(cfg.seed, self.round, 3))
         return random_subset(len(rollout), cfg.random_keep, generator)
 
@@ -256,7 +266,8 @@ class RLHFTrainer:
             prompts = [p for p in self.val_prompts for _ in range(cfg.responses_per_prompt)]
             validation = self.rollout(prompts, stream=1)
             if cfg.target_reward == "gold":  # the labelled validation set: its advantages from the gold reward
-                validation.scores = self.gold(validation.responses, mean_response_logp(validation.ref_logp, validation.mask))
+                validation.scores = self.gold_reward(validation.responses, validation.input_ids, validation.mask,
+                                                     validation.ref_logp).to(validation.mask.device)
                 add_advantages(validation, cfg.algo, self.kl_ctl.value, cfg.gamma, cfg.gae_lambda, cfg.responses_per_prompt)
             val_sample_seconds = self.clock() - t0
         t1 = self.clock()
@@ -282,10 +293,15 @@ class RLHFTrainer:
         stats: dict[str, float] = {}
         if cfg.filter == "dynamic-sampling":
             rollout, stats = self.informative_groups(rollout)
+        gold, gold_seconds = None, 0.0
+        if self.gold is not None:  # the judge's, not the training's, seconds: kept out of the round's
+            start = self.clock()
+            gold = self.gold_reward(rollout.responses, rollout.input_ids, rollout.mask, rollout.ref_logp)
+            gold_seconds = self.clock() - start
         t1 = self.clock()
         keep = torch.ones(len(rollout), dtype=torch.bool)
-        if cfg.filter in ("advantage-sign", "pods", "random"):
-            keep = self.rule_keep(rollout)
+        if cfg.filter in ("advantage-sign", "pods", "random", "gold-oracle"):
+            keep = self.rule_keep(rollout, gold)
             context = FilterContext(self.policy, self.round, cfg.mini_batch_size)
             keep = guard_minibatch(keep, rollout.sequence_advantages, context)  # topped up by the best advantages
             stats.update(context.stats)
@@ -309,7 +325,7 @@ class RLHFTrainer:
         kl = rollout.mean_kl
         beta = self.kl_ctl.value
         self.kl_ctl.update(kl, len(rollout))
-        self.train_seconds += t3 - t0 - audit_seconds
+        self.train_seconds += t3 - t0 - audit_seconds - gold_seconds
         self.sequences += len(rollout)
         self.round += 1
         self.last_rollout = rollout
@@ -318,16 +334,14 @@ class RLHFTrainer:
             "round": self.round - 1, "env_steps": self.sequences, "train_seconds": self.train_seconds,
             "generation_seconds": rollout.seconds["generation"], "forward_seconds": rollout.seconds["forward"],
             "reward_seconds": rollout.seconds["reward"], "influence_seconds": t2 - t1 - audit_seconds,
-            "optimisation_seconds": t3 - t2, "round_seconds": t3 - t0 - audit_seconds,
+            "optimisation_seconds": t3 - t2, "round_seconds": t3 - t0 - audit_seconds - gold_seconds,
             "reward_mean": float(rollout.scores.mean()), "reward_std": float(rollout.scores.std()),
             "kl": kl, "kl_coef": beta, "response_tokens_mean": float(rollout.mask.sum(1).mean()),
             **update, **stats,
         }
         if cfg.audit:
             metrics["audit_seconds"] = audit_seconds
-        gold = None
-        if self.gold is not None:
-            gold = self.gold(rollout.responses, mean_response_logp(rollout.ref_logp, rollout.mask))
+        if gold is not None:
             metrics["gold_mean"] = float(gold.mean())
         if self._initial_eval is not None:  # the evaluation of theta(0), logged with round 0
             metrics.update({f"{k}_initial": v for k, v in self._initial_eval.items()})
@@ -409,7 +423,41 @@ class RLHFTrainer:
                 totals["approx_kl"] += st["approx_kl"]
                 totals["clip_fraction"] += st["clip_fraction"]
                 steps += 1
+        if not all(bool(torch.isfinite(p).all()) for group in self.optimizer.param_groups for p in group["params"]):
+            dtype = next(self.policy.parameters()).dtype  # the base model's embedding
+            raise UserError(f"round {self.round}: the update made the trainable weights non-finite (base weights "
+                            f"{str(dtype).removeprefix('torch.')} on {self.policy.device}); lower --learning-rate, "
+                            "or train over a float32 base (--dtype float32)")
         return {**{k: v / steps for k, v in totals.items()}, "kept_fraction": len(kept) / len(keep), "n_updates": steps}
+
+    # -- the gold judge ----------------------------------------------------------------
+    @torch.no_grad()
+    def gold_reward(self, texts: list[str], input_ids: torch.Tensor, mask: torch.Tensor,
+                    ref_logp: torch.Tensor) -> torch.Tensor:
+        """The gold reward of completions (a gold task): ``input_ids`` [N, P + R] prompts and
+        responses, ``mask`` [N, R] the response tokens, ``ref_logp`` [N, R] their log pi_ref after
+        their prompt."""
+        prompted = mean_response_logp(ref_logp, mask)
+        if not isinstance(self.gold, RelevanceGoldReward):
+            return self.gold(texts, prompted)
+        return self.gold(texts, prompted, self.relevance_pmi(input_ids, mask, ref_logp))
+
+    @torch.no_grad()
+    def relevance_pmi(self, input_ids: torch.Tensor, mask: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+        """[N] pmi(y) = mean_t log pi_ref(y_t | x, y_<t) - mean_t log pi_ref(y_t | x0, y_<t), x0 =
+        ``RELEVANCE_PROMPT``: each response (the last R tokens of ``input_ids``, ``mask`` [N, R])
+        re-scored by the reference model after the neutral prompt (no sampling, so no random draw
+        is consumed); ``ref_logp`` [N, R] is its log pi_ref after its own prompt."""
+        n, length = mask.shape
+        device = self.policy.device
+        neutral = self.policy.tokenizer(self.policy.prompt_texts([RELEVANCE_PROMPT], self.chat), return_tensors="pt",
+                                        add_special_tokens=not self.chat)
+        ids = torch.cat([neutral.input_ids.to(device).expand(n, -1), input_ids[:, -length:].to(device)], 1)
+        attention = torch.cat([neutral.attention_mask.to(device).expand(n, -1), mask.to(device).long()], 1)
+        step = self.config.records_per_pass
+        unprompted = torch.cat([self.policy(ids[i : i + step], attention[i : i + step], length, values=False,
+                                            reference=True)[0] for i in range(0, n, step)])
+        return mean_response_logp(ref_logp, mask) - mean_response_logp(unprompted.to(mask.device), mask)
 
     # -- evaluate -----------------------------------------------------------------------
     @torch.no_grad()
@@ -417,19 +465,20 @@ class RLHFTrainer:
         """Test reward of pi_theta: one sampled response per held-out prompt (sampling seeded by
         (seed, round)); ``eval_return_mean`` = mean test reward (for ``rlinfluence report``), and
         ``test_toxicity`` = mean P(offensive) = 1 - mean reward when the reward is ``ProfanityReward``;
-        ``eval_gold_mean`` = mean gold reward (task ``sentiment-gold``)."""
+        ``eval_gold_mean`` = mean gold reward (a gold task)."""
         cfg = self.config
         start = self.clock()
         torch.manual_seed(derived_seed(cfg.seed, self.round, 2))
-        texts, ref_logp = [], []
+        texts, gold = [], []
         for i in range(0, len(self.test_prompts), cfg.records_per_pass):
             out = self.policy.generate(self.test_prompts[i : i + cfg.records_per_pass], cfg.response_length,
                                        cfg.temperature, self.chat)
-            texts += self.policy.decode(out["input_ids"], out["mask"])
+            chunk = self.policy.decode(out["input_ids"], out["mask"])
+            texts += chunk
             if self.gold is not None:
                 mask = out["mask"].float()
                 logp = self.policy(out["input_ids"], out["attention_mask"], mask.shape[1], values=False, reference=True)[0]
-                ref_logp.append(mean_response_logp(logp, mask))
+                gold.append(self.gold_reward(chunk, out["input_ids"], mask, logp))
         reward = self.reference_reward  # the evaluation's scorer is sound whatever the training's workers do
         toxic = reward.offensive_probability(texts) if isinstance(reward, ProfanityReward) else None
         rewards = 1 - toxic if toxic is not None else torch.as_tensor(reward(texts), dtype=torch.float32)
@@ -437,7 +486,7 @@ class RLHFTrainer:
         if toxic is not None:
             result["test_toxicity"] = float(toxic.mean())
         if self.gold is not None:
-            result["eval_gold_mean"] = float(self.gold(texts, torch.cat(ref_logp)).mean())
+            result["eval_gold_mean"] = float(torch.cat(gold).mean())
         result["eval_seconds"] = self.clock() - start
         return result
 
