@@ -350,6 +350,7 @@ def main() -> None:
     parser.add_argument("--eval-lr", help="evaluate at this lr instead of the tuned one (a stress test), "
                                           "or 'gap' (see the module docstring)")
     parser.add_argument("--gap-threshold", type=float, default=0.1)
+    parser.add_argument("--tune-only", action="store_true", help="stop after the tuning table and the lr choices")
     parser.add_argument("--val-prompts", type=int, default=4,
                         help="iif-gold: val prompts of its fresh gold-labelled rollout each round (x group size)")
     parser.add_argument("--device", default="cpu", help="cpu (CPU seconds, one thread), cuda or cuda:N (wall seconds)")
@@ -382,6 +383,11 @@ def main() -> None:
     elif args.eval_lr is not None:  # e.g. twice the tuned lr
         lr = float(args.eval_lr)
         print(f"evaluated at lr {lr:g}, not the tuned one")
+    if args.tune_only:
+        for row in table.itertuples():
+            print(f"tune_proxy_lr{row.lr:g}: {row.proxy:.3f}")
+            print(f"tune_gap_widening_lr{row.lr:g}: {row.widening:+.3f} [{row.widening_lo:+.3f}, {row.widening_hi:+.3f}]")
+        return
     jobs = [dict(phase="eval", method=m, seed=s, lr=lr, mode="equal" if m == NO_FILTER else mode)
             for s in args.seeds for mode in args.modes for m in args.methods]
     jobs = list({tuple(job.values()): job for job in jobs}.values())
