@@ -206,7 +206,7 @@ def tuning_table(frame: pd.DataFrame, lrs: list[float], seeds: list[int]) -> pd.
     """Per tuning lr, over the tuning seeds: the mean proxy reward over the evaluations after
     training rounds, and the proxy - gold gap's widening from theta(0) to the last evaluation
     (its mean and 95% interval). None until every (lr, seed) ran."""
-    tune = frame[(frame["phase"] == "tune") & frame["seed"].astype(int).isin(seeds)]
+    tune = frame[(frame["phase"] == "tune") & (frame["method"] == NO_FILTER) & frame["seed"].astype(int).isin(seeds)]
     rows = []
     for lr in lrs:
         runs = tune[np.isclose(tune["lr"].astype(float), lr)]
@@ -219,6 +219,29 @@ def tuning_table(frame: pd.DataFrame, lrs: list[float], seeds: list[int]) -> pd.
         rows.append({"lr": lr, "proxy": runs[runs["after_round"] > 0]["proxy"].mean(), "widening": mean,
                      "widening_lo": lo, "widening_hi": hi})
     return pd.DataFrame(rows)
+
+
+def tuning_pairs(frame: pd.DataFrame, methods: list[str], lrs: list[float], seeds: list[int]) -> list[str]:
+    """Each arm run on the tuning seeds against GRPO there, seed for seed, at the last evaluation:
+    its final gold minus GRPO's and its proxy - gold gap minus GRPO's (``name: value`` lines)."""
+    tune = frame[(frame["phase"] == "tune") & frame["seed"].astype(int).isin(seeds)]
+    final = tune.loc[tune.groupby(["method", "seed", "lr"])["after_round"].idxmax()]
+    lines = []
+    for method in methods:
+        for lr in lrs:
+            at = final[np.isclose(final["lr"].astype(float), lr)].set_index(["method", "seed"])
+            if method not in at.index.get_level_values(0) or NO_FILTER not in at.index.get_level_values(0):
+                continue
+            x, y = at.loc[method], at.loc[NO_FILTER]
+            common = sorted(set(x.index) & set(y.index))
+            if len(common) < 2:
+                continue
+            x, y = x.loc[common], y.loc[common]
+            for name, values in (("gold_minus_grpo", x["gold"] - y["gold"]),
+                                 ("gap_minus_grpo", (x["proxy"] - x["gold"]) - (y["proxy"] - y["gold"]))):
+                mean, lo, hi = ci95(values.to_numpy(dtype=float))
+                lines.append(f"tune_{name}_{method}_lr{lr:g}: {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] ({len(common)} seeds)")
+    return lines
 
 
 def chosen_lr(table: pd.DataFrame) -> float:
@@ -351,6 +374,8 @@ def main() -> None:
                                           "or 'gap' (see the module docstring)")
     parser.add_argument("--gap-threshold", type=float, default=0.1)
     parser.add_argument("--tune-only", action="store_true", help="stop after the tuning table and the lr choices")
+    parser.add_argument("--tune-methods", nargs="+", default=[NO_FILTER], choices=list(METHODS),
+                        help="also run these arms on the tuning seeds and lrs (equal steps), each paired with GRPO there")
     parser.add_argument("--val-prompts", type=int, default=4,
                         help="iif-gold: val prompts of its fresh gold-labelled rollout each round (x group size)")
     parser.add_argument("--device", default="cpu", help="cpu (CPU seconds, one thread), cuda or cuda:N (wall seconds)")
@@ -369,8 +394,9 @@ def main() -> None:
     args = parser.parse_args()
     deadline = time.monotonic() + 60 * args.budget_minutes
     results, selection = Results(Path(args.results)), Results(Path(args.selection))
-    run_all([dict(phase="tune", method="grpo", seed=s, lr=lr, mode="natural") for s in args.tune_seeds for lr in args.lrs],
-            args, results, selection, deadline)
+    tune_methods = [NO_FILTER, *(m for m in args.tune_methods if m != NO_FILTER)]
+    run_all([dict(phase="tune", method=m, seed=s, lr=lr, mode="natural" if m == NO_FILTER else "equal")
+             for m in tune_methods for s in args.tune_seeds for lr in args.lrs], args, results, selection, deadline)
     table = tuning_table(results.frame, args.lrs, args.tune_seeds)
     if table is None:
         print("tuning incomplete: no evaluation run started")
@@ -387,6 +413,7 @@ def main() -> None:
         for row in table.itertuples():
             print(f"tune_proxy_lr{row.lr:g}: {row.proxy:.3f}")
             print(f"tune_gap_widening_lr{row.lr:g}: {row.widening:+.3f} [{row.widening_lo:+.3f}, {row.widening_hi:+.3f}]")
+        print("\n".join(tuning_pairs(results.frame, tune_methods[1:], args.lrs, args.tune_seeds)))
         return
     jobs = [dict(phase="eval", method=m, seed=s, lr=lr, mode="equal" if m == NO_FILTER else mode)
             for s in args.seeds for mode in args.modes for m in args.methods]
