@@ -35,7 +35,8 @@ def main() -> None:
     trainer, rollout = base_completions()  # the calibration's completions
     relevance = RLHFTrainer(RLHFConfig(task="sentiment-relevance", algo="grpo", progress=False), policy=trainer.policy,
                             run_dir=False)
-    pmi = relevance.relevance_pmi(rollout.input_ids, rollout.mask, rollout.ref_logp).numpy()
+    pmi_tensor = relevance.relevance_pmi(rollout.input_ids, rollout.mask, rollout.ref_logp)
+    pmi = pmi_tensor.numpy()
     prompted_mean = mean_response_logp(rollout.ref_logp, rollout.mask)
     proxy = rollout.scores.numpy()
     gold = trainer.gold(rollout.responses, prompted_mean).numpy()
@@ -51,7 +52,7 @@ def main() -> None:
         print(f"proxy_blend{int(100 * w)}_r_base: {stats.pearsonr(proxy, (1 - w) * gold + w * z).statistic:.3f}")
     factor = np.minimum(1.0, np.exp(pmi - np.percentile(pmi, 10)))
     print(f"proxy_gold_x_relevance_r_base: {stats.pearsonr(proxy, np.where(positive, gold * factor, gold)).statistic:.3f}")
-    frozen = relevance.gold_reward(rollout.responses, rollout.input_ids, rollout.mask, rollout.ref_logp).numpy()
+    frozen = relevance.gold(rollout.responses, prompted_mean, pmi_tensor).numpy()  # what gold_reward returns
     print(f"proxy_relevance_gold_r_base: {stats.pearsonr(proxy, frozen).statistic:.3f}")
 
 

@@ -254,10 +254,10 @@ class RLHFConfig:
         if self.target_reward == "gold" and not (self.task in GOLD_TASKS and self.filter == "iif"
                                                  and self.target == "seq" and self.target_source == "fresh"):
             raise UserError("--target-reward gold scores a fresh validation rollout with the gold reward: it needs "
-                            "--task sentiment-gold or sentiment-relevance --filter iif --target seq --target-source fresh")
+                            f"--task {' or '.join(GOLD_TASKS)} --filter iif --target seq --target-source fresh")
         if self.filter == "gold-oracle" and not (self.task in GOLD_TASKS and self.algo == "grpo"):
             raise UserError("--filter gold-oracle keeps completions by their gold advantage within a group: it needs "
-                            f"--task sentiment-gold or sentiment-relevance and --algo grpo, got {self.task} and {self.algo}")
+                            f"--task {' or '.join(GOLD_TASKS)} and --algo grpo, got {self.task} and {self.algo}")
         if self.method is not None:
             check_plain_name("method", self.method)
         from rlinfluence.device import resolve_device  # torch: imported when a run is validated

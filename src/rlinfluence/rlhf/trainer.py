@@ -423,7 +423,8 @@ class RLHFTrainer:
                 totals["approx_kl"] += st["approx_kl"]
                 totals["clip_fraction"] += st["clip_fraction"]
                 steps += 1
-        if not all(bool(torch.isfinite(p).all()) for group in self.optimizer.param_groups for p in group["params"]):
+        trainable = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if not bool(torch.stack([torch.isfinite(p).all() for p in trainable]).all()):  # one device sync
             dtype = next(self.policy.parameters()).dtype  # the base model's embedding
             raise UserError(f"round {self.round}: the update made the trainable weights non-finite (base weights "
                             f"{str(dtype).removeprefix('torch.')} on {self.policy.device}); lower --learning-rate, "
