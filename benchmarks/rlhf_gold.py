@@ -222,25 +222,33 @@ def tuning_table(frame: pd.DataFrame, lrs: list[float], seeds: list[int]) -> pd.
 
 
 def tuning_pairs(frame: pd.DataFrame, methods: list[str], lrs: list[float], seeds: list[int]) -> list[str]:
-    """Each arm run on the tuning seeds against GRPO there, seed for seed, at the last evaluation:
-    its final gold minus GRPO's and its proxy - gold gap minus GRPO's (``name: value`` lines)."""
+    """Each arm run on the tuning seeds against GRPO there, seed for seed: its gold minus GRPO's and
+    its proxy - gold gap minus GRPO's (a smaller gap at the same round: more gold at equal proxy),
+    at the last evaluation (``tune_gold_minus_grpo``, ``tune_gap_minus_grpo``) and averaged over the
+    evaluations after training rounds (``tune_run_...``: where the arms stand through the run, less
+    noisy than one evaluation). ``name: value`` lines, each a mean with its 95% t interval."""
     tune = frame[(frame["phase"] == "tune") & frame["seed"].astype(int).isin(seeds)]
-    final = tune.loc[tune.groupby(["method", "seed", "lr"])["after_round"].idxmax()]
+    by_run = ["method", "seed", "lr"]
+    final = tune.loc[tune.groupby(by_run)["after_round"].idxmax()]
+    over_run = tune[tune["after_round"] > 0].groupby(by_run, as_index=False)[["proxy", "gold"]].mean()
     lines = []
     for method in methods:
         for lr in lrs:
-            at = final[np.isclose(final["lr"].astype(float), lr)].set_index(["method", "seed"])
-            if method not in at.index.get_level_values(0) or NO_FILTER not in at.index.get_level_values(0):
-                continue
-            x, y = at.loc[method], at.loc[NO_FILTER]
-            common = sorted(set(x.index) & set(y.index))
-            if len(common) < 2:
-                continue
-            x, y = x.loc[common], y.loc[common]
-            for name, values in (("gold_minus_grpo", x["gold"] - y["gold"]),
-                                 ("gap_minus_grpo", (x["proxy"] - x["gold"]) - (y["proxy"] - y["gold"]))):
-                mean, lo, hi = ci95(values.to_numpy(dtype=float))
-                lines.append(f"tune_{name}_{method}_lr{lr:g}: {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] ({len(common)} seeds)")
+            for prefix, evaluations in (("tune_", final), ("tune_run_", over_run)):
+                at = evaluations[np.isclose(evaluations["lr"].astype(float), lr)].set_index(["method", "seed"])
+                if method not in at.index.get_level_values(0) or NO_FILTER not in at.index.get_level_values(0):
+                    continue
+                x, y = at.loc[method], at.loc[NO_FILTER]
+                common = sorted(set(x.index) & set(y.index))
+                if len(common) < 2:
+                    continue
+                x, y = x.loc[common], y.loc[common]
+                # (name, the paired differences, the arm's better side: more gold, a smaller gap)
+                for name, values, better in (("gold_minus_grpo", x["gold"] - y["gold"], 1),
+                                             ("gap_minus_grpo", (x["proxy"] - x["gold"]) - (y["proxy"] - y["gold"]), -1)):
+                    mean, lo, hi = ci95(values.to_numpy(dtype=float))
+                    lines.append(f"{prefix}{name}_{method}_lr{lr:g}: {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] "
+                                 f"({len(common)} seeds, better on {int((better * values > 0).sum())})")
     return lines
 
 
@@ -395,8 +403,9 @@ def main() -> None:
     deadline = time.monotonic() + 60 * args.budget_minutes
     results, selection = Results(Path(args.results)), Results(Path(args.selection))
     tune_methods = [NO_FILTER, *(m for m in args.tune_methods if m != NO_FILTER)]
+    # seed by seed, as in the evaluation phase: a cut-off tuning pass has every arm on its first seeds
     run_all([dict(phase="tune", method=m, seed=s, lr=lr, mode="natural" if m == NO_FILTER else "equal")
-             for m in tune_methods for s in args.tune_seeds for lr in args.lrs], args, results, selection, deadline)
+             for s in args.tune_seeds for m in tune_methods for lr in args.lrs], args, results, selection, deadline)
     table = tuning_table(results.frame, args.lrs, args.tune_seeds)
     if table is None:
         print("tuning incomplete: no evaluation run started")

@@ -698,11 +698,19 @@ def test_the_gold_benchmark_evaluates_where_grpo_games_the_proxy():
     assert rlhf_gold.gap_lr(table, 0.1) == 2e-3
     assert rlhf_gold.gap_lr(table, 0.3) == 4e-3
     assert rlhf_gold.gap_lr(table, 0.9) == 4e-3  # none widens that far: the widest
-    # an arm on the tuning seeds, paired with GRPO there: gold +0.1 and +0.3 above GRPO's at 2e-3
+    # an arm on the tuning seeds, paired with GRPO there at 2e-3 (which gains a mid-run evaluation
+    # after round 2): gold +0.1 and +0.3 above GRPO's at the end, +0.5 and +0.1 after round 2
+    middle = frame[(frame["lr"] == 2e-3) & (frame["after_round"] == 4)].assign(after_round=2, proxy=0.3, gold=0.2)
+    frame = pd.concat([frame, middle], ignore_index=True)
     ceiling = frame[frame["lr"] == 2e-3].assign(method="ceiling", mode="equal")
     ceiling.loc[ceiling["after_round"] == 4, "gold"] += [0.1, 0.3]
+    ceiling.loc[ceiling["after_round"] == 2, "gold"] += [0.5, 0.1]
     both = pd.concat([frame, ceiling], ignore_index=True)
     assert rlhf_gold.tuning_table(both, [1e-3, 2e-3, 4e-3], [11, 12])["widening"].tolist() == pytest.approx([0.0, 0.2, 0.4])
     lines = rlhf_gold.tuning_pairs(both, ["ceiling"], [1e-3, 2e-3], [11, 12])
-    assert len(lines) == 2 and lines[0].startswith("tune_gold_minus_grpo_ceiling_lr0.002: +0.200 [")
+    assert len(lines) == 4
+    assert lines[0].startswith("tune_gold_minus_grpo_ceiling_lr0.002: +0.200 [") and lines[0].endswith("better on 2)")
     assert lines[1].startswith("tune_gap_minus_grpo_ceiling_lr0.002: -0.200 [")
+    # over the run: seed 11 (+0.5 + 0.1) / 2, seed 12 (+0.1 + 0.3) / 2
+    assert lines[2].startswith("tune_run_gold_minus_grpo_ceiling_lr0.002: +0.250 [")
+    assert lines[3].startswith("tune_run_gap_minus_grpo_ceiling_lr0.002: -0.250 [")
