@@ -170,15 +170,20 @@ LEARN_ARMS = {"ppo": {"filter": "none"}, "oracle": {"filter": "oracle"}, "quaran
 
 
 class Recording:
-    """Wraps a filter and keeps, per round, how many records it dropped and how many of those were corrupted."""
+    """Wraps a filter and keeps, per round, how many records it dropped and how many of those were
+    corrupted, and how many records the round had and how many of those were corrupted."""
 
     def __init__(self, inner):
-        self.inner, self.name, self.dropped, self.dropped_corrupted = inner, inner.name, [], []
+        self.inner, self.name = inner, inner.name
+        self.dropped, self.dropped_corrupted, self.records, self.corrupted = [], [], [], []
 
     def __call__(self, buffer, context):
         keep = self.inner(buffer, context)
+        corrupted = buffer.flat("corrupted")
         self.dropped.append(int((~keep).sum()))
-        self.dropped_corrupted.append(int((~keep & buffer.flat("corrupted")).sum()))
+        self.dropped_corrupted.append(int((~keep & corrupted).sum()))
+        self.records.append(len(keep))
+        self.corrupted.append(int(corrupted.sum()))
         return keep
 
     def state_dict(self):
@@ -206,7 +211,6 @@ def learn_one(env: str, fault: str, arm: str, seed: int, rounds: int, out: Path,
         diverged = np.nan
     except UserError:  # a non-finite loss or weights: the run counts, padded (``with_divergence_padded``)
         diverged = len(returns)
-    broken_envs = int(fault.split("envs=")[1].split(",")[0]) if fault != "clean" else 0
     dropped = sum(recording.dropped)
     row = {"env": env, "fault": fault, "arm": arm, "seed": seed, "rounds": rounds,
            "learning_rate": config.learning_rate,
@@ -215,7 +219,9 @@ def learn_one(env: str, fault: str, arm: str, seed: int, rounds: int, out: Path,
            "train_cpu_s": trainer.train_cpu_seconds, "dropped": dropped,
            "rounds_dropping": sum(d > 0 for d in recording.dropped),
            "selectivity": sum(recording.dropped_corrupted) / dropped if dropped else np.nan,
-           "base_rate": broken_envs / 8, "returns": " ".join(f"{r:.4g}" for r in returns)}
+           # the share of corrupted records: K/8 for a fault of K whole envs, measured for one that
+           # corrupts a fraction of the episodes (reward noise, a trigger)
+           "base_rate": sum(recording.corrupted) / max(sum(recording.records), 1), "returns": " ".join(f"{r:.4g}" for r in returns)}
     append_row(out / table, row)
     return row
 

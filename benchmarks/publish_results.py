@@ -60,7 +60,7 @@ TABLES = {
 }
 
 # learning tables of hidden_faults.py (``learn_table``): docs/data/<name>.csv -> docs/data/<name>_table.txt
-LEARN_TABLES = ("hidden_faults_learn_tuned", "reward_flip_tuned")
+LEARN_TABLES = ("hidden_faults_learn_tuned", "reward_flip_tuned", "corruption_tuned")
 
 
 def main() -> int:
