@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -85,3 +88,18 @@ def run_copy(trained, tmp_path):
     path = tmp_path / "run"
     shutil.copytree(trained, path)
     return path
+
+
+@pytest.fixture
+def benchmark_script():
+    """Loads ``benchmarks/<name>.py`` as a module (the benchmarks are scripts, not a package), so
+    that a test can call its functions."""
+
+    def load(name: str):
+        path = Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -623,18 +623,13 @@ def test_a_quarantine_run_resumes_with_its_window(tmp_path):
     assert sorted(resumed.filter.records) == [0, 1, 2, 3, 4, 5]
 
 
-def test_the_learning_benchmark_counts_what_a_filter_drops_and_the_rounds_corrupted_share():
+def test_the_learning_benchmark_counts_what_a_filter_drops_and_the_rounds_corrupted_share(benchmark_script):
     """benchmarks/hidden_faults.py's Recording: per round, the records dropped and the corrupted
     ones among them (selectivity), and the round's records and corrupted records (the base rate a
     fault of a fraction of the episodes has, which its spec does not state)."""
-    import importlib.util
-    from pathlib import Path
     from types import SimpleNamespace
 
-    path = Path(__file__).parents[1] / "benchmarks" / "hidden_faults.py"
-    spec = importlib.util.spec_from_file_location("hidden_faults", path)
-    hidden_faults = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hidden_faults)
+    hidden_faults = benchmark_script("hidden_faults")
     corrupted = torch.tensor([True, True, False, False, False, True, False, False])
     buffer = SimpleNamespace(flat=lambda name: {"corrupted": corrupted}[name])
     keep = torch.tensor([False, True, False, True, True, True, True, True])

@@ -650,16 +650,14 @@ def test_concatenated_rollouts_pad_prompts_left_and_responses_right(tiny_policy)
     assert torch.equal(merged.sequence_advantages, torch.cat([a.sequence_advantages, b.sequence_advantages]))
 
 
-def test_the_gold_benchmark_judges_what_a_filter_kept_within_each_group(tmp_path):
+def test_the_gold_benchmark_judges_what_a_filter_kept_within_each_group(tmp_path, benchmark_script):
     """benchmarks/rlhf_gold.py's selection_rows on hand-computed completions. Round 0: group 1 keeps
     its two best-gold completions (A_gold 0.6, 0.2 kept; -0.2, -0.6 dropped), group 2 has equal
     rewards (every A 0), so kept - dropped = 0.2 - (-0.2); agreement with A_proxy > 0 is 3 of 4 and
     2 of 4. Round 1 keeps all: no difference, but its agreement (1 of 4) counts."""
     import pandas as pd
 
-    spec = importlib.util.spec_from_file_location("rlhf_gold", ROOT / "benchmarks" / "rlhf_gold.py")
-    rlhf_gold = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rlhf_gold)
+    rlhf_gold = benchmark_script("rlhf_gold")
     rounds = [dict(gold=[0.8, 0.4, 0.0, -0.4, 1.0, 1.0, 1.0, 1.0], reward=[0.1, 0.5, 0.3, 0.3, 0.0, 0.0, 0.0, 0.0],
                    kept=[True, True, False, False, True, False, True, False]),
               dict(gold=[0.0] * 4, reward=[1.0, 0.0, 0.0, 0.0], kept=[True] * 4)]
@@ -674,15 +672,13 @@ def test_the_gold_benchmark_judges_what_a_filter_kept_within_each_group(tmp_path
     assert row["agreement_with_advantage_sign"] == pytest.approx((5 / 8 + 1 / 4) / 2)
 
 
-def test_the_gold_benchmark_evaluates_where_grpo_games_the_proxy():
+def test_the_gold_benchmark_evaluates_where_grpo_games_the_proxy(benchmark_script):
     """tuning_table: per lr the mean proxy after training and the gap's widening from theta(0) to the
     last evaluation over the tuning seeds; gap_lr: the smallest lr widening by the threshold, else
     the widest; chosen_lr: the best proxy."""
     import pandas as pd
 
-    spec = importlib.util.spec_from_file_location("rlhf_gold", ROOT / "benchmarks" / "rlhf_gold.py")
-    rlhf_gold = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rlhf_gold)
+    rlhf_gold = benchmark_script("rlhf_gold")
     rows = []
     # lr 1e-3: proxy and gold rise together; 2e-3: the gap widens by 0.15 and 0.25; 4e-3 by 0.3 and 0.5
     for lr, ends in [(1e-3, [(0.5, 0.45), (0.6, 0.55)]), (2e-3, [(0.7, 0.5), (0.8, 0.5)]), (4e-3, [(0.6, 0.25), (0.7, 0.15)])]:
