@@ -39,6 +39,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -161,9 +162,10 @@ def run_root(job: dict, args: argparse.Namespace) -> Path:
     return Path(args.scratch) / "_".join(str(job[k]) for k in KEY)
 
 
-def run_all(jobs: list[dict], args: argparse.Namespace, results: Results, selection: Results, deadline: float) -> None:
-    """Run every job not in ``results`` yet; each finished run adds its curve to ``results`` and,
-    for a filter, what it kept to ``selection``."""
+def run_all(jobs: list[dict], args: argparse.Namespace, results: Results, selection: Results, deadline: float,
+            rows: Callable[[dict, Path], pd.DataFrame] = curve_rows) -> None:
+    """Run every job not in ``results`` yet; each finished run adds its ``rows`` (by default its
+    test curve) to ``results`` and, for a filter, what it kept to ``selection``."""
     def run(job: dict) -> None:
         if results.has(job) or time.monotonic() > deadline:
             return
@@ -183,7 +185,7 @@ def run_all(jobs: list[dict], args: argparse.Namespace, results: Results, select
             print(f"failed: {root.name} (exit {failed}); the end of its log:\n{tail}", flush=True)
             return
         (run_dir,) = root.glob("rlhf-*")
-        results.add(curve_rows(job, run_dir))
+        results.add(rows(job, run_dir))
         if job["method"] != NO_FILTER:
             selection.add(selection_rows(job, run_dir))
         print(f"done: {root.name} ({time.monotonic() - started:.0f} s wall)", flush=True)

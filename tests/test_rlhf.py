@@ -710,3 +710,56 @@ def test_the_gold_benchmark_evaluates_where_grpo_games_the_proxy(benchmark_scrip
     # over the run: seed 11 (+0.5 + 0.1) / 2, seed 12 (+0.1 + 0.3) / 2
     assert lines[2].startswith("tune_run_gold_minus_grpo_ceiling_lr0.002: +0.250 [")
     assert lines[3].startswith("tune_run_gap_minus_grpo_ceiling_lr0.002: -0.250 [")
+
+
+def test_the_speed_benchmark_times_each_pair_to_80_percent_of_grpos_gain(benchmark_script):
+    """benchmarks/rlhf_speed.py's pair_speed on hand-made training curves (window 1): GRPO's rows
+    0.0 ... 0.5 put the level at 0.4, first reached with 4 rounds trained (row 4) and 40 CPU s
+    (row 3's cumulative seconds); a faster run reaches it with 2 rounds and 30 s; a run that never
+    gets there counts as 6 rounds and all of its 90 s (lower bounds); a GRPO run that gained nothing
+    has no level."""
+    import math
+
+    import pandas as pd
+
+    rlhf_speed = benchmark_script("rlhf_speed")
+
+    def rows(rewards, step):
+        return pd.DataFrame({"train_reward": rewards, "train_seconds": [step * (k + 1) for k in range(len(rewards))]})
+
+    grpo = rows([0.0, 0.1, 0.2, 0.3, 0.4, 0.5], 10)
+    fast = rlhf_speed.pair_speed(grpo, rows([0.0, 0.2, 0.45, 0.5, 0.5, 0.5], 15), window=1)
+    assert fast["level"] == pytest.approx(0.4)
+    assert (fast["rounds_grpo"], fast["rounds_iif"], fast["iif_reached"]) == (4, 2, True)
+    assert fast["log_speedup_rounds"] == pytest.approx(math.log(2))
+    assert fast["log_speedup_cpu"] == pytest.approx(math.log(40 / 30))
+    never = rlhf_speed.pair_speed(grpo, rows([0.0, 0.1, 0.1, 0.1, 0.1, 0.1], 15), window=1)
+    assert (never["rounds_iif"], never["iif_reached"]) == (6, False)
+    assert never["log_speedup_cpu"] == pytest.approx(math.log(40 / 90))
+    assert rlhf_speed.pair_speed(rows([0.3, 0.2, 0.1, 0.2, 0.3, 0.3], 10), grpo, window=1) is None
+    # smoothing: a trailing mean of 2 rounds moves GRPO's curve to 0.05 ... 0.45 (level 0.36, round 5)
+    assert rlhf_speed.pair_speed(grpo, grpo, window=2)["rounds_grpo"] == 5
+
+
+def test_the_speed_benchmark_tunes_each_arm_on_its_own_val_runs(benchmark_script):
+    """chosen_lrs: per arm the lr of the highest mean val proxy over the evaluations after training
+    (theta(0)'s row has none), flagged when at the grid's edge; an arm with a missing run waits."""
+    import pandas as pd
+
+    rlhf_speed = benchmark_script("rlhf_speed")
+    val = {("grpo", 1e-3): [0.3, 0.4], ("grpo", 2e-3): [0.5, 0.6], ("grpo", 4e-3): [0.6, 0.2],
+           ("iif-proxy", 1e-3): [0.2, 0.3], ("iif-proxy", 2e-3): [0.3, 0.4], ("iif-proxy", 4e-3): [0.4, 0.5]}
+    frame = pd.DataFrame([dict(phase="tune", method=arm, seed=7, lr=lr, mode="natural", round=k, eval_proxy=value)
+                          for (arm, lr), values in val.items()
+                          for k, value in enumerate([float("nan"), values[0], float("nan"), values[1]])])
+    grids = {"grpo": [1e-3, 2e-3, 4e-3], "iif-proxy": [1e-3, 2e-3, 4e-3]}
+    chosen, lines = rlhf_speed.chosen_lrs(frame, grids, [7])
+    assert chosen == {"grpo": 2e-3, "iif-proxy": 4e-3}
+    assert "chosen_lr_grpo: 0.002" in lines and "chosen_lr_iif-proxy: 0.004 (at the grid's edge)" in lines
+    assert "tune_val_proxy_grpo_lr0.004: 0.400" in lines
+    assert rlhf_speed.chosen_lrs(frame, grids, [7, 8])[0] == {}  # seed 8 has not run
+    # the edge choice widens IIF's grid only; until its 8e-3 run is there, IIF has no choice
+    assert rlhf_speed.widened(grids, chosen)
+    assert grids == {"grpo": [1e-3, 2e-3, 4e-3], "iif-proxy": [1e-3, 2e-3, 4e-3, 8e-3]}
+    assert rlhf_speed.chosen_lrs(frame, grids, [7])[0] == {"grpo": 2e-3}
+    assert not rlhf_speed.widened(grids, {"grpo": 2e-3, "iif-proxy": 4e-3})
