@@ -174,6 +174,20 @@ def summarise(frame: pd.DataFrame, chosen: dict[str, float], window: int) -> tup
     return table, lines
 
 
+def selection_lines(selection: pd.DataFrame, lr: float) -> list[str]:
+    """What IIF kept against what it dropped, within prompt groups (``rlhf_gold.selection_rows``):
+    the mean over seeds of kept minus dropped gold and proxy advantage, with 95% t intervals."""
+    runs = selection[(selection["phase"] == "eval") & np.isclose(selection["lr"].astype(float), lr)] \
+        if len(selection) else selection
+    lines = []
+    for name in ("proxy", "gold"):
+        values = runs[f"kept_minus_dropped_{name}_advantage"].dropna().to_numpy(dtype=float) if len(runs) else []
+        if len(values) > 1:
+            mean, lo, hi = ci95(values)
+            lines.append(f"kept_minus_dropped_{name}_advantage_iif: {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] ({len(values)} seeds)")
+    return lines
+
+
 def per_seed_markdown(table: pd.DataFrame) -> str:
     """One row a seed pair: rounds to the level (">" where the run never got there: a lower bound),
     the speed-ups, the training reward over the run, the final test rewards, IIF's kept fraction."""
@@ -230,6 +244,7 @@ def main() -> None:
     run_all([dict(phase="eval", method=arm, seed=s, lr=chosen[arm], mode="natural") for s in args.seeds for arm in ARMS],
             args, results, selection, deadline, rows=round_rows)
     table, summary = summarise(results.frame, chosen, args.window)
+    summary += selection_lines(selection.frame, chosen["iif-proxy"])
     if args.markdown:
         Path(args.markdown).write_text(per_seed_markdown(table) + "\n```\n" + "\n".join(lines + summary) + "\n```\n")
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
