@@ -60,10 +60,13 @@ METHODS: dict[str, list[str]] = {
     "iif-proxy": ["--filter", "iif"],
     "dynamic-sampling": ["--filter", "dynamic-sampling"],
     "ceiling": ["--filter", "gold-oracle"],
+    "grpo-on-gold": ["--filter", "none", "--train-reward", "gold"],
 }
 """The arms. ``ceiling`` drops each completion the update moves against its gold advantage, what
 a perfect scorer could do (``rlinfluence.rlhf.filters.gold_agreement``): if it cannot beat GRPO's
-gold at equal proxy, the set-up has nothing for a gold-targeted filter to find."""
+gold at equal proxy, the set-up has nothing for a gold-targeted filter to find. ``grpo-on-gold``
+trains on the gold reward itself, what no fix to the data or the reward can exceed: if even it
+does not gain gold over GRPO, the gold is out of reach of this set-up's steps."""
 SETUP = ["--algo", "grpo", "--prompts-per-round", "8", "--group-size", "4", "--response-length", "24",
          "--ppo-epochs", "1", "--mini-batch-size", "4", "--torch-threads", "1", "--no-progress", "--no-tensorboard",
          "--checkpoint-every", "1"]

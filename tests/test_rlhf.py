@@ -489,6 +489,27 @@ def test_the_gold_oracle_keeps_what_the_update_moves_the_gold_way(tmp_path):
         tiny_config(tmp_path, algo="grpo", group_size=2, filter="gold-oracle").validate()
 
 
+def test_training_on_the_gold_reward_takes_its_advantages_from_the_judge_and_logs_the_proxy(tmp_path):
+    from rlinfluence.rlhf.core import group_advantages
+
+    settings = dict(task="sentiment-relevance", algo="grpo", group_size=2, mini_batch_size=2, rounds=1)
+    on_proxy = trainer_of(tiny_config(tmp_path / "proxy", **settings))
+    on_proxy.learn()
+    on_gold = trainer_of(tiny_config(tmp_path / "gold", train_reward="gold", **settings))
+    on_gold.learn()
+    c, c_proxy = load_completions(on_gold.run.path, 0), load_completions(on_proxy.run.path, 0)
+    # round 0 samples the same completions; only the advantages' reward differs
+    assert c["response"].tolist() == c_proxy["response"].tolist()
+    assert c["reward"].tolist() == c_proxy["reward"].tolist() and c["gold"].tolist() == c_proxy["gold"].tolist()
+    expected = group_advantages(torch.tensor(c["gold"].to_numpy(), dtype=torch.float32), 2)
+    assert on_gold.last_rollout.sequence_advantages.tolist() == pytest.approx(expected.tolist(), abs=1e-5)
+    assert on_gold.last_rollout.sequence_advantages.tolist() != pytest.approx(
+        on_proxy.last_rollout.sequence_advantages.tolist(), abs=1e-5)
+    assert on_gold.config.method_label == "grpo-on-gold"
+    with pytest.raises(UserError, match="--train-reward gold trains on a gold task's judge"):
+        tiny_config(tmp_path, algo="grpo", group_size=2, train_reward="gold").validate()
+
+
 def test_an_update_that_makes_the_weights_non_finite_is_one_clear_error(tmp_path):
     trainer = trainer_of(tiny_config(tmp_path, algo="grpo", group_size=2, mini_batch_size=2), run_dir=False)
     step = trainer.optimizer.step

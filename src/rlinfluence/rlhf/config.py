@@ -68,6 +68,10 @@ class RLHFConfig:
     """every method takes the optimiser steps of the unfiltered round (ppo_epochs x floor(N /
     mini_batch_size)), the kept completions cycled through fresh permutations to fill them: a
     filter then changes which data the update sees, not how far it goes"""
+    train_reward: Literal["proxy", "gold"] = "proxy"
+    """the reward behind the update's advantages: proxy = the task's reward; gold = the gold judge's (a
+    gold task): what a run would learn if its reward could not be gamed, the ceiling of any fix to
+    the data or the reward. The proxy is still logged and saved as each completion's reward."""
     target_reward: Literal["proxy", "gold"] = "proxy"
     """the rewards behind f_seq's validation advantages: proxy = the training reward; gold = the
     gold reward (a gold task, with target_source fresh: a small labelled validation set)"""
@@ -178,7 +182,8 @@ class RLHFConfig:
     @property
     def method_label(self) -> str:
         gold = "-gold" if self.filter == "iif" and self.target_reward == "gold" else ""
-        return self.method or (self.algo if self.filter == "none" else f"{self.algo}-{self.filter}{gold}")
+        trained = "-on-gold" if self.train_reward == "gold" else ""
+        return self.method or ((self.algo if self.filter == "none" else f"{self.algo}-{self.filter}{gold}") + trained)
 
     def validate(self) -> None:
         """``UserError`` naming the first invalid value."""
@@ -255,6 +260,9 @@ class RLHFConfig:
                                                  and self.target == "seq" and self.target_source == "fresh"):
             raise UserError("--target-reward gold scores a fresh validation rollout with the gold reward: it needs "
                             f"--task {' or '.join(GOLD_TASKS)} --filter iif --target seq --target-source fresh")
+        if self.train_reward == "gold" and self.task not in GOLD_TASKS:
+            raise UserError(f"--train-reward gold trains on a gold task's judge: it needs --task {' or '.join(GOLD_TASKS)}, "
+                            f"got {self.task}")
         if self.filter == "gold-oracle" and not (self.task in GOLD_TASKS and self.algo == "grpo"):
             raise UserError("--filter gold-oracle keeps completions by their gold advantage within a group: it needs "
                             f"--task {' or '.join(GOLD_TASKS)} and --algo grpo, got {self.task} and {self.algo}")

@@ -298,6 +298,10 @@ class RLHFTrainer:
             start = self.clock()
             gold = self.gold_reward(rollout.responses, rollout.input_ids, rollout.mask, rollout.ref_logp)
             gold_seconds = self.clock() - start
+        if cfg.train_reward == "gold":  # the judge is the training reward: its seconds are the round's
+            proxy, rollout.scores, gold_seconds = rollout.scores, gold.to(rollout.scores), 0.0
+            add_advantages(rollout, cfg.algo, self.kl_ctl.value, cfg.gamma, cfg.gae_lambda, cfg.responses_per_prompt)
+            rollout.scores = proxy  # the update reads the advantages; the proxy stays each completion's reward
         t1 = self.clock()
         keep = torch.ones(len(rollout), dtype=torch.bool)
         if cfg.filter in ("advantage-sign", "pods", "random", "gold-oracle"):
