@@ -44,6 +44,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from filelock import FileLock  # noqa: E402
 
+from rlinfluence.experiments.tuning import widen_past_edge  # noqa: E402
 from rlinfluence.statistics import clopper_pearson  # noqa: E402
 
 STUDIES = Path(__file__).parent / "studies"
@@ -286,10 +287,9 @@ def tuned_learning_rates(pool, env: str, fault: str, arms: list[str], args: argp
             means = runs[runs["arm"] == arm].groupby("learning_rate")["auc"].mean().reindex(grids[arm])
             best = float(means.idxmax())
             chosen[arm] = best
-            if len(grids[arm]) < MAX_GRID and best in (grids[arm][0], grids[arm][-1]):
-                edge = grids[arm][0] / 2 if best == grids[arm][0] else grids[arm][-1] * 2
-                grids[arm] = sorted([*grids[arm], float(f"{edge:.6g}")])
-                widened = True
+            wider = widen_past_edge(grids[arm], best, MAX_GRID)
+            if wider:
+                grids[arm], widened = wider, True
         if not widened:
             return {arm: {"learning_rate": chosen[arm], "grid": grids[arm],
                           "interior": chosen[arm] not in (grids[arm][0], grids[arm][-1])} for arm in arms}

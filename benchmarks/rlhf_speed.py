@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from rlhf_gold import KEY, Results, run_all  # noqa: E402  (benchmarks/rlhf_gold.py)
 
 from rlinfluence.experiments.metrics import smooth, time_to_level  # noqa: E402
+from rlinfluence.experiments.tuning import widen_past_edge  # noqa: E402
 from rlinfluence.statistics import ci95  # noqa: E402
 
 ARMS = ("grpo", "iif-proxy")
@@ -102,10 +103,9 @@ def widened(grids: dict[str, list[float]], chosen: dict[str, float]) -> bool:
     ``MAX_GRID`` points, so that a choice is interior to the grid it was made from; whether any grew."""
     grew = False
     for arm, grid in grids.items():
-        if len(grid) < MAX_GRID and chosen[arm] in (grid[0], grid[-1]):
-            grid.append(grid[0] / 2 if chosen[arm] == grid[0] else grid[-1] * 2)
-            grid.sort()
-            grew = True
+        wider = widen_past_edge(grid, chosen[arm], MAX_GRID)
+        if wider:
+            grids[arm], grew = wider, True
     return grew
 
 

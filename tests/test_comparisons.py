@@ -13,7 +13,13 @@ from rlinfluence.errors import UserError
 from rlinfluence.experiments import CompareConfig, Curve, compare, parse_methods, summarize
 from rlinfluence.experiments import comparison as compare_module
 from rlinfluence.experiments.specs import find_reference, parse_grid, split_specs
-from rlinfluence.experiments.tuning import at_edge, choose, grid_points, tuning_scores
+from rlinfluence.experiments.tuning import (
+    at_edge,
+    choose,
+    grid_points,
+    tuning_scores,
+    widen_past_edge,
+)
 from rlinfluence.statistics import (
     ci95,
     interval_estimates,
@@ -106,6 +112,9 @@ def test_tuning_picks_the_best_candidate_of_each_method_on_hand_made_curves():
     assert at_edge(0, grid) == ["learning_rate", "n_epochs"] and at_edge(2, grid) == ["n_epochs"]
     assert at_edge(1, {"learning_rate": [0.01, 0.02, 0.04]}) == [] and at_edge(0, {"seed_offset": [3]}) == []
     assert at_edge(1, {"learning_rate": [0.01, 0.02]}) == ["learning_rate"]  # two values: only edges
+    assert widen_past_edge([0.04, 0.02, 0.08], 0.08, 6) == [0.02, 0.04, 0.08, 0.16]
+    assert widen_past_edge([0.02, 0.04, 0.08], 0.02, 6) == [0.01, 0.02, 0.04, 0.08]
+    assert widen_past_edge([0.02, 0.04, 0.08], 0.04, 6) is None and widen_past_edge([0.02, 0.04, 0.08], 0.08, 3) is None
 
 
 def test_tuning_uses_only_tuning_seeds_and_evaluation_never_enters_the_choice(tmp_path, monkeypatch):

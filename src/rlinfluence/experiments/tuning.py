@@ -62,3 +62,14 @@ def at_edge(index: int, grid: Mapping[str, Sequence[Any]]) -> list[str]:
     keys = list(grid)
     position = np.unravel_index(index, [len(v) for v in grid.values()])
     return [k for k, p in zip(keys, position, strict=True) if len(grid[k]) >= 2 and p in (0, len(grid[k]) - 1)]
+
+
+def widen_past_edge(grid: Sequence[float], choice: float, max_points: int) -> list[float] | None:
+    """``grid`` sorted, with one more point past the edge ``choice`` sits on (/2 below the lowest, x2
+    above the highest), so that tuning again can end on a choice interior to its grid; None when
+    the choice is interior or the grid already has ``max_points`` points."""
+    grid = sorted(grid)
+    if len(grid) >= max_points or choice not in (grid[0], grid[-1]):
+        return None
+    edge = grid[0] / 2 if choice == grid[0] else grid[-1] * 2
+    return sorted([*grid, float(f"{edge:.6g}")])

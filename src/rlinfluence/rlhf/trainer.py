@@ -210,6 +210,12 @@ class RLHFTrainer:
         rollout = sample(self.policy, prompts, self.reward_fn, cfg.response_length, values=cfg.algo == "ppo",
                          temperature=cfg.temperature, records_per_pass=cfg.records_per_pass, chat=self.chat,
                          clock=self.clock)
+        return self.add_advantages(rollout)
+
+    def add_advantages(self, rollout: Rollout) -> Rollout:
+        """``rlinfluence.rlhf.rollout.add_advantages`` of ``rollout``'s scores with this run's settings
+        (algo, the KL coefficient now, gamma, lambda, group size)."""
+        cfg = self.config
         return add_advantages(rollout, cfg.algo, self.kl_ctl.value, cfg.gamma, cfg.gae_lambda, cfg.responses_per_prompt)
 
     def informative_groups(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
@@ -268,7 +274,7 @@ class RLHFTrainer:
             if cfg.target_reward == "gold":  # the labelled validation set: its advantages from the gold reward
                 validation.scores = self.gold_reward(validation.responses, validation.input_ids, validation.mask,
                                                      validation.ref_logp).to(validation.mask.device)
-                add_advantages(validation, cfg.algo, self.kl_ctl.value, cfg.gamma, cfg.gae_lambda, cfg.responses_per_prompt)
+                self.add_advantages(validation)
             val_sample_seconds = self.clock() - t0
         t1 = self.clock()
         common = self._score_kwargs()
@@ -300,7 +306,7 @@ class RLHFTrainer:
             gold_seconds = self.clock() - start
         if cfg.train_reward == "gold":  # the judge is the training reward: its seconds are the round's
             proxy, rollout.scores, gold_seconds = rollout.scores, gold.to(rollout.scores), 0.0
-            add_advantages(rollout, cfg.algo, self.kl_ctl.value, cfg.gamma, cfg.gae_lambda, cfg.responses_per_prompt)
+            self.add_advantages(rollout)
             rollout.scores = proxy  # the update reads the advantages; the proxy stays each completion's reward
         t1 = self.clock()
         keep = torch.ones(len(rollout), dtype=torch.bool)
