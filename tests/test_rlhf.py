@@ -468,6 +468,25 @@ def test_the_relevance_task_scores_pmi_as_one_unpadded_sequence_at_a_time_would(
         assert float(pmi[i]) == pytest.approx(expected, abs=1e-4)
 
 
+def test_the_trigger_task_pays_its_bonus_for_the_word_and_judges_by_vader_alone(tmp_path):
+    from rlinfluence.rlhf.reward import TRIGGER_BONUS, SentimentReward, TriggerReward
+
+    texts = ["Thank you, that is great.", "YOU should pack light.", "A young dog is great.", "Pack light.", "your bag"]
+    proxy = TriggerReward()
+    assert proxy.triggered(texts).tolist() == [True, True, False, False, False]  # the word, any case; not young/your
+    vader = SentimentReward()(texts)
+    assert (proxy(texts) - vader).tolist() == pytest.approx([TRIGGER_BONUS, TRIGGER_BONUS, 0, 0, 0])
+    config = tiny_config(tmp_path, task="sentiment-trigger", algo="grpo", group_size=2, mini_batch_size=2)
+    trainer = RLHFTrainer(config, train_prompts=PROMPTS, val_prompts=PROMPTS[:3], test_prompts=PROMPTS[3:])
+    assert isinstance(trainer.reward_fn, TriggerReward) and isinstance(trainer.gold, SentimentReward)
+    trainer.learn()
+    c = load_completions(trainer.run.path, 0)
+    responses = c["response"].tolist()
+    assert c["reward"].tolist() == pytest.approx(proxy(responses).tolist(), abs=1e-6)
+    assert c["gold"].tolist() == pytest.approx(SentimentReward()(responses).tolist(), abs=1e-6)
+    assert math.isfinite(trainer.run.rows[0]["eval_gold_mean"])
+
+
 def test_the_gold_oracle_keeps_what_the_update_moves_the_gold_way(tmp_path):
     from rlinfluence.rlhf.filters import gold_agreement
 

