@@ -48,6 +48,7 @@ import numpy as np
 import pandas as pd
 from filelock import FileLock
 
+from rlinfluence.rlhf.data import GOLD_TASKS
 from rlinfluence.rlhf.report import load_completions, saved_rounds
 from rlinfluence.statistics import ci95, probability_of_improvement
 
@@ -378,8 +379,7 @@ def plot(frame: pd.DataFrame, lr: float, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--task", default="sentiment-gold", choices=["sentiment-gold", "sentiment-relevance",
-                                                                               "sentiment-trigger"])
+    parser.add_argument("--task", default="sentiment-gold", choices=list(GOLD_TASKS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5])
     parser.add_argument("--tune-seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--tune-split", default="val", choices=["val", "test"],
