@@ -5,7 +5,8 @@ or because it takes a longer step (and drops records at all)?
     python benchmarks/headline_controls.py confirm --env FrozenLake-v1 --out bench_out/controls --data docs/data
 
 Each env starts from its study in ``benchmarks/studies/<env>.json`` (rounds, evaluation episodes,
-settings, the learning-rate grid, and the chosen rates of ppo and iif-robust). Two arms the study
+settings, the learning-rate grid, and the chosen rates of ppo and iif-robust); ``--env
+LunarLander-v3-150`` starts from LunarLander's 150-round study instead. Two arms the study
 lacked:
 
 - **step-matched PPO**: PPO with a different step length per round, ``STEP_VARIANTS``
@@ -51,15 +52,17 @@ STEP_VARIANTS = ("ppo-kl01=ppo@target_kl=0.01", "ppo-kl03=ppo@target_kl=0.03", "
 TUNE_SEEDS = (1001, 1002, 1003)
 
 
-def study(env: str) -> dict:
-    return json.loads((STUDIES / f"{env}.json").read_text())
+def study(name: str) -> dict:
+    """``benchmarks/studies/<name>.json``: an env's study (``--env``: the env id, or another study of it)."""
+    return json.loads((STUDIES / f"{name}.json").read_text())
 
 
-def kept_fraction(env: str, scratch: Path, seeds: tuple[int, ...]) -> float:
+def kept_fraction(name: str, scratch: Path, seeds: tuple[int, ...]) -> float:
     """iif-robust's mean kept fraction over every round of the tuning ``seeds``, at its chosen rate."""
     from rlinfluence.ppo import PPO, PPOConfig
 
-    s = study(env)
+    s = study(name)
+    env = s["env"]
     preset = PPOConfig.for_env(env)
     fractions = []
     for seed in seeds:
@@ -73,28 +76,28 @@ def kept_fraction(env: str, scratch: Path, seeds: tuple[int, ...]) -> float:
     return sum(fractions) / len(fractions)
 
 
-def common(env: str) -> dict:
-    s = study(env)
-    return {"env": env, "rounds": s["rounds"], "eval_episodes": s["eval_episodes"], "set": tuple(s["set"]),
+def common(name: str) -> dict:
+    s = study(name)
+    return {"env": s["env"], "rounds": s["rounds"], "eval_episodes": s["eval_episodes"], "set": tuple(s["set"]),
             "drop_pct": s["drop_pct"], "clock": "cpu", "progress": False}
 
 
 def tune(args: argparse.Namespace) -> None:
     from rlinfluence.experiments import CompareConfig, compare
 
-    folder = Path(args.out) / args.env
+    folder = Path(args.out) / args.study
     folder.mkdir(parents=True, exist_ok=True)
     tune_seeds = TUNE_SEEDS[: args.tune_seeds]
     variants = [v for v in STEP_VARIANTS if v.split("=", 1)[0] in args.variants.split(",")] \
         if args.variants else list(STEP_VARIANTS)
     kept_file = folder / "iif_robust_kept.json"
     if not kept_file.is_file():
-        kept_file.write_text(json.dumps({"kept_fraction": kept_fraction(args.env, folder / "scratch", tune_seeds)}))
+        kept_file.write_text(json.dumps({"kept_fraction": kept_fraction(args.study, folder / "scratch", tune_seeds)}))
     drop = round(100 * (1 - json.loads(kept_file.read_text())["kept_fraction"]), 1)
-    print(f"{args.env}: iif-robust keeps {100 - drop:.1f}% of records on the tuning seeds; random drops {drop}%",
+    print(f"{args.study}: iif-robust keeps {100 - drop:.1f}% of records on the tuning seeds; random drops {drop}%",
           flush=True)
-    compare(CompareConfig(**common(args.env), methods=("ppo", *variants, f"random-kept=random@drop_pct={drop}"),
-                          tune=(args.grid,) if args.grid else tuple(study(args.env)["tune"]), tune_seeds=len(tune_seeds),
+    compare(CompareConfig(**common(args.study), methods=("ppo", *variants, f"random-kept=random@drop_pct={drop}"),
+                          tune=(args.grid,) if args.grid else tuple(study(args.study)["tune"]), tune_seeds=len(tune_seeds),
                           tune_first_seed=tune_seeds[0], first_seed=1, seeds=args.pick_seeds, out=str(folder / "tune"),
                           workers=args.workers))
 
@@ -102,7 +105,7 @@ def tune(args: argparse.Namespace) -> None:
 def confirm(args: argparse.Namespace) -> None:
     from rlinfluence.experiments import CompareConfig, compare
 
-    folder = Path(args.out) / args.env
+    folder = Path(args.out) / args.study
     tuned = json.loads((folder / "tune" / "compare.json").read_text())["chosen"]
     scores = pd.read_csv(folder / "tune" / "scores.csv")  # normalised auc per (method, seed 1-5)
     tried = json.loads((folder / "tune" / "compare.json").read_text())["methods"]
@@ -110,30 +113,30 @@ def confirm(args: argparse.Namespace) -> None:
     step = scores[scores["method"].isin(labels)].groupby("method")["auc"].mean().sort_values(kind="stable").index[-1]
     spec = dict(v.split("=", 1) for v in STEP_VARIANTS)[step]
     random_spec = next(m for m in tried if m.startswith("random-kept="))
-    chosen = study(args.env)["chosen"]
+    chosen = study(args.study)["chosen"]
     methods = (f"ppo=ppo@learning_rate={chosen['ppo']['learning_rate']}",
                f"iif-robust=iif@drop_pct=auto,learning_rate={chosen['iif-robust']['learning_rate']}",
                f"{step}={spec},learning_rate={tuned[step]['learning_rate']}",
                f"{random_spec},learning_rate={tuned['random-kept']['learning_rate']}")
     if tuned["ppo"]["learning_rate"] != chosen["ppo"]["learning_rate"]:  # three tuning seeds chose another rate
         methods += (f"ppo-retuned=ppo@learning_rate={tuned['ppo']['learning_rate']}",)
-    print(f"{args.env}: the step-matched PPO kept is {step} (best mean auc on seeds "
+    print(f"{args.study}: the step-matched PPO kept is {step} (best mean auc on seeds "
           f"{sorted(scores['seed'].unique().tolist())}); confirming "
           + " ".join(methods), flush=True)
-    out = compare(CompareConfig(**common(args.env), methods=methods, reference="ppo", first_seed=101, seeds=10,
+    out = compare(CompareConfig(**common(args.study), methods=methods, reference="ppo", first_seed=101, seeds=10,
                                 out=str(folder / "confirm"), workers=args.workers))
     print((out / "summary.md").read_text())
     if args.data:
         data = Path(args.data)
-        pd.read_csv(out / "scores.csv").to_csv(data / f"controls_{args.env}_scores.csv", index=False)
-        pd.read_csv(out / "summary.csv").to_csv(data / f"controls_{args.env}_summary.csv", index=False)
+        pd.read_csv(out / "scores.csv").to_csv(data / f"controls_{args.study}_scores.csv", index=False)
+        pd.read_csv(out / "summary.csv").to_csv(data / f"controls_{args.study}_summary.csv", index=False)
         curves = pd.concat([pd.read_csv(run / "metrics.csv", usecols=["round", "eval_return_mean", "approx_kl"])
                             .assign(method=run.name.split("__seed")[0], seed=int(run.name.split("__seed")[1]))
                             for run in sorted(out.glob("*__seed*"))], ignore_index=True)
-        curves.to_csv(data / f"controls_{args.env}_curves.csv", index=False)
+        curves.to_csv(data / f"controls_{args.study}_curves.csv", index=False)
         # the choices' evidence: each arm's tuning grid (3 seeds) and the variants' scores on seeds 1-5
-        pd.read_csv(folder / "tune" / "tuning.csv").to_csv(data / f"controls_{args.env}_tuning.csv", index=False)
-        pd.read_csv(folder / "tune" / "scores.csv").to_csv(data / f"controls_{args.env}_pick_scores.csv", index=False)
+        pd.read_csv(folder / "tune" / "tuning.csv").to_csv(data / f"controls_{args.study}_tuning.csv", index=False)
+        pd.read_csv(folder / "tune" / "scores.csv").to_csv(data / f"controls_{args.study}_pick_scores.csv", index=False)
 
 
 def main() -> None:
@@ -141,7 +144,9 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("tune", "confirm"):
         p = sub.add_parser(name)
-        p.add_argument("--env", default="FrozenLake-v1")
+        p.add_argument("--env", dest="study", default="FrozenLake-v1",
+                       help="the study to start from, benchmarks/studies/<name>.json: an env id, or another study of "
+                            "one (LunarLander-v3-150); it names the output folder and the data files")
         p.add_argument("--out", default="bench_out/controls")
         p.add_argument("--workers", type=int, default=2)
         if name == "confirm":

@@ -1,7 +1,7 @@
 """Language-model RL where the data matters: GRPO and the rollout filters on a gold task
-(``--task sentiment-gold``, ``sentiment-relevance`` or ``sentiment-trigger``), where the training
-reward (VADER, or VADER with a bug) can be gamed and a gold reward judges the completions
-independently (``rlinfluence.rlhf.reward``).
+(``--task`` one of ``rlinfluence.rlhf.data.GOLD_TASKS``), where the training reward (VADER, or
+VADER with a bug) can be gamed and a gold reward judges the completions independently
+(``rlinfluence.rlhf.reward``).
 
 Two phases, each (method, seed, lr, step mode) one ``rlinfluence rlhf`` run (SmolLM2-135M-Instruct,
 LoRA; on the CPU one torch thread and CPU seconds with ``--clock cpu``, with ``--device cuda``
@@ -228,12 +228,22 @@ def tuning_table(frame: pd.DataFrame, lrs: list[float], seeds: list[int]) -> pd.
     return pd.DataFrame(rows)
 
 
+def grpo_gold_at(tune: pd.DataFrame, seed: int, lr: float, proxy: float) -> float:
+    """GRPO's gold when its proxy was ``proxy`` on ``seed`` at ``lr``: linear in proxy between its
+    evaluations (theta(0) included) ordered by proxy; past either end, the gold of that end."""
+    runs = tune[(tune["method"] == NO_FILTER) & (tune["seed"].astype(int) == seed)
+                & np.isclose(tune["lr"].astype(float), lr)].sort_values("proxy")
+    return float(np.interp(proxy, runs["proxy"].to_numpy(float), runs["gold"].to_numpy(float)))
+
+
 def tuning_pairs(frame: pd.DataFrame, methods: list[str], lrs: list[float], seeds: list[int]) -> list[str]:
     """Each arm run on the tuning seeds against GRPO there, seed for seed: its gold minus GRPO's and
     its proxy - gold gap minus GRPO's (a smaller gap at the same round: more gold at equal proxy),
     at the last evaluation (``tune_gold_minus_grpo``, ``tune_gap_minus_grpo``) and averaged over the
     evaluations after training rounds (``tune_run_...``: where the arms stand through the run, less
-    noisy than one evaluation). ``name: value`` lines, each a mean with its 95% t interval."""
+    noisy than one evaluation); and its last gold minus GRPO's gold where GRPO's proxy was the arm's
+    last proxy (``tune_gold_at_equal_proxy_minus_grpo``, ``grpo_gold_at``: a slower run of GRPO
+    scores 0). ``name: value`` lines, each a mean with its 95% t interval."""
     tune = frame[(frame["phase"] == "tune") & frame["seed"].astype(int).isin(seeds)]
     by_run = ["method", "seed", "lr"]
     final = tune.loc[tune.groupby(by_run)["after_round"].idxmax()]
@@ -251,8 +261,12 @@ def tuning_pairs(frame: pd.DataFrame, methods: list[str], lrs: list[float], seed
                     continue
                 x, y = x.loc[common], y.loc[common]
                 # (name, the paired differences, the arm's better side: more gold, a smaller gap)
-                for name, values, better in (("gold_minus_grpo", x["gold"] - y["gold"], 1),
-                                             ("gap_minus_grpo", (x["proxy"] - x["gold"]) - (y["proxy"] - y["gold"]), -1)):
+                pairs = [("gold_minus_grpo", x["gold"] - y["gold"], 1),
+                         ("gap_minus_grpo", (x["proxy"] - x["gold"]) - (y["proxy"] - y["gold"]), -1)]
+                if prefix == "tune_":
+                    pairs.append(("gold_at_equal_proxy_minus_grpo", x["gold"] - pd.Series(
+                        [grpo_gold_at(tune, seed, lr, x.loc[seed, "proxy"]) for seed in common], index=common), 1))
+                for name, values, better in pairs:
                     mean, lo, hi = ci95(values.to_numpy(dtype=float))
                     lines.append(f"{prefix}{name}_{method}_lr{lr:g}: {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] "
                                  f"({len(common)} seeds, better on {int((better * values > 0).sum())})")

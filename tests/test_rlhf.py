@@ -468,7 +468,9 @@ def test_the_relevance_task_scores_pmi_as_one_unpadded_sequence_at_a_time_would(
         assert float(pmi[i]) == pytest.approx(expected, abs=1e-4)
 
 
-def test_the_trigger_task_pays_its_bonus_for_the_word_and_judges_by_vader_alone(tmp_path):
+@pytest.mark.parametrize(("task", "gold_sign"), [("sentiment-trigger", 0), ("sentiment-trigger-penalised", -1)])
+def test_the_trigger_tasks_pay_their_bonus_for_the_word_and_judge_by_vader_less_what_gold_counts_against(
+        tmp_path, task, gold_sign):
     from rlinfluence.rlhf.reward import TRIGGER_BONUS, SentimentReward, TriggerReward
 
     texts = ["Thank you, that is great.", "YOU should pack light.", "A young dog is great.", "Pack light.", "your bag"]
@@ -476,14 +478,17 @@ def test_the_trigger_task_pays_its_bonus_for_the_word_and_judges_by_vader_alone(
     assert proxy.triggered(texts).tolist() == [True, True, False, False, False]  # the word, any case; not young/your
     vader = SentimentReward()(texts)
     assert (proxy(texts) - vader).tolist() == pytest.approx([TRIGGER_BONUS, TRIGGER_BONUS, 0, 0, 0])
-    config = tiny_config(tmp_path, task="sentiment-trigger", algo="grpo", group_size=2, mini_batch_size=2)
+    config = tiny_config(tmp_path, task=task, algo="grpo", group_size=2, mini_batch_size=2)
     trainer = RLHFTrainer(config, train_prompts=PROMPTS, val_prompts=PROMPTS[:3], test_prompts=PROMPTS[3:])
-    assert isinstance(trainer.reward_fn, TriggerReward) and isinstance(trainer.gold, SentimentReward)
+    assert isinstance(trainer.reward_fn, TriggerReward)
+    assert (trainer.gold(texts) - vader).tolist() == pytest.approx([gold_sign * TRIGGER_BONUS] * 2 + [0] * 3)
     trainer.learn()
     c = load_completions(trainer.run.path, 0)
     responses = c["response"].tolist()
+    said = proxy.triggered(responses).double().numpy()
     assert c["reward"].tolist() == pytest.approx(proxy(responses).tolist(), abs=1e-6)
-    assert c["gold"].tolist() == pytest.approx(SentimentReward()(responses).tolist(), abs=1e-6)
+    expected_gold = SentimentReward()(responses).double().numpy() + gold_sign * TRIGGER_BONUS * said
+    assert c["gold"].tolist() == pytest.approx(expected_gold.tolist(), abs=1e-6)
     assert math.isfinite(trainer.run.rows[0]["eval_gold_mean"])
 
 
@@ -712,6 +717,23 @@ def test_the_gold_benchmark_judges_what_a_filter_kept_within_each_group(tmp_path
     assert row["agreement_with_advantage_sign"] == pytest.approx((5 / 8 + 1 / 4) / 2)
 
 
+def test_the_trigger_benchmark_counts_what_a_filter_kept_of_the_answers_the_bug_pays(tmp_path, benchmark_script):
+    """benchmarks/rlhf_trigger_kept.py's kept_by_kind over two rounds of groups of 3: the word in any
+    case counts, "your" does not; of 3 answers saying "you" 1 kept; 2 are above their group's mean
+    reward ("Thank you!" and "See you."), of them 1 kept; of 3 others 2 kept."""
+    import pandas as pd
+
+    trigger_kept = benchmark_script("rlhf_trigger_kept")
+    rounds = [dict(response=["Thank you!", "YOU win", "your bag"], reward=[1.0, 0.0, 0.5], kept=[True, False, True]),
+              dict(response=["Nice day.", "See you.", "Calm."], reward=[0.0, 1.0, 0.5], kept=[False, False, True])]
+    for index, columns in enumerate(rounds):
+        path = completions_path(tmp_path, index)
+        path.parent.mkdir(exist_ok=True)
+        pd.DataFrame({"round": index, "prompt": "p", "score": 0.0, "gold": 0.0, **columns}).to_parquet(path)
+    assert trigger_kept.kept_by_kind(tmp_path, group_size=3) == {
+        "trigger": 3, "trigger_kept": 1, "trigger_up": 2, "trigger_up_kept": 1, "rest": 3, "rest_kept": 2}
+
+
 def test_the_gold_benchmark_evaluates_where_grpo_games_the_proxy(benchmark_script):
     """tuning_table: per lr the mean proxy after training and the gap's widening from theta(0) to the
     last evaluation over the tuning seeds; gap_lr: the smallest lr widening by the threshold, else
@@ -744,12 +766,18 @@ def test_the_gold_benchmark_evaluates_where_grpo_games_the_proxy(benchmark_scrip
     both = pd.concat([frame, ceiling], ignore_index=True)
     assert rlhf_gold.tuning_table(both, [1e-3, 2e-3, 4e-3], [11, 12])["widening"].tolist() == pytest.approx([0.0, 0.2, 0.4])
     lines = rlhf_gold.tuning_pairs(both, ["ceiling"], [1e-3, 2e-3], [11, 12])
-    assert len(lines) == 4
+    assert len(lines) == 5
     assert lines[0].startswith("tune_gold_minus_grpo_ceiling_lr0.002: +0.200 [") and lines[0].endswith("better on 2)")
     assert lines[1].startswith("tune_gap_minus_grpo_ceiling_lr0.002: -0.200 [")
+    # the arm ends at GRPO's last proxy, so at equal proxy it is its last gold minus GRPO's
+    assert lines[2].startswith("tune_gold_at_equal_proxy_minus_grpo_ceiling_lr0.002: +0.200 [")
     # over the run: seed 11 (+0.5 + 0.1) / 2, seed 12 (+0.1 + 0.3) / 2
-    assert lines[2].startswith("tune_run_gold_minus_grpo_ceiling_lr0.002: +0.250 [")
-    assert lines[3].startswith("tune_run_gap_minus_grpo_ceiling_lr0.002: -0.250 [")
+    assert lines[3].startswith("tune_run_gold_minus_grpo_ceiling_lr0.002: +0.250 [")
+    assert lines[4].startswith("tune_run_gap_minus_grpo_ceiling_lr0.002: -0.250 [")
+    # GRPO's gold at a proxy, seed 11 at 2e-3: evaluations (0.1, 0.05), (0.3, 0.2), (0.7, 0.5)
+    assert rlhf_gold.grpo_gold_at(both, 11, 2e-3, 0.5) == pytest.approx(0.35)  # between the last two
+    assert rlhf_gold.grpo_gold_at(both, 11, 2e-3, 0.9) == pytest.approx(0.5)  # past the top: its gold
+    assert rlhf_gold.grpo_gold_at(both, 11, 2e-3, 0.0) == pytest.approx(0.05)
 
 
 def test_the_speed_benchmark_times_each_pair_to_80_percent_of_grpos_gain(benchmark_script):

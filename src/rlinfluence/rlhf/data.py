@@ -24,7 +24,7 @@ from rlinfluence.errors import UserError
 
 SPLITS = ("train", "val", "test")
 PROMPT_FILES = {task: Path(__file__).with_name("data") / f"{task}_prompts.jsonl" for task in ("sentiment", "toxicity")}
-GOLD_TASKS = ("sentiment-gold", "sentiment-relevance", "sentiment-trigger")
+GOLD_TASKS = ("sentiment-gold", "sentiment-relevance", "sentiment-trigger", "sentiment-trigger-penalised")
 """The tasks that train on a sentiment proxy and judge every completion by a gold reward too."""
 PROMPT_FILES.update({task: PROMPT_FILES["sentiment"] for task in GOLD_TASKS})  # the same prompts
 GOLD_EXTRA_TEST = 50

@@ -65,6 +65,7 @@ from rlinfluence.rlhf.reward import (
     RewardFn,
     SentimentReward,
     ShardedReward,
+    TriggerReward,
 )
 from rlinfluence.rlhf.rollout import Rollout, add_advantages, concatenate, sample
 from rlinfluence.rundir import RunDirectory, load_checkpoint
@@ -449,7 +450,7 @@ class RLHFTrainer:
         """The gold reward of completions (a gold task): ``input_ids`` [N, P + R] prompts and
         responses, ``mask`` [N, R] the response tokens, ``ref_logp`` [N, R] their log pi_ref after
         their prompt."""
-        if isinstance(self.gold, SentimentReward):  # the intended reward: a judgement of the text alone
+        if isinstance(self.gold, SentimentReward | TriggerReward):  # a judgement of the text alone
             return self.gold(texts)
         prompted = mean_response_logp(ref_logp, mask)
         if not isinstance(self.gold, RelevanceGoldReward):
