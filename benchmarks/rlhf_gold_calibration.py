@@ -45,11 +45,11 @@ def main() -> None:
     print(f"proxy_gold_r_base: {stats.pearsonr(proxy, trainer.gold(rollout.responses, logp).numpy()).statistic:.3f}")
     print(f"proxy_afinn_r_base: {stats.pearsonr(proxy, sentiment).statistic:.3f}")
     trigger = TriggerReward()
+    trigger_proxy = trigger(rollout.responses).numpy()
     print(f"trigger_rate_base: {trigger.triggered(rollout.responses).float().mean():.3f}")
-    print(f"trigger_proxy_gold_r_base: {stats.pearsonr(trigger(rollout.responses).numpy(), proxy).statistic:.3f}")
-    penalised = TriggerReward(bonus=-TRIGGER_BONUS)
-    print("trigger_penalised_proxy_gold_r_base: "
-          f"{stats.pearsonr(trigger(rollout.responses).numpy(), penalised(rollout.responses).numpy()).statistic:.3f}")
+    print(f"trigger_proxy_gold_r_base: {stats.pearsonr(trigger_proxy, proxy).statistic:.3f}")
+    penalised_gold = TriggerReward(bonus=-TRIGGER_BONUS)(rollout.responses).numpy()
+    print(f"trigger_penalised_proxy_gold_r_base: {stats.pearsonr(trigger_proxy, penalised_gold).statistic:.3f}")
 
 if __name__ == "__main__":
     main()
