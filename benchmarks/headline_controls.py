@@ -29,6 +29,12 @@ evaluation return per round) and ``controls_<env>_summary.csv``, and the
 choices' evidence: ``controls_<env>_tuning.csv`` (each arm's grid) and ``controls_<env>_pick_scores.csv``
 (the variants on seeds 1-5).
 Re-running resumes.
+
+Where runs are slow (LunarLander at 150 rounds), ``tune --keep-study-ppo`` leaves PPO at the
+study's rate (tuned on the same seeds and grid) instead of tuning it again, and ``confirm
+--study-curves <data>/<study's>_curves.csv`` reads the study's ppo and iif-robust runs of seeds
+101-110 from its committed per-seed curves instead of rerunning them: only the two new arms run,
+and the summary against ppo is computed from the curves of all four (``with_study``).
 """
 
 from __future__ import annotations
@@ -57,23 +63,31 @@ def study(name: str) -> dict:
     return json.loads((STUDIES / f"{name}.json").read_text())
 
 
-def kept_fraction(name: str, scratch: Path, seeds: tuple[int, ...]) -> float:
-    """iif-robust's mean kept fraction over every round of the tuning ``seeds``, at its chosen rate."""
-    from rlinfluence.ppo import PPO, PPOConfig
+def kept_fraction(name: str, scratch: Path, seeds: tuple[int, ...], workers: int) -> float:
+    """iif-robust's mean kept fraction over every round of the tuning ``seeds``, at its chosen rate
+    (the seeds in ``workers`` processes)."""
+    from rlinfluence.executor import run_calls
+    from rlinfluence.ppo import PPOConfig
 
     s = study(name)
     env = s["env"]
     preset = PPOConfig.for_env(env)
-    fractions = []
-    for seed in seeds:
-        config = PPOConfig.for_env(env, filter="iif", drop_pct="auto", seed=seed, eval_episodes=0,
-                                   learning_rate=s["chosen"]["iif-robust"]["learning_rate"],
-                                   total_timesteps=s["rounds"] * preset.n_steps * preset.n_envs,
-                                   run_root=str(scratch), progress=False, tensorboard=False)
-        trainer = PPO(config).learn()
-        fractions.append(float(pd.read_csv(trainer.run.path / "metrics.csv")["kept_fraction"].mean()))
+    configs = [PPOConfig.for_env(env, filter="iif", drop_pct="auto", seed=seed, eval_episodes=0,
+                                 learning_rate=s["chosen"]["iif-robust"]["learning_rate"],
+                                 total_timesteps=s["rounds"] * preset.n_steps * preset.n_envs,
+                                 run_root=str(scratch), progress=False, tensorboard=False).to_dict()
+               for seed in seeds]
+    fractions = run_calls(mean_kept_fraction, [(c,) for c in configs], workers, None)
     shutil.rmtree(scratch, ignore_errors=True)
     return sum(fractions) / len(fractions)
+
+
+def mean_kept_fraction(config: dict) -> float:
+    """One run's kept fraction, averaged over its rounds."""
+    from rlinfluence.ppo import PPO, PPOConfig
+
+    trainer = PPO(PPOConfig.from_dict(config)).learn()
+    return float(pd.read_csv(trainer.run.path / "metrics.csv")["kept_fraction"].mean())
 
 
 def common(name: str) -> dict:
@@ -92,11 +106,12 @@ def tune(args: argparse.Namespace) -> None:
         if args.variants else list(STEP_VARIANTS)
     kept_file = folder / "iif_robust_kept.json"
     if not kept_file.is_file():
-        kept_file.write_text(json.dumps({"kept_fraction": kept_fraction(args.study, folder / "scratch", tune_seeds)}))
+        kept_file.write_text(json.dumps({"kept_fraction": kept_fraction(args.study, folder / "scratch", tune_seeds, args.workers)}))
     drop = round(100 * (1 - json.loads(kept_file.read_text())["kept_fraction"]), 1)
     print(f"{args.study}: iif-robust keeps {100 - drop:.1f}% of records on the tuning seeds; random drops {drop}%",
           flush=True)
-    compare(CompareConfig(**common(args.study), methods=("ppo", *variants, f"random-kept=random@drop_pct={drop}"),
+    methods = ((() if args.keep_study_ppo else ("ppo",)) + tuple(variants) + (f"random-kept=random@drop_pct={drop}",))
+    compare(CompareConfig(**common(args.study), methods=methods, reference=methods[0].split("=", 1)[0],
                           tune=(args.grid,) if args.grid else tuple(study(args.study)["tune"]), tune_seeds=len(tune_seeds),
                           tune_first_seed=tune_seeds[0], first_seed=1, seeds=args.pick_seeds, out=str(folder / "tune"),
                           workers=args.workers))
@@ -118,13 +133,18 @@ def confirm(args: argparse.Namespace) -> None:
                f"iif-robust=iif@drop_pct=auto,learning_rate={chosen['iif-robust']['learning_rate']}",
                f"{step}={spec},learning_rate={tuned[step]['learning_rate']}",
                f"{random_spec},learning_rate={tuned['random-kept']['learning_rate']}")
-    if tuned["ppo"]["learning_rate"] != chosen["ppo"]["learning_rate"]:  # three tuning seeds chose another rate
+    if "ppo" in tuned and tuned["ppo"]["learning_rate"] != chosen["ppo"]["learning_rate"]:  # three seeds chose another
         methods += (f"ppo-retuned=ppo@learning_rate={tuned['ppo']['learning_rate']}",)
+    if args.study_curves:  # ppo's and iif-robust's runs are the study's: only the new arms run
+        methods = methods[2:]
     print(f"{args.study}: the step-matched PPO kept is {step} (best mean auc on seeds "
           f"{sorted(scores['seed'].unique().tolist())}); confirming "
           + " ".join(methods), flush=True)
-    out = compare(CompareConfig(**common(args.study), methods=methods, reference="ppo", first_seed=101, seeds=10,
-                                out=str(folder / "confirm"), workers=args.workers))
+    out = compare(CompareConfig(**common(args.study), methods=methods, reference=methods[0].split("=", 1)[0],
+                                first_seed=101, seeds=10, out=str(folder / "confirm"), workers=args.workers))
+    if args.study_curves:
+        with_study(args, out)
+        return
     print((out / "summary.md").read_text())
     if args.data:
         data = Path(args.data)
@@ -139,6 +159,30 @@ def confirm(args: argparse.Namespace) -> None:
         pd.read_csv(folder / "tune" / "scores.csv").to_csv(data / f"controls_{args.study}_pick_scores.csv", index=False)
 
 
+def with_study(args: argparse.Namespace, out: Path) -> None:
+    """The new arms' runs on seeds 101-110 (``out``) beside the study's ppo and iif-robust runs of
+    the same seeds, read from its per-seed curves (``--study-curves``, ``curves_frame``'s columns):
+    one summary against ppo (``summary_from_curves``), printed, and with ``--data`` written as
+    ``controls_<study>.csv`` and ``controls_<study>_curves.csv``, which ``publish_results.py
+    --check`` recomputes one from the other. A pair shares its seed's initial policy and
+    evaluation episodes whichever session ran it."""
+    from rlinfluence.experiments.published import curves_frame, summary_from_curves
+
+    runs = curves_frame([out]).assign(reference="ppo")
+    reused = pd.read_csv(args.study_curves)
+    reused = reused[reused["method"].isin(["ppo", "iif-robust"]) & reused["seed"].isin(runs["seed"].unique())]
+    frame = pd.concat([reused, runs], ignore_index=True)
+    summary = summary_from_curves(frame)
+    print(summary[["method", "reached80_n", "rounds80_mean", "log_ratio80", "log_ratio80_lo", "log_ratio80_hi",
+                   "diff_auc", "diff_auc_lo", "diff_auc_hi", "approx_kl_mean", "failed_seeds"]].to_string(index=False))
+    if args.data:
+        data = Path(args.data)
+        summary.to_csv(data / f"controls_{args.study}.csv", index=False)
+        frame.to_csv(data / f"controls_{args.study}_curves.csv", index=False)
+        folder = Path(args.out) / args.study
+        pd.read_csv(folder / "tune" / "tuning.csv").to_csv(data / f"controls_{args.study}_tuning.csv", index=False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,10 +195,14 @@ def main() -> None:
         p.add_argument("--workers", type=int, default=2)
         if name == "confirm":
             p.add_argument("--data", default="")
+            p.add_argument("--study-curves", default="", help="the study's per-seed curves on seeds 101-110 (e.g. "
+                           "docs/data/lunar150_curves.csv): its ppo and iif-robust runs are read, not rerun")
         else:  # a smaller protocol where runs are slow (say which in the results)
             p.add_argument("--variants", default="", help="comma-separated labels of STEP_VARIANTS (default: all)")
             p.add_argument("--tune-seeds", type=int, default=len(TUNE_SEEDS), choices=range(1, len(TUNE_SEEDS) + 1))
             p.add_argument("--pick-seeds", type=int, default=5, help="seeds 1.. that pick the step variant")
+            p.add_argument("--keep-study-ppo", action="store_true", help="PPO keeps the study's rate (tuned on "
+                           "the same seeds and grid): not tuned again")
             p.add_argument("--grid", default="", help="the tuning grid instead of the study's, e.g. "
                            "learning_rate=0.005,0.01,0.02 (for variants whose rate the study's grid does not reach)")
     args = parser.parse_args()
