@@ -144,19 +144,21 @@ def confirm(args: argparse.Namespace) -> None:
                                 first_seed=101, seeds=10, out=str(folder / "confirm"), workers=args.workers))
     if args.study_curves:
         with_study(args, out)
+    else:
+        print((out / "summary.md").read_text())
+    if not args.data:
         return
-    print((out / "summary.md").read_text())
-    if args.data:
-        data = Path(args.data)
+    data = Path(args.data)
+    # the choices' evidence: each arm's tuning grid (3 seeds) and the variants' scores on the pick seeds
+    pd.read_csv(folder / "tune" / "tuning.csv").to_csv(data / f"controls_{args.study}_tuning.csv", index=False)
+    pd.read_csv(folder / "tune" / "scores.csv").to_csv(data / f"controls_{args.study}_pick_scores.csv", index=False)
+    if not args.study_curves:  # (with_study wrote its summary and curves)
         pd.read_csv(out / "scores.csv").to_csv(data / f"controls_{args.study}_scores.csv", index=False)
         pd.read_csv(out / "summary.csv").to_csv(data / f"controls_{args.study}_summary.csv", index=False)
         curves = pd.concat([pd.read_csv(run / "metrics.csv", usecols=["round", "eval_return_mean", "approx_kl"])
                             .assign(method=run.name.split("__seed")[0], seed=int(run.name.split("__seed")[1]))
                             for run in sorted(out.glob("*__seed*"))], ignore_index=True)
         curves.to_csv(data / f"controls_{args.study}_curves.csv", index=False)
-        # the choices' evidence: each arm's tuning grid (3 seeds) and the variants' scores on seeds 1-5
-        pd.read_csv(folder / "tune" / "tuning.csv").to_csv(data / f"controls_{args.study}_tuning.csv", index=False)
-        pd.read_csv(folder / "tune" / "scores.csv").to_csv(data / f"controls_{args.study}_pick_scores.csv", index=False)
 
 
 def with_study(args: argparse.Namespace, out: Path) -> None:
@@ -170,17 +172,19 @@ def with_study(args: argparse.Namespace, out: Path) -> None:
 
     runs = curves_frame([out]).assign(reference="ppo")
     reused = pd.read_csv(args.study_curves)
-    reused = reused[reused["method"].isin(["ppo", "iif-robust"]) & reused["seed"].isin(runs["seed"].unique())]
+    reused = reused[reused["method"].isin(["ppo", "iif-robust"]) & reused["seed"].isin(runs["seed"].unique())
+                    & (reused["env"] == runs["env"].iloc[0])]
+    held = set(reused[["method", "seed"]].itertuples(index=False, name=None))
+    missing = [(m, s) for m in ("ppo", "iif-robust") for s in sorted(map(int, runs["seed"].unique())) if (m, s) not in held]
+    if missing:
+        raise SystemExit(f"error: {args.study_curves} lacks the study's {runs['env'].iloc[0]} runs {missing}")
     frame = pd.concat([reused, runs], ignore_index=True)
     summary = summary_from_curves(frame)
     print(summary[["method", "reached80_n", "rounds80_mean", "log_ratio80", "log_ratio80_lo", "log_ratio80_hi",
                    "diff_auc", "diff_auc_lo", "diff_auc_hi", "approx_kl_mean", "failed_seeds"]].to_string(index=False))
     if args.data:
-        data = Path(args.data)
-        summary.to_csv(data / f"controls_{args.study}.csv", index=False)
-        frame.to_csv(data / f"controls_{args.study}_curves.csv", index=False)
-        folder = Path(args.out) / args.study
-        pd.read_csv(folder / "tune" / "tuning.csv").to_csv(data / f"controls_{args.study}_tuning.csv", index=False)
+        summary.to_csv(Path(args.data) / f"controls_{args.study}.csv", index=False)
+        frame.to_csv(Path(args.data) / f"controls_{args.study}_curves.csv", index=False)
 
 
 def main() -> None:
