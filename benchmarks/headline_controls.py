@@ -23,7 +23,8 @@ lacked:
 ``tune`` runs that study (``<out>/<env>/tune``); ``confirm`` reruns ppo and iif-robust at the
 study's chosen rates and the two new arms at theirs on seeds 101-110 (which no choice saw) with
 ``rlinfluence compare`` (``<out>/<env>/confirm``; plus PPO at the rate this study's three tuning
-seeds chose, where it differs from the study's), prints its summary, and with ``--data``
+seeds chose, where it differs from the study's), prints its summary and a ``name: value`` line per
+figure (``figure_lines``), and with ``--data``
 writes ``<data>/controls_<env>_scores.csv`` (per seed), ``controls_<env>_curves.csv`` (every run's
 evaluation return per round) and ``controls_<env>_summary.csv``, and the
 choices' evidence: ``controls_<env>_tuning.csv`` (each arm's grid) and ``controls_<env>_pick_scores.csv``
@@ -143,9 +144,11 @@ def confirm(args: argparse.Namespace) -> None:
     out = compare(CompareConfig(**common(args.study), methods=methods, reference=methods[0].split("=", 1)[0],
                                 first_seed=101, seeds=10, out=str(folder / "confirm"), workers=args.workers))
     if args.study_curves:
-        with_study(args, out)
+        summary = with_study(args, out)
     else:
         print((out / "summary.md").read_text())
+        summary = pd.read_csv(out / "summary.csv")
+    print("\n".join(figure_lines(args.study, summary)))
     if not args.data:
         return
     data = Path(args.data)
@@ -161,13 +164,30 @@ def confirm(args: argparse.Namespace) -> None:
         curves.to_csv(data / f"controls_{args.study}_curves.csv", index=False)
 
 
-def with_study(args: argparse.Namespace, out: Path) -> None:
+def figure_lines(name: str, summary: pd.DataFrame) -> list[str]:
+    """``name: value`` per arm against the reference (the summary's first row): seeds reaching 80%
+    of its range, the log ratio of rounds to 80% (> 0: sooner), the paired differences of
+    normalised auc and plateau, and the failed seeds."""
+    reference, lines = summary.iloc[0], []
+    for row in summary.iloc[1:].itertuples():
+        prefix = f"{name}_{row.method}"
+        lines += [f"{prefix}_reached80: {row.reached80_n}/{row.seeds} ({reference.method} "
+                  f"{reference.reached80_n}/{reference.seeds})",
+                  f"{prefix}_log_ratio80: {row.log_ratio80:+.2f} [{row.log_ratio80_lo:+.2f}, {row.log_ratio80_hi:+.2f}]",
+                  *(f"{prefix}_{column}_minus_{reference.method}: {getattr(row, column):+.2f} "
+                    f"[{getattr(row, column + '_lo'):+.2f}, {getattr(row, column + '_hi'):+.2f}]"
+                    for column in ("diff_auc", "diff_final")),
+                  f"{prefix}_failed_seeds: {row.failed_seeds if isinstance(row.failed_seeds, str) and row.failed_seeds else 'none'}"]
+    return lines
+
+
+def with_study(args: argparse.Namespace, out: Path) -> pd.DataFrame:
     """The new arms' runs on seeds 101-110 (``out``) beside the study's ppo and iif-robust runs of
     the same seeds, read from its per-seed curves (``--study-curves``, ``curves_frame``'s columns):
     one summary against ppo (``summary_from_curves``), printed, and with ``--data`` written as
     ``controls_<study>.csv`` and ``controls_<study>_curves.csv``, which ``publish_results.py
     --check`` recomputes one from the other. A pair shares its seed's initial policy and
-    evaluation episodes whichever session ran it."""
+    evaluation episodes whichever session ran it. Returns the summary."""
     from rlinfluence.experiments.published import curves_frame, summary_from_curves
 
     runs = curves_frame([out]).assign(reference="ppo")
@@ -185,6 +205,7 @@ def with_study(args: argparse.Namespace, out: Path) -> None:
     if args.data:
         summary.to_csv(Path(args.data) / f"controls_{args.study}.csv", index=False)
         frame.to_csv(Path(args.data) / f"controls_{args.study}_curves.csv", index=False)
+    return summary
 
 
 def main() -> None:

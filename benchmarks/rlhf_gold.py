@@ -18,6 +18,12 @@ wall seconds on the GPU):
    (``equal``: every method takes GRPO's number of optimiser steps; ``natural``: a filter trains on
    fewer steps). Jobs go seed by seed, so a cut-off comparison has every method on its first seeds.
 
+With ``--own-lr`` every method is tuned, not only GRPO: each runs at every lr of its grid on the
+tuning seeds (val prompts) and is evaluated at the lr of its own highest mean val proxy reward
+after training rounds (``best_lrs``: the criterion GRPO's choice uses, the proxy a practitioner
+sees); a choice at a grid's edge widens that grid (x2 or /2, up to ``MAX_GRID`` points) and tunes
+again, so that every choice is interior.
+
 Every finished run appends its test curve (proxy and gold before training and after every
 ``--eval-every`` rounds, on the 100 test prompts) and its CPU seconds per round to ``--results``
 (CSV, one row per evaluation); a run already there is not run again, so the comparison resumes
@@ -48,6 +54,7 @@ import numpy as np
 import pandas as pd
 from filelock import FileLock
 
+from rlinfluence.experiments.tuning import widen_past_edge
 from rlinfluence.rlhf.data import GOLD_TASKS
 from rlinfluence.rlhf.report import load_completions, saved_rounds
 from rlinfluence.statistics import ci95, probability_of_improvement
@@ -76,6 +83,8 @@ SETUP = ["--algo", "grpo", "--prompts-per-round", "8", "--group-size", "4", "--r
 4-sequence Adam steps (8 steps per unfiltered round, GRPO's usual single iteration), 100 test prompts."""
 KEY = ["phase", "method", "seed", "lr", "mode"]
 NO_FILTER = "grpo"
+MAX_GRID = 6
+"""The most points a widened tuning grid gets (``widened``)."""
 """Keeps every completion, so its equal-steps and natural runs are the same run, bit for bit
 (tests/test_rlhf.py): it runs once, in equal-steps mode, and serves as the reference of both."""
 
@@ -281,18 +290,67 @@ def chosen_lr(table: pd.DataFrame) -> float:
     return float(table.loc[table["proxy"].idxmax(), "lr"])
 
 
+def best_lrs(tune: pd.DataFrame, grids: dict[str, list[float]], seeds: list[int],
+             column: str) -> tuple[dict[str, float], list[str]]:
+    """Per method of ``grids``, the lr of its grid with the highest mean of ``column`` (the val
+    proxy reward) over ``tune``'s rows (the tuning evaluations after training rounds), each tuning
+    seed weighted alike, and a ``name: value`` line per method and lr. A method is left out until
+    all its (lr, seed) runs are there."""
+    tune = tune[tune["seed"].astype(int).isin(seeds)]
+    chosen, lines = {}, []
+    for method, grid in grids.items():
+        runs = tune[tune["method"] == method]
+        means = {}
+        for lr in grid:
+            at = runs[np.isclose(runs["lr"].astype(float), lr)]
+            if at["seed"].nunique() < len(seeds):
+                break
+            means[lr] = float(at.groupby("seed")[column].mean().mean())
+        else:
+            best = max(means, key=means.get)
+            edge = " (at the grid's edge)" if best in (min(grid), max(grid)) else ""
+            chosen[method] = best
+            lines += [f"tune_val_proxy_{method}_lr{lr:g}: {v:.3f}" for lr, v in means.items()]
+            lines.append(f"chosen_lr_{method}: {best:g}{edge}")
+    return chosen, lines
+
+
+def widened(grids: dict[str, list[float]], chosen: dict[str, float]) -> bool:
+    """Add a point past the edge (x2 or /2) to every grid whose choice sits on that edge, up to
+    ``MAX_GRID`` points, so that a choice is interior to the grid it was made from; whether any grew."""
+    grew = False
+    for method, grid in grids.items():
+        wider = widen_past_edge(grid, chosen[method], MAX_GRID)
+        if wider:
+            grids[method], grew = wider, True
+    return grew
+
+
+def at_lrs(frame: pd.DataFrame, lrs: dict[str, float]) -> pd.DataFrame:
+    """The evaluation-phase rows of ``frame`` of each method of ``lrs`` at its lr there."""
+    runs = frame[frame["phase"] == "eval"]
+    chosen = runs["method"].map(lrs).astype(float)
+    return runs[np.isclose(runs["lr"].astype(float), chosen)]
+
+
+def lrs_text(lrs: dict[str, float]) -> str:
+    """``lr 0.002`` where every method shares one, else each method's."""
+    values = set(lrs.values())
+    return f"lr {values.pop():g}" if len(values) == 1 else "lr " + ", ".join(f"{m} {lr:g}" for m, lr in lrs.items())
+
+
 def gap_lr(table: pd.DataFrame, threshold: float) -> float:
     """The smallest tuning lr whose mean gap widening is >= ``threshold``, else that of the widest."""
     wide = table[table["widening"] >= threshold]
     return float(wide["lr"].min() if len(wide) else table.loc[table["widening"].idxmax(), "lr"])
 
 
-def summarise(frame: pd.DataFrame, selection: pd.DataFrame, lr: float) -> list[str]:
-    """Per step mode and method: curves, finals, what the filter kept (``selection_rows``), and
-    paired comparisons (``name: value`` lines)."""
+def summarise(frame: pd.DataFrame, selection: pd.DataFrame, lrs: dict[str, float]) -> list[str]:
+    """Per step mode and method (each at its lr of ``lrs``): curves, finals, what the filter kept
+    (``selection_rows``), and paired comparisons, seed for seed (``name: value`` lines)."""
     lines = []
-    runs = frame[(frame["phase"] == "eval") & np.isclose(frame["lr"], lr)]
-    kept = selection[np.isclose(selection["lr"].astype(float), lr)]
+    runs = at_lrs(frame, lrs)
+    kept = at_lrs(selection, lrs) if len(selection) else selection
     for mode, per_mode in runs.groupby("mode"):
         final = per_mode.loc[per_mode.groupby(["method", "seed"])["after_round"].idxmax()].set_index(["method", "seed"])
         methods = [m for m in METHODS if m in final.index.get_level_values(0)]
@@ -342,14 +400,14 @@ def summarise(frame: pd.DataFrame, selection: pd.DataFrame, lr: float) -> list[s
     return lines
 
 
-def per_seed_table(frame: pd.DataFrame, lr: float) -> str:
+def per_seed_table(frame: pd.DataFrame, lrs: dict[str, float]) -> str:
     """Markdown, per step mode: each run's proxy and gold test curves, CPU seconds per round, kept
     fraction and optimiser steps per round, as in the results CSV."""
-    runs = frame[(frame["phase"] == "eval") & np.isclose(frame["lr"], lr)]
+    runs = at_lrs(frame, lrs)
     out = []
     for mode, per_mode in runs.groupby("mode"):
         rounds = " / ".join(str(r) for r in sorted(per_mode["after_round"].unique()))
-        out += [f"**{mode} steps, lr {lr:g}** (test reward after rounds {rounds})", "",
+        out += [f"**{mode} steps, {lrs_text(lrs)}** (test reward after rounds {rounds})", "",
                 "| method | seed | proxy | gold | CPU s / round | kept | steps / round |", "|---|---|---|---|---|---|---|"]
         for method in (m for m in METHODS if m in set(per_mode["method"])):
             for seed, rows in per_mode[per_mode["method"] == method].groupby("seed"):
@@ -362,7 +420,7 @@ def per_seed_table(frame: pd.DataFrame, lr: float) -> str:
     return "\n".join(out)
 
 
-def plot(frame: pd.DataFrame, lr: float, path: Path) -> None:
+def plot(frame: pd.DataFrame, lrs: dict[str, float], path: Path) -> None:
     """Per step mode: mean proxy (dashed) and gold (solid) test reward against rounds, one colour a
     method, and gold against proxy (the hack moves a curve right of the others, not up)."""
     import matplotlib
@@ -370,7 +428,7 @@ def plot(frame: pd.DataFrame, lr: float, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = frame[(frame["phase"] == "eval") & np.isclose(frame["lr"], lr)]
+    runs = at_lrs(frame, lrs)
     modes = sorted(runs["mode"].unique())
     fig, axes = plt.subplots(len(modes), 2, figsize=(11, 4 * len(modes)), squeeze=False)
     for row, mode in zip(axes, modes, strict=True):
@@ -383,7 +441,7 @@ def plot(frame: pd.DataFrame, lr: float, path: Path) -> None:
             row[0].plot(curve.index, curve["proxy"], "--", color=f"C{colour}", alpha=0.6)
             row[1].plot(curve["proxy"], curve["gold"], "-o", color=f"C{colour}", label=label)
         row[0].set(xlabel="training rounds", ylabel="test reward (gold solid, proxy dashed)",
-                   title=f"{mode} steps, lr {lr:g}: mean over seeds")
+                   title=f"{mode} steps, {lrs_text(lrs)}: mean over seeds")
         row[1].set(xlabel="proxy test reward (VADER)", ylabel="gold test reward", title="gold against proxy")
         row[1].legend(fontsize=8)
     fig.tight_layout()
@@ -402,6 +460,8 @@ def main() -> None:
     parser.add_argument("--eval-lr", help="evaluate at this lr instead of the tuned one (a stress test), "
                                           "or 'gap' (see the module docstring)")
     parser.add_argument("--gap-threshold", type=float, default=0.1)
+    parser.add_argument("--own-lr", action="store_true",
+                        help="tune every method of --methods over --lrs and evaluate each at its own choice")
     parser.add_argument("--tune-only", action="store_true", help="stop after the tuning table and the lr choices")
     parser.add_argument("--tune-methods", nargs="+", default=[NO_FILTER], choices=list(METHODS),
                         help="also run these arms on the tuning seeds and lrs (equal steps), each paired with GRPO there")
@@ -423,11 +483,25 @@ def main() -> None:
     args = parser.parse_args()
     deadline = time.monotonic() + 60 * args.budget_minutes
     results, selection = Results(Path(args.results)), Results(Path(args.selection))
-    tune_methods = [NO_FILTER, *(m for m in args.tune_methods if m != NO_FILTER)]
-    # seed by seed, as in the evaluation phase: a cut-off tuning pass has every arm on its first seeds
-    run_all([dict(phase="tune", method=m, seed=s, lr=lr, mode="natural" if m == NO_FILTER else "equal")
-             for s in args.tune_seeds for m in tune_methods for lr in args.lrs], args, results, selection, deadline)
-    table = tuning_table(results.frame, args.lrs, args.tune_seeds)
+    if args.own_lr and args.eval_lr is not None:
+        parser.error("--own-lr tunes every method's lr; --eval-lr sets one for all: give one of them")
+    tune_methods = [NO_FILTER, *(m for m in (args.methods if args.own_lr else args.tune_methods) if m != NO_FILTER)]
+    grids = {m: sorted(args.lrs) for m in tune_methods}
+    while True:  # tune; with --own-lr, widen a grid whose choice is at its edge and tune again
+        # seed by seed, as in the evaluation phase: a cut-off tuning pass has every arm on its first seeds
+        run_all([dict(phase="tune", method=m, seed=s, lr=lr, mode="natural" if m == NO_FILTER else "equal")
+                 for s in args.tune_seeds for m in tune_methods for lr in grids[m]], args, results, selection, deadline)
+        if not args.own_lr:
+            break
+        frame = results.frame
+        own, own_lines = best_lrs(frame[(frame["phase"] == "tune") & (frame["after_round"] > 0)], grids,
+                                  args.tune_seeds, "proxy")
+        if set(own) != set(grids):
+            print("\n".join(own_lines) + "\ntuning incomplete: no evaluation run started")
+            return
+        if not widened(grids, own):
+            break
+    table = tuning_table(results.frame, grids[NO_FILTER], args.tune_seeds)
     if table is None:
         print("tuning incomplete: no evaluation run started")
         return
@@ -439,13 +513,17 @@ def main() -> None:
     elif args.eval_lr is not None:  # e.g. twice the tuned lr
         lr = float(args.eval_lr)
         print(f"evaluated at lr {lr:g}, not the tuned one")
+    lrs = own if args.own_lr else {m: lr for m in args.methods}
+    if args.own_lr:
+        print("\n".join(own_lines))
     if args.tune_only:
         for row in table.itertuples():
             print(f"tune_proxy_lr{row.lr:g}: {row.proxy:.3f}")
             print(f"tune_gap_widening_lr{row.lr:g}: {row.widening:+.3f} [{row.widening_lo:+.3f}, {row.widening_hi:+.3f}]")
-        print("\n".join(tuning_pairs(results.frame, tune_methods[1:], args.lrs, args.tune_seeds)))
+        print("\n".join(tuning_pairs(results.frame, tune_methods[1:], sorted(set().union(*grids.values())),
+                                     args.tune_seeds)))
         return
-    jobs = [dict(phase="eval", method=m, seed=s, lr=lr, mode="equal" if m == NO_FILTER else mode)
+    jobs = [dict(phase="eval", method=m, seed=s, lr=lrs[m], mode="equal" if m == NO_FILTER else mode)
             for s in args.seeds for mode in args.modes for m in args.methods]
     jobs = list({tuple(job.values()): job for job in jobs}.values())
     run_all(jobs, args, results, selection, deadline)
@@ -455,10 +533,10 @@ def main() -> None:
                 selection.add(selection_rows(job, run_dir))
     frame = with_reference_in_every_mode(results.frame)
     if args.png:
-        plot(frame, lr, Path(args.png))
-    summary = summarise(frame, selection.frame, lr)
+        plot(frame, lrs, Path(args.png))
+    summary = summarise(frame, selection.frame, lrs)
     if args.markdown:
-        Path(args.markdown).write_text(f"{per_seed_table(frame, lr)}\n```\n" + "\n".join(summary) + "\n```\n")
+        Path(args.markdown).write_text(f"{per_seed_table(frame, lrs)}\n```\n" + "\n".join(summary) + "\n```\n")
     print("\n".join(summary))
 
 

@@ -49,16 +49,14 @@ import numpy as np
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rlhf_gold import KEY, Results, run_all  # noqa: E402  (benchmarks/rlhf_gold.py)
+from rlhf_gold import KEY, Results, best_lrs, run_all, widened  # noqa: E402  (benchmarks/rlhf_gold.py)
 
 from rlinfluence.experiments.metrics import smooth, time_to_level  # noqa: E402
-from rlinfluence.experiments.tuning import widen_past_edge  # noqa: E402
 from rlinfluence.statistics import ci95  # noqa: E402
 
 ARMS = ("grpo", "iif-proxy")
 REFERENCE = "grpo"
 FRACTION = 0.8
-MAX_GRID = 6
 
 
 def round_rows(job: dict, run_dir: Path) -> pd.DataFrame:
@@ -73,40 +71,6 @@ def round_rows(job: dict, run_dir: Path) -> pd.DataFrame:
         "eval_gold": rows["eval_gold_mean"], "eval_proxy_initial": rows["eval_return_mean_initial"].iloc[0],
         "eval_gold_initial": rows["eval_gold_mean_initial"].iloc[0],
     })
-
-
-def chosen_lrs(frame: pd.DataFrame, grids: dict[str, list[float]], seeds: list[int]) -> tuple[dict[str, float], list[str]]:
-    """Per arm, the lr of its grid with the highest mean val proxy reward over the evaluations after
-    training rounds (every tuning seed weighted alike), and a line per arm and lr. An arm is left
-    out until all its (lr, seed) runs are there."""
-    tune = frame[(frame["phase"] == "tune") & frame["seed"].astype(int).isin(seeds)]
-    chosen, lines = {}, []
-    for arm, grid in grids.items():
-        runs = tune[tune["method"] == arm]
-        means = {}
-        for lr in grid:
-            at = runs[np.isclose(runs["lr"].astype(float), lr)]
-            if at["seed"].nunique() < len(seeds):
-                break
-            means[lr] = float(at.dropna(subset=["eval_proxy"]).groupby("seed")["eval_proxy"].mean().mean())
-        else:
-            best = max(means, key=means.get)
-            edge = " (at the grid's edge)" if best in (min(grid), max(grid)) else ""
-            chosen[arm] = best
-            lines += [f"tune_val_proxy_{arm}_lr{lr:g}: {v:.3f}" for lr, v in means.items()]
-            lines.append(f"chosen_lr_{arm}: {best:g}{edge}")
-    return chosen, lines
-
-
-def widened(grids: dict[str, list[float]], chosen: dict[str, float]) -> bool:
-    """Add a point past the edge (x2 or /2) to every arm's grid whose choice sits on that edge, up to
-    ``MAX_GRID`` points, so that a choice is interior to the grid it was made from; whether any grew."""
-    grew = False
-    for arm, grid in grids.items():
-        wider = widen_past_edge(grid, chosen[arm], MAX_GRID)
-        if wider:
-            grids[arm], grew = wider, True
-    return grew
 
 
 def pair_speed(reference: pd.DataFrame, other: pd.DataFrame, window: int) -> dict[str, float] | None:
@@ -234,7 +198,8 @@ def main() -> None:
         run_all([dict(phase="tune", method=arm, seed=s, lr=lr, mode="natural")
                  for s in args.tune_seeds for arm in ARMS for lr in grids[arm]],
                 args, results, selection, deadline, rows=round_rows)
-        chosen, lines = chosen_lrs(results.frame, grids, args.tune_seeds)
+        tune = results.frame[results.frame["phase"] == "tune"].dropna(subset=["eval_proxy"])
+        chosen, lines = best_lrs(tune, grids, args.tune_seeds, "eval_proxy")
         if set(chosen) != set(ARMS):
             print("\n".join(lines) + "\ntuning incomplete: no evaluation run started")
             return

@@ -4,7 +4,7 @@ word the reward model pays for (``rlinfluence.rlhf.reward.TRIGGER_WORD``) and ho
 of those the update pushes up (reward above their group's mean: the ones that teach the word), and
 of the rest, the update kept. A filter that stops the bug keeps fewer of the first two.
 
-    python benchmarks/rlhf_trigger_kept.py --scratch bench_out/rlhf_trigger_penalised_pilot \\
+    python benchmarks/rlhf_trigger_kept.py --scratch bench_out/rlhf_trigger_penalised \\
         --out docs/data/rlhf_trigger_penalised_pilot_kept.csv
 
 One row per finished run folder (``<phase>_<method>_<seed>_<lr>_<mode>``, as ``rlhf_gold.py`` names them);

@@ -780,6 +780,44 @@ def test_the_gold_benchmark_evaluates_where_grpo_games_the_proxy(benchmark_scrip
     assert rlhf_gold.grpo_gold_at(both, 11, 2e-3, 0.0) == pytest.approx(0.05)
 
 
+def test_the_gold_benchmark_tunes_each_arm_and_compares_each_at_its_own_lr(benchmark_script):
+    """--own-lr: best_lrs on this benchmark's rows (theta(0)'s evaluation left out) picks each arm's
+    lr of highest mean val proxy (GRPO 2e-3, the ceiling 1e-3) and waits for an arm with a missing
+    seed; summarise pairs each arm's runs at its own lr seed for seed and ignores its runs at any
+    other lr."""
+    import pandas as pd
+
+    rlhf_gold = benchmark_script("rlhf_gold")
+
+    def run(phase, method, seed, lr, proxy, gold):
+        mode = "natural" if phase == "tune" and method == "grpo" else "equal"
+        return [dict(phase=phase, method=method, seed=seed, lr=lr, mode=mode, after_round=r, proxy=p, gold=g,
+                     cpu_per_round=10.0, kept_fraction=1.0) for r, p, g in ((0, 0.1, 0.1), (4, proxy, gold))]
+
+    rows = []
+    for seed in (11, 12):
+        rows += run("tune", "grpo", seed, 1e-3, 0.4, 0.3) + run("tune", "grpo", seed, 2e-3, 0.6, 0.2)
+        rows += run("tune", "ceiling", seed, 1e-3, 0.5, 0.4) + run("tune", "ceiling", seed, 2e-3, 0.3, 0.3)
+    rows += run("tune", "dtv", 11, 1e-3, 0.5, 0.4)  # dtv has not run seed 12
+    frame = pd.DataFrame(rows)
+    grids = {"grpo": [1e-3, 2e-3], "ceiling": [1e-3, 2e-3], "dtv": [1e-3]}
+    chosen, lines = rlhf_gold.best_lrs(frame[frame["after_round"] > 0], grids, [11, 12], "proxy")
+    assert chosen == {"grpo": 2e-3, "ceiling": 1e-3}
+    assert "tune_val_proxy_ceiling_lr0.002: 0.300" in lines
+    # evaluation: the ceiling's gold beats GRPO's by 0.2 and 0.4 at their own lrs; the runs at the other lrs differ
+    evaluation = []
+    for seed, (grpo_gold, ceiling_gold) in zip((1, 2), ((0.1, 0.3), (0.2, 0.6)), strict=True):
+        evaluation += run("eval", "grpo", seed, 2e-3, 0.8, grpo_gold) + run("eval", "ceiling", seed, 1e-3, 0.5, ceiling_gold)
+        evaluation += run("eval", "grpo", seed, 1e-3, 0.5, 5.0) + run("eval", "ceiling", seed, 2e-3, 0.5, -5.0)
+    summary = rlhf_gold.summarise(pd.DataFrame(evaluation), pd.DataFrame(columns=rlhf_gold.KEY),
+                                  {"grpo": 2e-3, "ceiling": 1e-3})
+    assert "equal_final_gold_grpo: 0.150 [" in "\n".join(summary)
+    (line,) = [x for x in summary if x.startswith("equal_gold_minus_grpo_ceiling:")]
+    assert line.startswith("equal_gold_minus_grpo_ceiling: +0.300 [") and line.endswith("(2 paired seeds)")
+    assert rlhf_gold.lrs_text({"grpo": 2e-3, "ceiling": 1e-3}) == "lr grpo 0.002, ceiling 0.001"
+    assert rlhf_gold.lrs_text({"grpo": 2e-3, "ceiling": 2e-3}) == "lr 0.002"
+
+
 def test_the_speed_benchmark_times_each_pair_to_80_percent_of_grpos_gain(benchmark_script):
     """benchmarks/rlhf_speed.py's pair_speed on hand-made training curves (window 1): GRPO's rows
     0.0 ... 0.5 put the level at 0.4, first reached with 4 rounds trained (row 4) and 40 CPU s
@@ -810,24 +848,26 @@ def test_the_speed_benchmark_times_each_pair_to_80_percent_of_grpos_gain(benchma
 
 
 def test_the_speed_benchmark_tunes_each_arm_on_its_own_val_runs(benchmark_script):
-    """chosen_lrs: per arm the lr of the highest mean val proxy over the evaluations after training
-    (theta(0)'s row has none), flagged when at the grid's edge; an arm with a missing run waits."""
+    """best_lrs (benchmarks/rlhf_gold.py, which rlhf_speed.py uses) on the speed benchmark's rows:
+    per arm the lr of the highest mean val proxy over the evaluations after training (rows without
+    one dropped), flagged when at the grid's edge; an arm with a missing run waits."""
     import pandas as pd
 
-    rlhf_speed = benchmark_script("rlhf_speed")
+    rlhf_gold = benchmark_script("rlhf_gold")
     val = {("grpo", 1e-3): [0.3, 0.4], ("grpo", 2e-3): [0.5, 0.6], ("grpo", 4e-3): [0.6, 0.2],
            ("iif-proxy", 1e-3): [0.2, 0.3], ("iif-proxy", 2e-3): [0.3, 0.4], ("iif-proxy", 4e-3): [0.4, 0.5]}
     frame = pd.DataFrame([dict(phase="tune", method=arm, seed=7, lr=lr, mode="natural", round=k, eval_proxy=value)
                           for (arm, lr), values in val.items()
                           for k, value in enumerate([float("nan"), values[0], float("nan"), values[1]])])
+    frame = frame.dropna(subset=["eval_proxy"])
     grids = {"grpo": [1e-3, 2e-3, 4e-3], "iif-proxy": [1e-3, 2e-3, 4e-3]}
-    chosen, lines = rlhf_speed.chosen_lrs(frame, grids, [7])
+    chosen, lines = rlhf_gold.best_lrs(frame, grids, [7], "eval_proxy")
     assert chosen == {"grpo": 2e-3, "iif-proxy": 4e-3}
     assert "chosen_lr_grpo: 0.002" in lines and "chosen_lr_iif-proxy: 0.004 (at the grid's edge)" in lines
     assert "tune_val_proxy_grpo_lr0.004: 0.400" in lines
-    assert rlhf_speed.chosen_lrs(frame, grids, [7, 8])[0] == {}  # seed 8 has not run
+    assert rlhf_gold.best_lrs(frame, grids, [7, 8], "eval_proxy")[0] == {}  # seed 8 has not run
     # the edge choice widens IIF's grid only; until its 8e-3 run is there, IIF has no choice
-    assert rlhf_speed.widened(grids, chosen)
+    assert rlhf_gold.widened(grids, chosen)
     assert grids == {"grpo": [1e-3, 2e-3, 4e-3], "iif-proxy": [1e-3, 2e-3, 4e-3, 8e-3]}
-    assert rlhf_speed.chosen_lrs(frame, grids, [7])[0] == {"grpo": 2e-3}
-    assert not rlhf_speed.widened(grids, {"grpo": 2e-3, "iif-proxy": 4e-3})
+    assert rlhf_gold.best_lrs(frame, grids, [7], "eval_proxy")[0] == {"grpo": 2e-3}
+    assert not rlhf_gold.widened(grids, {"grpo": 2e-3, "iif-proxy": 4e-3})
