@@ -83,10 +83,10 @@ SETUP = ["--algo", "grpo", "--prompts-per-round", "8", "--group-size", "4", "--r
 4-sequence Adam steps (8 steps per unfiltered round, GRPO's usual single iteration), 100 test prompts."""
 KEY = ["phase", "method", "seed", "lr", "mode"]
 NO_FILTER = "grpo"
-MAX_GRID = 6
-"""The most points a widened tuning grid gets (``widened``)."""
 """Keeps every completion, so its equal-steps and natural runs are the same run, bit for bit
 (tests/test_rlhf.py): it runs once, in equal-steps mode, and serves as the reference of both."""
+MAX_GRID = 6
+"""The most points a widened tuning grid gets (``widened``)."""
 
 
 def command(job: dict, args: argparse.Namespace, run_root: str) -> list[str]:
