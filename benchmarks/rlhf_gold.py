@@ -497,7 +497,8 @@ def main() -> None:
         own, own_lines = best_lrs(frame[(frame["phase"] == "tune") & (frame["after_round"] > 0)], grids,
                                   args.tune_seeds, "proxy")
         if set(own) != set(grids):
-            print("\n".join(own_lines) + "\ntuning incomplete: no evaluation run started")
+            waiting = ", ".join(m for m in grids if m not in own)
+            print("\n".join([*own_lines, f"tuning incomplete ({waiting} not yet): no evaluation run started"]))
             return
         if not widened(grids, own):
             break
