@@ -122,9 +122,9 @@ def confirm(args: argparse.Namespace) -> None:
     from rlinfluence.experiments import CompareConfig, compare
 
     folder = Path(args.out) / args.study
-    tuned = json.loads((folder / "tune" / "compare.json").read_text())["chosen"]
+    tuning = json.loads((folder / "tune" / "compare.json").read_text())
+    tuned, tried = tuning["chosen"], tuning["methods"]
     scores = pd.read_csv(folder / "tune" / "scores.csv")  # normalised auc per (method, seed 1-5)
-    tried = json.loads((folder / "tune" / "compare.json").read_text())["methods"]
     labels = [v.split("=", 1)[0] for v in STEP_VARIANTS if v in tried]
     step = scores[scores["method"].isin(labels)].groupby("method")["auc"].mean().sort_values(kind="stable").index[-1]
     spec = dict(v.split("=", 1) for v in STEP_VARIANTS)[step]
@@ -154,7 +154,7 @@ def confirm(args: argparse.Namespace) -> None:
     data = Path(args.data)
     # the choices' evidence: each arm's tuning grid (3 seeds) and the variants' scores on the pick seeds
     pd.read_csv(folder / "tune" / "tuning.csv").to_csv(data / f"controls_{args.study}_tuning.csv", index=False)
-    pd.read_csv(folder / "tune" / "scores.csv").to_csv(data / f"controls_{args.study}_pick_scores.csv", index=False)
+    scores.to_csv(data / f"controls_{args.study}_pick_scores.csv", index=False)
     if not args.study_curves:  # (with_study wrote its summary and curves)
         pd.read_csv(out / "scores.csv").to_csv(data / f"controls_{args.study}_scores.csv", index=False)
         pd.read_csv(out / "summary.csv").to_csv(data / f"controls_{args.study}_summary.csv", index=False)
