@@ -22,7 +22,8 @@ With ``--own-lr`` every method is tuned, not only GRPO: each runs at every lr of
 tuning seeds (val prompts) and is evaluated at the lr of its own highest mean val proxy reward
 after training rounds (``best_lrs``: the criterion GRPO's choice uses, the proxy a practitioner
 sees); a choice at a grid's edge widens that grid (x2 or /2, up to ``MAX_GRID`` points) and tunes
-again, so that every choice is interior.
+again, so that every choice is interior. An arm's evaluation runs start as soon as its own choice
+is settled, while other arms still tune (``schedule``).
 
 Every finished run appends its test curve (proxy and gold before training and after every
 ``--eval-every`` rounds, on the 100 test prompts) and its CPU seconds per round to ``--results``
@@ -45,6 +46,7 @@ import argparse
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -176,13 +178,50 @@ def run_root(job: dict, args: argparse.Namespace) -> Path:
     return Path(args.scratch) / "_".join(str(job[k]) for k in KEY)
 
 
-def run_all(jobs: list[dict], args: argparse.Namespace, results: Results, selection: Results, deadline: float,
-            rows: Callable[[dict, Path], pd.DataFrame] = curve_rows) -> None:
-    """Run every job not in ``results`` yet; each finished run adds its ``rows`` (by default its
-    test curve) to ``results`` and, for a filter, what it kept to ``selection``."""
+def schedule(wanted: Callable[[], list[dict]], start: Callable[[dict], None], workers: int, deadline: float) -> None:
+    """Run ``start`` on the jobs ``wanted`` gives, ``workers`` at a time, each job once, until it
+    gives none that has not started and none is running, or until ``deadline`` (``time.monotonic``)
+    has passed. ``wanted`` is asked again whenever a worker is free, so a job can appear once the
+    runs it depends on have finished (an arm's evaluation runs once its tuning has settled its lr,
+    while another arm is still tuning); its first job not yet started goes next."""
+    begun: set[tuple] = set()
+    running = 0
+    changed = threading.Condition()
+
+    def worker() -> None:
+        nonlocal running
+        while True:
+            with changed:
+                while True:
+                    if time.monotonic() > deadline:
+                        return
+                    job = next((j for j in wanted() if tuple(j[k] for k in KEY) not in begun), None)
+                    if job is not None:
+                        break
+                    if not running:  # nothing left and nothing running that could add a job
+                        changed.notify_all()
+                        return
+                    changed.wait()
+                begun.add(tuple(job[k] for k in KEY))
+                running += 1
+            try:
+                start(job)
+            finally:
+                with changed:
+                    running -= 1
+                    changed.notify_all()
+
+    with ThreadPoolExecutor(workers) as pool:
+        for future in [pool.submit(worker) for _ in range(workers)]:
+            future.result()
+
+
+def run_all(jobs: list[dict] | Callable[[], list[dict]], args: argparse.Namespace, results: Results,
+            selection: Results, deadline: float, rows: Callable[[dict, Path], pd.DataFrame] = curve_rows) -> None:
+    """Run every job not in ``results`` yet (``jobs``: a list, or a function giving the jobs wanted
+    now, see ``schedule``); each finished run adds its ``rows`` (by default its test curve) to
+    ``results`` and, for a filter, what it kept to ``selection``."""
     def run(job: dict) -> None:
-        if results.has(job) or time.monotonic() > deadline:
-            return
         root = run_root(job, args)
         cut_off = [r for r in root.glob("rlhf-*") if any((r / "checkpoints").glob("round_*.pt"))]
         if cut_off:  # a run stopped after a round: continue it from its last checkpoint
@@ -204,9 +243,10 @@ def run_all(jobs: list[dict], args: argparse.Namespace, results: Results, select
             selection.add(selection_rows(job, run_dir))
         print(f"done: {root.name} ({time.monotonic() - started:.0f} s wall)", flush=True)
 
-    with ThreadPoolExecutor(args.workers) as pool:
-        for future in [pool.submit(run, job) for job in jobs]:
-            future.result()
+    def wanted() -> list[dict]:
+        return [job for job in (jobs() if callable(jobs) else jobs) if not results.has(job)]
+
+    schedule(wanted, run, args.workers, deadline)
 
 
 def with_reference_in_every_mode(frame: pd.DataFrame) -> pd.DataFrame:
@@ -316,14 +356,28 @@ def best_lrs(tune: pd.DataFrame, grids: dict[str, list[float]], seeds: list[int]
 
 
 def widened(grids: dict[str, list[float]], chosen: dict[str, float]) -> bool:
-    """Add a point past the edge (x2 or /2) to every grid whose choice sits on that edge, up to
-    ``MAX_GRID`` points, so that a choice is interior to the grid it was made from; whether any grew."""
+    """Add a point past the edge (x2 or /2) to the grid of every method of ``chosen`` whose choice
+    sits on that edge, up to ``MAX_GRID`` points, so that a choice is interior to the grid it was
+    made from; whether any grew."""
     grew = False
-    for method, grid in grids.items():
-        wider = widen_past_edge(grid, chosen[method], MAX_GRID)
+    for method, choice in chosen.items():
+        wider = widen_past_edge(grids[method], choice, MAX_GRID)
         if wider:
             grids[method], grew = wider, True
     return grew
+
+
+def own_choices(tune: pd.DataFrame, methods: list[str], lrs: list[float], seeds: list[int],
+                column: str) -> tuple[dict[str, list[float]], dict[str, float], list[str]]:
+    """Per method, its tuning grid as the runs of ``tune`` have grown it from ``lrs`` (``widened``
+    while a choice of ``best_lrs`` sits on an edge) and, where it is settled, its lr: the best of a
+    grid whose runs are all there, interior to it (or the grid is full); with ``best_lrs``'s lines.
+    A method missing from the choices still has tuning runs to come, at every lr of its grid."""
+    grids = {method: sorted(lrs) for method in methods}
+    while True:
+        chosen, lines = best_lrs(tune, grids, seeds, column)
+        if not widened(grids, chosen):
+            return grids, chosen, lines
 
 
 def at_lrs(frame: pd.DataFrame, lrs: dict[str, float]) -> pd.DataFrame:
@@ -486,22 +540,38 @@ def main() -> None:
     if args.own_lr and args.eval_lr is not None:
         parser.error("--own-lr tunes every method's lr; --eval-lr sets one for all: give one of them")
     tune_methods = [NO_FILTER, *(m for m in (args.methods if args.own_lr else args.tune_methods) if m != NO_FILTER)]
-    grids = {m: sorted(args.lrs) for m in tune_methods}
-    while True:  # tune; with --own-lr, widen a grid whose choice is at its edge and tune again
+
+    def tuning_jobs(grids: dict[str, list[float]], methods: list[str]) -> list[dict]:
         # seed by seed, as in the evaluation phase: a cut-off tuning pass has every arm on its first seeds
-        run_all([dict(phase="tune", method=m, seed=s, lr=lr, mode="natural" if m == NO_FILTER else "equal")
-                 for s in args.tune_seeds for m in tune_methods for lr in grids[m]], args, results, selection, deadline)
-        if not args.own_lr:
-            break
-        frame = results.frame
-        own, own_lines = best_lrs(frame[(frame["phase"] == "tune") & (frame["after_round"] > 0)], grids,
-                                  args.tune_seeds, "proxy")
+        return [dict(phase="tune", method=m, seed=s, lr=lr, mode="natural" if m == NO_FILTER else "equal")
+                for s in args.tune_seeds for m in methods for lr in grids[m]]
+
+    def evaluation_jobs(lrs: dict[str, float]) -> list[dict]:
+        jobs = [dict(phase="eval", method=m, seed=s, lr=lrs[m], mode="equal" if m == NO_FILTER else mode)
+                for s in args.seeds for mode in args.modes for m in args.methods if m in lrs]
+        return list({tuple(job.values()): job for job in jobs}.values())
+
+    def own_tuning() -> tuple[dict[str, list[float]], dict[str, float], list[str]]:
+        frame = results.frame  # theta(0)'s evaluation left out (a file with no rows has no column for it yet)
+        after_training = frame["after_round"] > 0 if "after_round" in frame else False
+        return own_choices(frame[(frame["phase"] == "tune") & after_training], tune_methods, args.lrs,
+                           args.tune_seeds, "proxy")
+
+    if args.own_lr:
+        def wanted() -> list[dict]:  # the arms still tuning (on a widened grid too), then the settled arms' evaluation
+            grids, own, _ = own_tuning()
+            unsettled = [m for m in tune_methods if m not in own]
+            return tuning_jobs(grids, unsettled) + ([] if args.tune_only else evaluation_jobs(own))
+
+        run_all(wanted, args, results, selection, deadline)
+        grids, own, own_lines = own_tuning()
         if set(own) != set(grids):
             waiting = ", ".join(m for m in grids if m not in own)
-            print("\n".join([*own_lines, f"tuning incomplete ({waiting} not yet): no evaluation run started"]))
+            print("\n".join([*own_lines, f"tuning incomplete ({waiting} not yet): no summary until every arm's lr is settled"]))
             return
-        if not widened(grids, own):
-            break
+    else:
+        grids = {m: sorted(args.lrs) for m in tune_methods}
+        run_all(tuning_jobs(grids, tune_methods), args, results, selection, deadline)
     table = tuning_table(results.frame, grids[NO_FILTER], args.tune_seeds)
     if table is None:
         print("tuning incomplete: no evaluation run started")
@@ -524,9 +594,7 @@ def main() -> None:
         print("\n".join(tuning_pairs(results.frame, tune_methods[1:], sorted(set().union(*grids.values())),
                                      args.tune_seeds)))
         return
-    jobs = [dict(phase="eval", method=m, seed=s, lr=lrs[m], mode="equal" if m == NO_FILTER else mode)
-            for s in args.seeds for mode in args.modes for m in args.methods]
-    jobs = list({tuple(job.values()): job for job in jobs}.values())
+    jobs = evaluation_jobs(lrs)
     run_all(jobs, args, results, selection, deadline)
     for job in jobs:  # runs finished before the selection file existed, while their folders are here
         if job["method"] != NO_FILTER and results.has(job) and not selection.has(job):

@@ -49,7 +49,7 @@ import numpy as np
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rlhf_gold import KEY, Results, best_lrs, run_all, widened  # noqa: E402  (benchmarks/rlhf_gold.py)
+from rlhf_gold import KEY, Results, own_choices, run_all  # noqa: E402  (benchmarks/rlhf_gold.py)
 
 from rlinfluence.experiments.metrics import smooth, time_to_level  # noqa: E402
 from rlinfluence.statistics import ci95  # noqa: E402
@@ -193,21 +193,25 @@ def main() -> None:
     args.task, args.tune_split, args.val_prompts = "sentiment-gold", "val", 4
     deadline = time.monotonic() + 60 * args.budget_minutes
     results, selection = Results(Path(args.results)), Results(Path(args.selection))
-    grids = {arm: sorted(args.lrs) for arm in ARMS}
-    while True:  # tune; widen a grid whose choice is at its edge; tune again
-        run_all([dict(phase="tune", method=arm, seed=s, lr=lr, mode="natural")
-                 for s in args.tune_seeds for arm in ARMS for lr in grids[arm]],
-                args, results, selection, deadline, rows=round_rows)
-        tune = results.frame[results.frame["phase"] == "tune"].dropna(subset=["eval_proxy"])
-        chosen, lines = best_lrs(tune, grids, args.tune_seeds, "eval_proxy")
-        if set(chosen) != set(ARMS):
-            print("\n".join(lines) + "\ntuning incomplete: no evaluation run started")
-            return
-        if not widened(grids, chosen):
-            break
+
+    def own_tuning() -> tuple[dict[str, list[float]], dict[str, float], list[str]]:
+        frame = results.frame
+        tune = frame[frame["phase"] == "tune"].dropna(subset=["eval_proxy"]) if len(frame) else frame
+        return own_choices(tune, ARMS, args.lrs, args.tune_seeds, "eval_proxy")
+
+    def wanted() -> list[dict]:  # the arms still tuning (on a widened grid too), then each settled arm's pairs
+        grids, chosen, _ = own_tuning()
+        return ([dict(phase="tune", method=arm, seed=s, lr=lr, mode="natural")
+                 for s in args.tune_seeds for arm in ARMS if arm not in chosen for lr in grids[arm]]
+                + [dict(phase="eval", method=arm, seed=s, lr=chosen[arm], mode="natural")
+                   for s in args.seeds for arm in ARMS if arm in chosen])
+
+    run_all(wanted, args, results, selection, deadline, rows=round_rows)
+    _, chosen, lines = own_tuning()
+    if set(chosen) != set(ARMS):
+        print("\n".join(lines) + "\ntuning incomplete: no summary until every arm's lr is settled")
+        return
     print("\n".join(lines))
-    run_all([dict(phase="eval", method=arm, seed=s, lr=chosen[arm], mode="natural") for s in args.seeds for arm in ARMS],
-            args, results, selection, deadline, rows=round_rows)
     table, summary = summarise(results.frame, chosen, args.window)
     summary += selection_lines(selection.frame, chosen["iif-proxy"])
     if args.markdown:

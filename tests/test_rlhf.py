@@ -871,3 +871,45 @@ def test_the_speed_benchmark_tunes_each_arm_on_its_own_val_runs(benchmark_script
     assert grids == {"grpo": [1e-3, 2e-3, 4e-3], "iif-proxy": [1e-3, 2e-3, 4e-3, 8e-3]}
     assert rlhf_gold.best_lrs(frame, grids, [7], "eval_proxy")[0] == {"grpo": 2e-3}
     assert not rlhf_gold.widened(grids, {"grpo": 2e-3, "iif-proxy": 4e-3})
+    # own_choices grows the grids from the runs there: IIF's stays open until its 8e-3 run is there,
+    # then settles at 4e-3 (8e-3 is worse: the choice is interior)
+    grids, settled, _ = rlhf_gold.own_choices(frame, ["grpo", "iif-proxy"], [1e-3, 2e-3, 4e-3], [7], "eval_proxy")
+    assert (grids["iif-proxy"], settled) == ([1e-3, 2e-3, 4e-3, 8e-3], {"grpo": 2e-3})
+    wider = frame[(frame["method"] == "iif-proxy") & (frame["lr"] == 4e-3)].assign(lr=8e-3, eval_proxy=0.1)
+    grids, settled, _ = rlhf_gold.own_choices(pd.concat([frame, wider]), ["grpo", "iif-proxy"], [1e-3, 2e-3, 4e-3],
+                                              [7], "eval_proxy")
+    assert settled == {"grpo": 2e-3, "iif-proxy": 4e-3}
+
+
+def test_the_gold_benchmark_evaluates_a_settled_arm_while_another_still_tunes(benchmark_script):
+    """schedule asks for the jobs wanted whenever a worker is free: with 2 workers, GRPO's evaluation
+    (wanted once GRPO's tuning run has finished) starts while IIF's tuning run still runs (which
+    waits for it); each job starts once, one that fails (never done) too; after the deadline none."""
+    import threading
+    import time
+
+    rlhf_gold = benchmark_script("rlhf_gold")
+    done, started = set(), []
+    grpo_evaluated = threading.Event()
+
+    def wanted():
+        names = [("tune", "grpo"), ("tune", "iif"), ("tune", "broken")]
+        names += [("eval", "grpo")] if ("tune", "grpo") in done else []
+        return [dict(phase=phase, method=method, seed=1, lr=1e-3, mode="equal")
+                for phase, method in names if (phase, method) not in done]
+
+    def start(job):
+        name = (job["phase"], job["method"])
+        started.append(name)
+        if name == ("tune", "iif"):
+            assert grpo_evaluated.wait(timeout=30), "GRPO's evaluation did not start beside IIF's tuning"
+        if name == ("eval", "grpo"):
+            grpo_evaluated.set()
+        if name != ("tune", "broken"):
+            done.add(name)
+
+    rlhf_gold.schedule(wanted, start, workers=2, deadline=time.monotonic() + 60)
+    assert sorted(started) == [("eval", "grpo"), ("tune", "broken"), ("tune", "grpo"), ("tune", "iif")]
+    started.clear()
+    rlhf_gold.schedule(wanted, start, workers=2, deadline=time.monotonic() - 1)
+    assert started == []
