@@ -277,12 +277,17 @@ def tuning_table(frame: pd.DataFrame, lrs: list[float], seeds: list[int]) -> pd.
     return pd.DataFrame(rows)
 
 
+def gold_at(run: pd.DataFrame, proxy: float) -> float:
+    """A run's gold when its proxy was ``proxy``: linear in proxy between its evaluations (``run``'s
+    rows, theta(0) included) ordered by proxy; past either end, the gold of that end."""
+    run = run.sort_values("proxy")
+    return float(np.interp(proxy, run["proxy"].to_numpy(float), run["gold"].to_numpy(float)))
+
+
 def grpo_gold_at(tune: pd.DataFrame, seed: int, lr: float, proxy: float) -> float:
-    """GRPO's gold when its proxy was ``proxy`` on ``seed`` at ``lr``: linear in proxy between its
-    evaluations (theta(0) included) ordered by proxy; past either end, the gold of that end."""
-    runs = tune[(tune["method"] == NO_FILTER) & (tune["seed"].astype(int) == seed)
-                & np.isclose(tune["lr"].astype(float), lr)].sort_values("proxy")
-    return float(np.interp(proxy, runs["proxy"].to_numpy(float), runs["gold"].to_numpy(float)))
+    """GRPO's gold when its proxy was ``proxy`` on ``seed`` at ``lr`` (``gold_at``)."""
+    return gold_at(tune[(tune["method"] == NO_FILTER) & (tune["seed"].astype(int) == seed)
+                        & np.isclose(tune["lr"].astype(float), lr)], proxy)
 
 
 def tuning_pairs(frame: pd.DataFrame, methods: list[str], lrs: list[float], seeds: list[int]) -> list[str]:
@@ -444,11 +449,18 @@ def summarise(frame: pd.DataFrame, selection: pd.DataFrame, lrs: dict[str, float
             diff = ci95((x["gold"] - y["gold"]).to_numpy())
             p = probability_of_improvement(x[["gold"]].to_numpy(), y[["gold"]].to_numpy(), paired=True)
             cpu = (x["cpu_per_round"] / y["cpu_per_round"]).mean()
-            # gold at equal proxy: a smaller proxy - gold gap than the reference's, seed for seed
+            # a smaller proxy - gold gap than the reference's at the same round, seed for seed
             gap = ci95(((x["proxy"] - x["gold"]) - (y["proxy"] - y["gold"])).to_numpy())
+            # the arm's last gold minus the reference's where the reference's proxy was the arm's last
+            # (a slower run of the reference scores 0)
+            reference_runs = per_mode[per_mode["method"] == reference]
+            at_proxy = ci95(np.array([x.loc[seed, "gold"] - gold_at(reference_runs[reference_runs["seed"] == seed],
+                                                                     x.loc[seed, "proxy"]) for seed in seeds]))
             lines += [f"{mode}_gold_minus_{reference}_{method}: {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}] "
                       f"({len(seeds)} paired seeds)",
                       f"{mode}_gap_minus_{reference}_{method}: {gap[0]:+.3f} [{gap[1]:+.3f}, {gap[2]:+.3f}]",
+                      f"{mode}_gold_at_equal_proxy_minus_{reference}_{method}: {at_proxy[0]:+.3f} "
+                      f"[{at_proxy[1]:+.3f}, {at_proxy[2]:+.3f}]",
                       f"{mode}_p_gold_beats_{reference}_{method}: {p[0]:.2f} [{p[1]:.2f}, {p[2]:.2f}]",
                       f"{mode}_cpu_per_round_vs_{reference}_{method}: {cpu:.2f}"]
     return lines

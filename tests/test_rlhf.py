@@ -814,6 +814,10 @@ def test_the_gold_benchmark_tunes_each_arm_and_compares_each_at_its_own_lr(bench
     assert "equal_final_gold_grpo: 0.150 [" in "\n".join(summary)
     (line,) = [x for x in summary if x.startswith("equal_gold_minus_grpo_ceiling:")]
     assert line.startswith("equal_gold_minus_grpo_ceiling: +0.300 [") and line.endswith("(2 paired seeds)")
+    # at equal proxy: GRPO's gold where its proxy was the ceiling's last (0.5), between its (0.1, 0.1)
+    # and (0.8, gold): seed 1 0.3 - 0.1, seed 2 0.6 - (0.1 + 0.1 * 4 / 7)
+    (line,) = [x for x in summary if x.startswith("equal_gold_at_equal_proxy_minus_grpo_ceiling:")]
+    assert line.startswith(f"equal_gold_at_equal_proxy_minus_grpo_ceiling: {(0.2 + 0.5 - 0.4 / 7) / 2:+.3f} [")
     assert rlhf_gold.lrs_text({"grpo": 2e-3, "ceiling": 1e-3}) == "lr grpo 0.002, ceiling 0.001"
     assert rlhf_gold.lrs_text({"grpo": 2e-3, "ceiling": 2e-3}) == "lr 0.002"
 
