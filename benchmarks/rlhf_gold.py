@@ -508,7 +508,7 @@ def plot(frame: pd.DataFrame, lrs: dict[str, float], path: Path) -> None:
             row[1].plot(curve["proxy"], curve["gold"], "-o", color=f"C{colour}", label=label)
         row[0].set(xlabel="training rounds", ylabel="test reward (gold solid, proxy dashed)",
                    title=f"{mode} steps, {lrs_text(lrs)}: mean over seeds")
-        row[1].set(xlabel="proxy test reward (VADER)", ylabel="gold test reward", title="gold against proxy")
+        row[1].set(xlabel="proxy test reward (the training reward)", ylabel="gold test reward", title="gold against proxy")
         row[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
