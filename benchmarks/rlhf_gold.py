@@ -452,7 +452,7 @@ def summarise(frame: pd.DataFrame, selection: pd.DataFrame, lrs: dict[str, float
             # a smaller proxy - gold gap than the reference's at the same round, seed for seed
             gap = ci95(((x["proxy"] - x["gold"]) - (y["proxy"] - y["gold"])).to_numpy())
             # the arm's last gold minus the reference's where the reference's proxy was the arm's last
-            # (a slower run of the reference scores 0)
+            # (a slower run of the reference scores 0; past the reference's highest proxy, its gold there)
             reference_runs = per_mode[per_mode["method"] == reference]
             at_proxy = ci95(np.array([x.loc[seed, "gold"] - gold_at(reference_runs[reference_runs["seed"] == seed],
                                                                      x.loc[seed, "proxy"]) for seed in seeds]))
