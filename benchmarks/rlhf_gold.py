@@ -284,10 +284,19 @@ def gold_at(run: pd.DataFrame, proxy: float) -> float:
     return float(np.interp(proxy, run["proxy"].to_numpy(float), run["gold"].to_numpy(float)))
 
 
-def grpo_gold_at(tune: pd.DataFrame, seed: int, lr: float, proxy: float) -> float:
-    """GRPO's gold when its proxy was ``proxy`` on ``seed`` at ``lr`` (``gold_at``)."""
-    return gold_at(tune[(tune["method"] == NO_FILTER) & (tune["seed"].astype(int) == seed)
-                        & np.isclose(tune["lr"].astype(float), lr)], proxy)
+def gold_at_equal_proxy(arm: pd.DataFrame, reference: pd.DataFrame) -> float:
+    """One seed's gold at equal proxy, g_arm(p) - g_reference(p) at p = min(the two runs' last test
+    proxies), each g along that run's own evaluations (``gold_at``). Both runs start at theta(0), so
+    both reached p: neither is credited with proxy progress the other did not make, and the run
+    that ended lower is met at its own last evaluation."""
+    proxy = min(run.loc[run["after_round"].idxmax(), "proxy"] for run in (arm, reference))
+    return gold_at(arm, proxy) - gold_at(reference, proxy)
+
+
+def run_rows(frame: pd.DataFrame, method: str, seed: int, lr: float | None = None) -> pd.DataFrame:
+    """The rows of one run of ``frame``: ``method`` on ``seed`` (at ``lr`` where given)."""
+    rows = frame[(frame["method"] == method) & (frame["seed"].astype(int) == seed)]
+    return rows if lr is None else rows[np.isclose(rows["lr"].astype(float), lr)]
 
 
 def tuning_pairs(frame: pd.DataFrame, methods: list[str], lrs: list[float], seeds: list[int]) -> list[str]:
@@ -295,8 +304,8 @@ def tuning_pairs(frame: pd.DataFrame, methods: list[str], lrs: list[float], seed
     its proxy - gold gap minus GRPO's (a smaller gap at the same round: more gold at equal proxy),
     at the last evaluation (``tune_gold_minus_grpo``, ``tune_gap_minus_grpo``) and averaged over the
     evaluations after training rounds (``tune_run_...``: where the arms stand through the run, less
-    noisy than one evaluation); and its last gold minus GRPO's gold where GRPO's proxy was the arm's
-    last proxy (``tune_gold_at_equal_proxy_minus_grpo``, ``grpo_gold_at``: a slower run of GRPO
+    noisy than one evaluation); and its gold minus GRPO's where both had the lower of their two last
+    proxies (``tune_gold_at_equal_proxy_minus_grpo``, ``gold_at_equal_proxy``: a slower run of GRPO
     scores 0). ``name: value`` lines, each a mean with its 95% t interval."""
     tune = frame[(frame["phase"] == "tune") & frame["seed"].astype(int).isin(seeds)]
     by_run = ["method", "seed", "lr"]
@@ -318,8 +327,9 @@ def tuning_pairs(frame: pd.DataFrame, methods: list[str], lrs: list[float], seed
                 pairs = [("gold_minus_grpo", x["gold"] - y["gold"], 1),
                          ("gap_minus_grpo", (x["proxy"] - x["gold"]) - (y["proxy"] - y["gold"]), -1)]
                 if prefix == "tune_":
-                    pairs.append(("gold_at_equal_proxy_minus_grpo", x["gold"] - pd.Series(
-                        [grpo_gold_at(tune, seed, lr, x.loc[seed, "proxy"]) for seed in common], index=common), 1))
+                    pairs.append(("gold_at_equal_proxy_minus_grpo", pd.Series(
+                        [gold_at_equal_proxy(run_rows(tune, method, seed, lr), run_rows(tune, NO_FILTER, seed, lr))
+                         for seed in common], index=common), 1))
                 for name, values, better in pairs:
                     mean, lo, hi = ci95(values.to_numpy(dtype=float))
                     lines.append(f"{prefix}{name}_{method}_lr{lr:g}: {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] "
@@ -451,11 +461,9 @@ def summarise(frame: pd.DataFrame, selection: pd.DataFrame, lrs: dict[str, float
             cpu = (x["cpu_per_round"] / y["cpu_per_round"]).mean()
             # a smaller proxy - gold gap than the reference's at the same round, seed for seed
             gap = ci95(((x["proxy"] - x["gold"]) - (y["proxy"] - y["gold"])).to_numpy())
-            # the arm's last gold minus the reference's where the reference's proxy was the arm's last
-            # (a slower run of the reference scores 0; past the reference's highest proxy, its gold there)
-            reference_runs = per_mode[per_mode["method"] == reference]
-            at_proxy = ci95(np.array([x.loc[seed, "gold"] - gold_at(reference_runs[reference_runs["seed"] == seed],
-                                                                     x.loc[seed, "proxy"]) for seed in seeds]))
+            # gold where both runs had the lower of their two last proxies (a slower run of the reference scores 0)
+            at_proxy = ci95(np.array([gold_at_equal_proxy(run_rows(per_mode, method, seed), run_rows(per_mode, reference, seed))
+                                      for seed in seeds]))
             lines += [f"{mode}_gold_minus_{reference}_{method}: {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}] "
                       f"({len(seeds)} paired seeds)",
                       f"{mode}_gap_minus_{reference}_{method}: {gap[0]:+.3f} [{gap[1]:+.3f}, {gap[2]:+.3f}]",

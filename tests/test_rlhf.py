@@ -775,9 +775,20 @@ def test_the_gold_benchmark_evaluates_where_grpo_games_the_proxy(benchmark_scrip
     assert lines[3].startswith("tune_run_gold_minus_grpo_ceiling_lr0.002: +0.250 [")
     assert lines[4].startswith("tune_run_gap_minus_grpo_ceiling_lr0.002: -0.250 [")
     # GRPO's gold at a proxy, seed 11 at 2e-3: evaluations (0.1, 0.05), (0.3, 0.2), (0.7, 0.5)
-    assert rlhf_gold.grpo_gold_at(both, 11, 2e-3, 0.5) == pytest.approx(0.35)  # between the last two
-    assert rlhf_gold.grpo_gold_at(both, 11, 2e-3, 0.9) == pytest.approx(0.5)  # past the top: its gold
-    assert rlhf_gold.grpo_gold_at(both, 11, 2e-3, 0.0) == pytest.approx(0.05)
+    grpo = rlhf_gold.run_rows(both, "grpo", 11, 2e-3)
+    assert len(grpo) == 3
+    assert rlhf_gold.gold_at(grpo, 0.5) == pytest.approx(0.35)  # between the last two
+    assert rlhf_gold.gold_at(grpo, 0.9) == pytest.approx(0.5)  # past the top: its gold
+    assert rlhf_gold.gold_at(grpo, 0.0) == pytest.approx(0.05)
+
+    def arm(*evaluations):
+        return pd.DataFrame([dict(after_round=r, proxy=p, gold=g) for r, (p, g) in enumerate(evaluations)])
+
+    # an arm past GRPO's last proxy (0.7) is met there, on its own curve: 0.45 + 0.15 / 2 - 0.5,
+    # not credited with its gold at 0.9 (0.6 - 0.5)
+    assert rlhf_gold.gold_at_equal_proxy(arm((0.1, 0.05), (0.5, 0.45), (0.9, 0.6)), grpo) == pytest.approx(0.025)
+    # an arm that ended lower is met at its last evaluation: 0.45 - GRPO's 0.35 at proxy 0.5
+    assert rlhf_gold.gold_at_equal_proxy(arm((0.1, 0.05), (0.5, 0.45)), grpo) == pytest.approx(0.1)
 
 
 def test_the_gold_benchmark_tunes_each_arm_and_compares_each_at_its_own_lr(benchmark_script):
@@ -814,8 +825,8 @@ def test_the_gold_benchmark_tunes_each_arm_and_compares_each_at_its_own_lr(bench
     assert "equal_final_gold_grpo: 0.150 [" in "\n".join(summary)
     (line,) = [x for x in summary if x.startswith("equal_gold_minus_grpo_ceiling:")]
     assert line.startswith("equal_gold_minus_grpo_ceiling: +0.300 [") and line.endswith("(2 paired seeds)")
-    # at equal proxy: GRPO's gold where its proxy was the ceiling's last (0.5), between its (0.1, 0.1)
-    # and (0.8, gold): seed 1 0.3 - 0.1, seed 2 0.6 - (0.1 + 0.1 * 4 / 7)
+    # at equal proxy, the lower last proxy is the ceiling's (0.5): GRPO's gold there, between its
+    # (0.1, 0.1) and (0.8, gold): seed 1 0.3 - 0.1, seed 2 0.6 - (0.1 + 0.1 * 4 / 7)
     (line,) = [x for x in summary if x.startswith("equal_gold_at_equal_proxy_minus_grpo_ceiling:")]
     assert line.startswith(f"equal_gold_at_equal_proxy_minus_grpo_ceiling: {(0.2 + 0.5 - 0.4 / 7) / 2:+.3f} [")
     assert rlhf_gold.lrs_text({"grpo": 2e-3, "ceiling": 1e-3}) == "lr grpo 0.002, ceiling 0.001"
