@@ -174,6 +174,12 @@ class Results:
             self.frame.to_csv(self.path, index=False, float_format="%.6g")
 
 
+def run_counts(results: Results, jobs: dict[str, list[dict]], name: str) -> list[str]:
+    """Per arm of ``jobs`` (its runs wanted now), how many of them ``results`` holds:
+    ``{name}_{arm}: k of n`` lines, for a run cut off part way."""
+    return [f"{name}_{arm}: {sum(results.has(job) for job in wanted)} of {len(wanted)}" for arm, wanted in jobs.items()]
+
+
 def run_root(job: dict, args: argparse.Namespace) -> Path:
     return Path(args.scratch) / "_".join(str(job[k]) for k in KEY)
 
@@ -587,7 +593,10 @@ def main() -> None:
         grids, own, own_lines = own_tuning()
         if set(own) != set(grids):
             waiting = ", ".join(m for m in grids if m not in own)
-            print("\n".join([*own_lines, f"tuning incomplete ({waiting} not yet): no summary until every arm's lr is settled"]))
+            counts = run_counts(results, {m: tuning_jobs(grids, [m]) for m in grids}, "tuning_runs")
+            counts += run_counts(results, {m: evaluation_jobs({m: lr}) for m, lr in own.items()}, "evaluation_runs")
+            print("\n".join([*own_lines, *counts,
+                             f"tuning incomplete ({waiting} not yet): no summary until every arm's lr is settled"]))
             return
     else:
         grids = {m: sorted(args.lrs) for m in tune_methods}

@@ -833,6 +833,20 @@ def test_the_gold_benchmark_tunes_each_arm_and_compares_each_at_its_own_lr(bench
     assert rlhf_gold.lrs_text({"grpo": 2e-3, "ceiling": 2e-3}) == "lr 0.002"
 
 
+def test_the_gold_benchmark_counts_each_arms_runs_held_of_those_wanted(benchmark_script, tmp_path):
+    """run_counts: per arm, the wanted runs the results CSV holds (a run at another lr or seed does not count)."""
+    import pandas as pd
+
+    rlhf_gold = benchmark_script("rlhf_gold")
+    held = [dict(phase="tune", method="pods", seed=1001, lr=2e-3, mode="equal", after_round=4),
+            dict(phase="tune", method="pods", seed=1002, lr=8e-3, mode="equal", after_round=4)]
+    pd.DataFrame(held).to_csv(tmp_path / "runs.csv", index=False)
+    wanted = {arm: [dict(phase="tune", method=arm, seed=seed, lr=lr, mode="equal") for seed in (1001, 1002) for lr in (1e-3, 2e-3)]
+              for arm in ("pods", "dtv")}
+    assert rlhf_gold.run_counts(rlhf_gold.Results(tmp_path / "runs.csv"), wanted, "tuning_runs") == [
+        "tuning_runs_pods: 1 of 4", "tuning_runs_dtv: 0 of 4"]
+
+
 def test_the_speed_benchmark_times_each_pair_to_80_percent_of_grpos_gain(benchmark_script):
     """benchmarks/rlhf_speed.py's pair_speed on hand-made training curves (window 1): GRPO's rows
     0.0 ... 0.5 put the level at 0.4, first reached with 4 rounds trained (row 4) and 40 CPU s
