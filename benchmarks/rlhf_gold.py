@@ -480,6 +480,30 @@ def summarise(frame: pd.DataFrame, selection: pd.DataFrame, lrs: dict[str, float
     return lines
 
 
+def tuning_grid_table(tune: pd.DataFrame, grids: dict[str, list[float]], seeds: list[int],
+                      chosen: dict[str, float]) -> str:
+    """Markdown: per arm and lr of its grid, the mean val proxy after training rounds (``tune``'s
+    rows), each tuning seed weighted alike as ``best_lrs`` weighs them, with the mean val gold beside
+    it, which no choice reads; the seeds run so far where not all of ``seeds``, the chosen lr in bold."""
+    tune = tune[tune["seed"].astype(int).isin(seeds)]
+    lrs = sorted(set().union(*grids.values()))
+    out = ["| arm | " + " | ".join(f"{lr:g}" for lr in lrs) + " | choice |", "|---|" + "---|" * (len(lrs) + 1)]
+    for method, grid in grids.items():
+        cells = []
+        for lr in lrs:
+            at = tune[(tune["method"] == method) & np.isclose(tune["lr"].astype(float), lr)]
+            if lr not in grid or not len(at):
+                cells.append("-")
+                continue
+            proxy, gold = at.groupby("seed")[["proxy", "gold"]].mean().mean()
+            value = f"**{proxy:.3f}**" if np.isclose(chosen.get(method, np.nan), lr) else f"{proxy:.3f}"
+            done = at["seed"].nunique()
+            cells.append(f"{value} (gold {gold:.3f})" + ("" if done == len(seeds) else f", {done} of {len(seeds)} seeds"))
+        choice = f"{chosen[method]:g}" if method in chosen else "tuning"
+        out.append(f"| {method} | " + " | ".join(cells) + f" | {choice} |")
+    return "\n".join(out) + "\n"
+
+
 def per_seed_table(frame: pd.DataFrame, lrs: dict[str, float]) -> str:
     """Markdown, per step mode: each run's proxy and gold test curves, CPU seconds per round, kept
     fraction and optimiser steps per round, as in the results CSV."""
@@ -559,6 +583,8 @@ def main() -> None:
                         help="per filter run, what it kept judged by gold and proxy (selection_rows)")
     parser.add_argument("--png", help="write the curves of the evaluation phase to this PNG")
     parser.add_argument("--markdown", help="write the per-seed table and the summary lines to this file (the docs include it)")
+    parser.add_argument("--tuning-markdown", help="--own-lr: write each arm's tuning table (tuning_grid_table) and "
+                                                  "its runs held of those wanted to this file, complete or not")
     parser.add_argument("--scratch", default="bench_out/rlhf_gold", help="the run folders (report.html, completions), not committed")
     args = parser.parse_args()
     deadline = time.monotonic() + 60 * args.budget_minutes
@@ -577,11 +603,13 @@ def main() -> None:
                 for s in args.seeds for mode in args.modes for m in args.methods if m in lrs]
         return list({tuple(job.values()): job for job in jobs}.values())
 
-    def own_tuning() -> tuple[dict[str, list[float]], dict[str, float], list[str]]:
+    def tuned() -> pd.DataFrame:
         frame = results.frame  # theta(0)'s evaluation left out (a file with no rows has no column for it yet)
         after_training = frame["after_round"] > 0 if "after_round" in frame else False
-        return own_choices(frame[(frame["phase"] == "tune") & after_training], tune_methods, args.lrs,
-                           args.tune_seeds, "proxy")
+        return frame[(frame["phase"] == "tune") & after_training]
+
+    def own_tuning() -> tuple[dict[str, list[float]], dict[str, float], list[str]]:
+        return own_choices(tuned(), tune_methods, args.lrs, args.tune_seeds, "proxy")
 
     if args.own_lr:
         def wanted() -> list[dict]:  # the arms still tuning (on a widened grid too), then the settled arms' evaluation
@@ -591,10 +619,13 @@ def main() -> None:
 
         run_all(wanted, args, results, selection, deadline)
         grids, own, own_lines = own_tuning()
+        counts = run_counts(results, {m: tuning_jobs(grids, [m]) for m in grids}, "tuning_runs")
+        counts += run_counts(results, {m: evaluation_jobs({m: lr}) for m, lr in own.items()}, "evaluation_runs")
+        if args.tuning_markdown:
+            Path(args.tuning_markdown).write_text(tuning_grid_table(tuned(), grids, args.tune_seeds, own)
+                                                  + "\n```\n" + "\n".join([*own_lines, *counts]) + "\n```\n")
         if set(own) != set(grids):
             waiting = ", ".join(m for m in grids if m not in own)
-            counts = run_counts(results, {m: tuning_jobs(grids, [m]) for m in grids}, "tuning_runs")
-            counts += run_counts(results, {m: evaluation_jobs({m: lr}) for m, lr in own.items()}, "evaluation_runs")
             print("\n".join([*own_lines, *counts,
                              f"tuning incomplete ({waiting} not yet): no summary until every arm's lr is settled"]))
             return

@@ -815,6 +815,10 @@ def test_the_gold_benchmark_tunes_each_arm_and_compares_each_at_its_own_lr(bench
     chosen, lines = rlhf_gold.best_lrs(frame[frame["after_round"] > 0], grids, [11, 12], "proxy")
     assert chosen == {"grpo": 2e-3, "ceiling": 1e-3}
     assert "tune_val_proxy_ceiling_lr0.002: 0.300" in lines
+    table = rlhf_gold.tuning_grid_table(frame[frame["after_round"] > 0], grids, [11, 12], chosen).splitlines()
+    assert table[0] == "| arm | 0.001 | 0.002 | choice |"
+    assert table[2] == "| grpo | 0.400 (gold 0.300) | **0.600** (gold 0.200) | 0.002 |"
+    assert table[4] == "| dtv | 0.500 (gold 0.400), 1 of 2 seeds | - | tuning |"  # off its grid: -
     # evaluation: the ceiling's gold beats GRPO's by 0.2 and 0.4 at their own lrs; the runs at the other lrs differ
     evaluation = []
     for seed, (grpo_gold, ceiling_gold) in zip((1, 2), ((0.1, 0.3), (0.2, 0.6)), strict=True):
