@@ -591,6 +591,8 @@ def main() -> None:
     results, selection = Results(Path(args.results)), Results(Path(args.selection))
     if args.own_lr and args.eval_lr is not None:
         parser.error("--own-lr tunes every method's lr; --eval-lr sets one for all: give one of them")
+    if args.tuning_markdown and not args.own_lr:
+        parser.error("--tuning-markdown writes each arm's own tuning: give --own-lr with it")
     tune_methods = [NO_FILTER, *(m for m in (args.methods if args.own_lr else args.tune_methods) if m != NO_FILTER)]
 
     def tuning_jobs(grids: dict[str, list[float]], methods: list[str]) -> list[dict]:
