@@ -64,17 +64,23 @@ def test_a_run_prints_its_directory_when_it_starts_and_ctrl_c_says_how_to_resume
     import signal
     import time
 
+    # A shell without job control starts background jobs with SIGINT ignored, and the child would
+    # inherit that (`make test &` in a script): give it the default disposition a terminal gives.
     proc = subprocess.Popen([sys.executable, "-m", "rlinfluence.cli", "train", "--env", "CartPole-v1", "--n-steps",
                              "64", "--batch-size", "64", "--total-timesteps", "100000", "--eval-episodes", "1",
-                             "--run-root", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    first = proc.stdout.readline()
-    assert first.startswith("run directory: "), first
-    run = Path(first.split(": ", 1)[1].strip())
-    deadline = time.monotonic() + 120
-    while not (run / "checkpoints" / "round_0002.pt").is_file() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+                             "--run-root", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("run directory: "), first
+        run = Path(first.split(": ", 1)[1].strip())
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoints" / "round_0002.pt").is_file() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert "interrupted:" in err and f"rlinfluence train --resume {run}" in err
 

@@ -23,6 +23,7 @@ from rlinfluence.experiments.tuning import (
 from rlinfluence.statistics import (
     ci95,
     interval_estimates,
+    iqm,
     probability_of_improvement,
 )
 
@@ -195,6 +196,17 @@ def test_a_method_identical_to_its_reference_has_poi_one_half_and_equal_iqm(tmp_
     assert rows["ppo"]["mean_final_norm"] == pytest.approx(1.0)  # 1 = the reference's plateau
     assert rows["better"]["poi_auc"] == 1.0  # 5 of 5 seeds: the exact interval, not [1, 1]
     assert rows["better"]["poi_auc_lo"] == pytest.approx(0.478, abs=1e-3) and rows["better"]["poi_auc_hi"] == 1.0
+
+
+def test_the_iqm_is_scipys_trimmed_mean_to_the_last_bit():
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    for shape in [(1,), (2,), (3, 1), (4, 3), (5, 7), (10, 1), (33, 2)]:
+        scores = rng.normal(size=shape) * 10.0 ** rng.integers(-3, 4)
+        assert iqm(scores) == float(stats.trim_mean(scores, 0.25, axis=None)), shape
+    assert math.isnan(iqm(np.array([1.0, 2.0, 3.0, np.nan])))  # where trimming would hide the NaN
+    assert math.isnan(iqm(np.empty((0, 2))))
 
 
 def test_bootstrap_intervals_cover_the_truth_on_a_synthetic_case():

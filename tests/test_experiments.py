@@ -112,35 +112,39 @@ def _tiny_compare(out, **kw):
                          out=str(out), progress=False, **kw)
 
 
-def _summary(out):
+def _summary_without_clocks(out):
+    """The summary rows less the seconds-based columns, which differ between any two runs."""
     with (out / "summary.csv").open() as f:
-        return list(csv.DictReader(f))
+        return [{k: v for k, v in r.items() if "second" not in k and "rt_" not in k} for r in csv.DictReader(f)]
 
 
-def test_compare_end_to_end_is_deterministic_and_resumes(tmp_path):
-    out = compare(_tiny_compare(tmp_path / "a", workers=1))
+@pytest.fixture(scope="module")
+def serial_compare(tmp_path_factory):
+    """One serial comparison that every other executor is checked against."""
+    return compare(_tiny_compare(tmp_path_factory.mktemp("serial"), workers=1))
+
+
+def test_compare_end_to_end_is_deterministic_and_resumes(serial_compare, tmp_path):
+    out = serial_compare
     for name in ("summary.md", "summary.csv", "curves.png"):
         assert (out / name).stat().st_size > 0
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [
         f"{m}__seed{s}" for m in ("iif", "ppo", "random") for s in (1, 2)]
     again = compare(_tiny_compare(tmp_path / "b", workers=2))  # other executor, same numbers
-    strip = lambda rows: [{k: v for k, v in r.items() if "second" not in k and "rt_" not in k} for r in rows]  # noqa: E731
-    assert strip(_summary(out)) == strip(_summary(again))
+    assert _summary_without_clocks(out) == _summary_without_clocks(again)
     before = (out / "ppo__seed1" / "metrics.csv").read_text()
-    compare(_tiny_compare(tmp_path / "a", workers=1))  # finished pairs are skipped
+    compare(_tiny_compare(out, workers=1))  # finished pairs are skipped
     assert (out / "ppo__seed1" / "metrics.csv").read_text() == before
 
 
-def test_compare_with_ray(tmp_path):
+def test_compare_with_ray(serial_compare, tmp_path):
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         out = compare(_tiny_compare(tmp_path / "ray", ray_address="local"))
-        local = compare(_tiny_compare(tmp_path / "local", workers=1))
     finally:
         ray.shutdown()
-    strip = lambda rows: [{k: v for k, v in r.items() if "second" not in k and "rt_" not in k} for r in rows]  # noqa: E731
-    assert strip(_summary(out)) == strip(_summary(local))
+    assert _summary_without_clocks(out) == _summary_without_clocks(serial_compare)
 
 
 def test_a_bad_value_inside_a_ray_task_is_the_one_line_error(tmp_path):

@@ -130,10 +130,15 @@ def normalise(returns: np.ndarray, start: float, plateau: float) -> np.ndarray:
 
 
 def iqm(scores: np.ndarray) -> float:
-    """Interquartile mean of all entries: the mean of the middle 50% (trim 25% each side)."""
-    from scipy import stats
-
-    return float(stats.trim_mean(np.asarray(scores, float), 0.25, axis=None))
+    """Interquartile mean of all n entries: the mean of the sorted entries [floor(n/4), n - floor(n/4)),
+    NaN when any entry is NaN or there are none. The same partition and mean as
+    ``scipy.stats.trim_mean(scores, 0.25, axis=None)``, without its per-call dispatch, which cost
+    more than the arithmetic when a bootstrap calls it 10,000 times an interval."""
+    flat = np.asarray(scores, float).ravel()
+    if flat.size == 0 or np.isnan(flat).any():
+        return math.nan
+    cut = flat.size // 4
+    return float(np.partition(flat, (cut, flat.size - cut - 1))[cut:flat.size - cut].mean())
 
 
 def stratified_bootstrap(
