@@ -453,8 +453,11 @@ def summarise(frame: pd.DataFrame, selection: pd.DataFrame, lrs: dict[str, float
                           f"{chosen['kept_minus_dropped_proxy_advantage'].mean():+.3f}",
                           f"{mode}_agreement_with_advantage_sign_{method}: "
                           f"{chosen['agreement_with_advantage_sign'].mean():.2f}"]
+        # every arm against GRPO, IIF-gold against every other arm, every field filter against the ceiling
+        field = [m for m in methods if m not in ("grpo", "iif-gold", "ceiling")]
         pairs = [(m, "grpo") for m in methods if m != "grpo"]
         pairs += [("iif-gold", m) for m in methods if m not in ("grpo", "iif-gold") and "iif-gold" in methods]
+        pairs += [(m, "ceiling") for m in field]
         for method, reference in pairs:
             if reference not in methods:
                 continue
@@ -540,14 +543,14 @@ def plot(frame: pd.DataFrame, lrs: dict[str, float], path: Path) -> None:
         for colour, method in enumerate(m for m in METHODS if m in set(per_mode["method"])):
             rows = per_mode[per_mode["method"] == method]
             curve = rows.groupby("after_round")[["proxy", "gold"]].mean()
-            label = f"{method} ({rows['seed'].nunique()} seeds)"
+            label = f"{method} (lr {lrs[method]:g}, {rows['seed'].nunique()} seeds)"
             row[0].plot(curve.index, curve["gold"], "-o", color=f"C{colour}", label=label)
             row[0].plot(curve.index, curve["proxy"], "--", color=f"C{colour}", alpha=0.6)
             row[1].plot(curve["proxy"], curve["gold"], "-o", color=f"C{colour}", label=label)
         row[0].set(xlabel="training rounds", ylabel="test reward (gold solid, proxy dashed)",
-                   title=f"{mode} steps, {lrs_text(lrs)}: mean over seeds")
+                   title=f"{mode} steps, each arm at its lr: mean over seeds")
         row[1].set(xlabel="proxy test reward (the training reward)", ylabel="gold test reward", title="gold against proxy")
-        row[1].legend(fontsize=8)
+        row[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

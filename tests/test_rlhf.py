@@ -795,7 +795,7 @@ def test_the_gold_benchmark_tunes_each_arm_and_compares_each_at_its_own_lr(bench
     """--own-lr: best_lrs on this benchmark's rows (theta(0)'s evaluation left out) picks each arm's
     lr of highest mean val proxy (GRPO 2e-3, the ceiling 1e-3) and waits for an arm with a missing
     seed; summarise pairs each arm's runs at its own lr seed for seed and ignores its runs at any
-    other lr."""
+    other lr; each field filter is paired with the ceiling too, GRPO is not."""
     import pandas as pd
 
     rlhf_gold = benchmark_script("rlhf_gold")
@@ -824,8 +824,13 @@ def test_the_gold_benchmark_tunes_each_arm_and_compares_each_at_its_own_lr(bench
     for seed, (grpo_gold, ceiling_gold) in zip((1, 2), ((0.1, 0.3), (0.2, 0.6)), strict=True):
         evaluation += run("eval", "grpo", seed, 2e-3, 0.8, grpo_gold) + run("eval", "ceiling", seed, 1e-3, 0.5, ceiling_gold)
         evaluation += run("eval", "grpo", seed, 1e-3, 0.5, 5.0) + run("eval", "ceiling", seed, 2e-3, 0.5, -5.0)
+        evaluation += run("eval", "pods", seed, 1e-3, 0.5, 0.2)
     summary = rlhf_gold.summarise(pd.DataFrame(evaluation), pd.DataFrame(columns=rlhf_gold.KEY),
-                                  {"grpo": 2e-3, "ceiling": 1e-3})
+                                  {"grpo": 2e-3, "ceiling": 1e-3, "pods": 1e-3})
+    # pods against the ceiling, seed for seed: 0.2 - 0.3 and 0.2 - 0.6
+    (line,) = [x for x in summary if x.startswith("equal_gold_minus_ceiling_pods:")]
+    assert line.startswith("equal_gold_minus_ceiling_pods: -0.250 [")
+    assert not [x for x in summary if x.startswith("equal_gold_minus_ceiling_grpo:")]
     assert "equal_final_gold_grpo: 0.150 [" in "\n".join(summary)
     (line,) = [x for x in summary if x.startswith("equal_gold_minus_grpo_ceiling:")]
     assert line.startswith("equal_gold_minus_grpo_ceiling: +0.300 [") and line.endswith("(2 paired seeds)")
