@@ -36,6 +36,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from concurrent.futures import ProcessPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -46,6 +47,9 @@ from filelock import FileLock  # noqa: E402
 
 from rlinfluence.experiments.tuning import widen_past_edge  # noqa: E402
 from rlinfluence.statistics import clopper_pearson  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import held_out_faults  # noqa: E402
 
 STUDIES = Path(__file__).parent / "studies"
 ENVS = ("CartPole-v1", "Acrobot-v1", "LunarLander-v3", "MiniGrid-Empty-8x8-v0")
@@ -93,70 +97,173 @@ def finished(path: Path, keys: list[str]) -> set[tuple]:
     return set(zip(*(prior[k] for k in keys), strict=True))
 
 
-def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path, window: int = 0) -> dict:
+HELD_OUT = "held-out:"
+"""A fault given as ``held-out:<kind>`` is one of ``held_out_faults.KINDS``, put around one env by a wrapper."""
+N_ENVS = 8
+
+
+def truth_class(fault: str) -> str:
+    """The fault class a right reading names: the held-out kind's, or the ``--corrupt`` kind's."""
+    from rlinfluence.sources import KIND_CLASS
+
+    if fault.startswith(HELD_OUT):
+        return held_out_faults.KINDS[fault.removeprefix(HELD_OUT)][0]
+    return KIND_CLASS[fault.split(":")[0]]
+
+
+def reading_outcome(fault_class: str, candidates: str, truth: str) -> str:
+    """right (the true class named), undetermined (not named, but among the candidates) or wrong."""
+    if fault_class == truth:
+        return "right"
+    return "undetermined" if fault_class == "undetermined" and truth in candidates.split(";") else "wrong"
+
+
+def _train_native(env: str, fault: str | None, seed: int, rounds: int, scratch: Path) -> tuple[Path, set, int]:
+    """(run directory, broken envs, the round the fault starts) of one run of rlinfluence's PPO."""
+    from rlinfluence.ppo import PPO
+
+    held_out = fault is not None and fault.startswith(HELD_OUT)
+    trainer = PPO(_config(env, None if held_out else fault, seed, rounds, scratch))
+    if held_out:
+        broken = held_out_faults.broken_env(seed, N_ENVS - 1)
+        held_out_faults.break_env(trainer.stream.env, fault.removeprefix(HELD_OUT), broken, seed)
+        trainer.stream.reset(trainer.config.seed)  # the trainer reset its envs when built: again, the broken one wrapped
+        return trainer.learn().run.path, {broken}, 0
+    trainer.learn()
+    if not fault:
+        return trainer.run.path, set(), 0
+    return (trainer.run.path, set(np.flatnonzero(trainer.corruptor.broken_envs).tolist()),
+            max(spec.start for spec in trainer.corruptor.specs))
+
+
+def _train_sb3(env: str, fault: str | None, seed: int, rounds: int, scratch: Path) -> tuple[Path, set, int]:
+    """The same with Stable-Baselines3's PPO (its defaults but 8 envs x 256 steps and minibatches of
+    64), written by ``RunDirectoryCallback``; faults are held-out kinds only (``--corrupt`` is rlinfluence's)."""
+    import torch
+    from stable_baselines3 import PPO as SB3PPO
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from rlinfluence.envs import make_env
+    from rlinfluence.integrations.sb3_rundir import RunDirectoryCallback
+
+    if fault is not None and not fault.startswith(HELD_OUT):
+        raise SystemExit(f"--trainer sb3 takes held-out faults only, got {fault!r}")
+    torch.set_num_threads(1)
+    vec_env = make_vec_env(lambda: make_env(env), n_envs=N_ENVS, seed=seed)
+    broken: set = set()
+    if fault:
+        broken = {held_out_faults.broken_env(seed, N_ENVS)}
+        held_out_faults.break_env(vec_env, fault.removeprefix(HELD_OUT), next(iter(broken)), seed)
+    model = SB3PPO("MlpPolicy", vec_env, n_steps=256, batch_size=64, seed=seed, device="cpu")
+    model.learn(rounds * 256 * N_ENVS, callback=RunDirectoryCallback(scratch / "run", eval_episodes=0))
+    return scratch / "run", broken, 0
+
+
+def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path, window: int = 0,
+            trainer: str = "native") -> dict:
     """Train, score every round, and check the verdict after each round (module docstring)."""
     from rlinfluence.analysis.audit import harm_table, scorers_of, verdict_table
     from rlinfluence.checkpoint import load_round
-    from rlinfluence.ppo import PPO
-    from rlinfluence.sources import KIND_CLASS
+    from rlinfluence.sources import VERDICT_VERSION
 
-    scratch = out / "scratch" / f"{env}__{fault or 'clean'}__{seed}".replace(":", "_").replace(",", "_")
+    scratch = out / "scratch" / f"{trainer}__{env}__{fault or 'clean'}__{seed}".replace(":", "_").replace(",", "_")
     shutil.rmtree(scratch, ignore_errors=True)
     cpu0 = time.process_time()
-    trainer = PPO(_config(env, fault, seed, rounds, scratch)).learn()
+    path, broken, start = (_train_sb3 if trainer == "sb3" else _train_native)(env, fault, seed, rounds, scratch)
     train_cpu = time.process_time() - cpu0
-    broken = set(np.flatnonzero(trainer.corruptor.broken_envs).tolist()) if fault else set()
-    families = [f for f in scorers_of(1) if f != "random"]
+    # an SB3 run has no trusted env, and no TracIn recorded in its rounds (a replay per round would dominate)
+    families = [f for f in scorers_of(0 if trainer == "sb3" else 1) if f != "random" and (trainer != "sb3" or f != "tracin")]
     tables = []
-    start = max((spec.start for spec in trainer.corruptor.specs), default=0) if fault else 0
-    row: dict = {"env": env, "fault": fault or "clean", "seed": seed, "rounds": rounds, "start": start, "window": window,
-                 "broken": " ".join(map(str, sorted(broken))), "verdict_round": np.nan, "reading": "",
-                 "reading_right": np.nan, "false_flags": "", "final_flagged": "", "signature": "", "p_at_flag": ""}
-    row |= {f"round_{f}": np.nan for f in families}
+    row: dict = {"env": env, "fault": fault or "clean", "seed": seed, "trainer": trainer, "rounds": rounds,
+                 "start": start, "window": window, "verdict_version": VERDICT_VERSION,
+                 "broken": " ".join(map(str, sorted(broken)))}
+    for prefix in ("", "seq_"):
+        row |= {f"{prefix}verdict_round": np.nan, f"{prefix}reading": "", f"{prefix}candidates": "",
+                f"{prefix}reading_outcome": "", f"{prefix}reading_right": np.nan, f"{prefix}false_flags": "",
+                f"{prefix}signature": ""}
+    row |= {"final_flagged": "", "p_at_flag": ""}
+    row |= {f"round_{f}": np.nan for f in scorers_of(1) if f != "random"}
+    truth = truth_class(fault) if fault else ""
     cpu1 = time.process_time()
     for k in range(rounds):
-        tables.append(harm_table(load_round(trainer.run.path, k), families))
-        audited = tables[max(0, k + 1 - window):] if window else tables
-        verdict = verdict_table(pd.concat(audited, ignore_index=True), families, ALPHA)
-        flagged = verdict[verdict["flagged"]]
+        tables.append(harm_table(load_round(path, k), families))
+        audited = pd.concat(tables[max(0, k + 1 - window):] if window else tables, ignore_index=True)
+        verdict = verdict_table(audited, families, ALPHA)
         active = broken if k >= start else set()  # before a from=R fault begins, every flag is a false one
-        found = flagged[flagged["source"].isin(active)]
-        false = sorted(set(flagged["source"].astype(int)) - active)
-        if false:
-            row["false_flags"] += f"{k + 1}:{','.join(map(str, false))} "
-        if len(found) and np.isnan(row["verdict_round"]):
-            row["verdict_round"] = k + 1
-            row["reading"] = found["fault_class"].iloc[0]
-            row["reading_right"] = float(row["reading"] == KIND_CLASS[fault.split(":")[0]])
-            row["signature"] = found["signature"].iloc[0]
+        found = _note(row, "", verdict, k, active, truth)
+        if len(found) and not row["p_at_flag"]:
             row["p_at_flag"] = json.dumps({c[2:]: round(float(found[c].iloc[0]), 6) for c in found.columns
                                            if c.startswith("p_") and c != "p_adjusted_min"})
         for family in families:
             if np.isnan(row[f"round_{family}"]) and any(family in str(s).split(";") for s in found["signature"]):
                 row[f"round_{family}"] = k + 1
+        # the per-run guarantee: the (k+1)-th audit of a run at alpha / ((k+1)(k+2)), which sum to alpha
+        sequential = verdict if verdict["p_adjusted_min"].min() >= ALPHA else \
+            verdict_table(audited, families, sequential_alpha(ALPHA, k + 1))
+        _note(row, "seq_", sequential, k, active, truth)
         if k == rounds - 1:
-            row["final_flagged"] = " ".join(map(str, flagged["source"].astype(int)))
+            row["final_flagged"] = " ".join(map(str, verdict.loc[verdict["flagged"], "source"].astype(int)))
     row["train_cpu_s"], row["audit_cpu_s"] = train_cpu, time.process_time() - cpu1
     shutil.rmtree(scratch, ignore_errors=True)
     append_row(out / "runs.csv", row)
     return row
 
 
+def sequential_alpha(alpha: float, look: int) -> float:
+    """The level of a run's ``look``-th audit (1, 2, ...) that keeps its chance of any false flag, over
+    every audit, at most ``alpha``: alpha / (look (look + 1)), whose sum over all looks is alpha
+    (fixed in the held-out protocol before it was measured)."""
+    return alpha / (look * (look + 1))
+
+
+def _note(row: dict, prefix: str, verdict: pd.DataFrame, k: int, active: set, truth: str) -> pd.DataFrame:
+    """Record the audit after round k in ``row``'s ``prefix`` columns: its false flags, and the first
+    flag of a broken source with its reading; returns the flagged broken sources' rows."""
+    flagged = verdict[verdict["flagged"]]
+    found = flagged[flagged["source"].isin(active)]
+    false = sorted(set(flagged["source"].astype(int)) - active)
+    if false:
+        row[f"{prefix}false_flags"] += f"{k + 1}:{','.join(map(str, false))} "
+    if len(found) and np.isnan(row[f"{prefix}verdict_round"]):
+        first = found.iloc[0]
+        row[f"{prefix}verdict_round"] = k + 1
+        row[f"{prefix}reading"], row[f"{prefix}candidates"] = first["fault_class"], first["candidates"]
+        row[f"{prefix}reading_outcome"] = reading_outcome(first["fault_class"], first["candidates"], truth)
+        row[f"{prefix}reading_right"] = float(row[f"{prefix}reading_outcome"] == "right")
+        row[f"{prefix}signature"] = first["signature"]
+    return found
+
+
+def held_out_jobs(envs: list[str], out: Path, trainer: str, clean_seeds: int) -> list[tuple]:
+    """The held-out protocol's runs (``held_out_faults``): each kind that applies on each env on the
+    fault seeds, ``ROUNDS`` rounds; clean runs on the first ``clean_seeds`` seeds, ``CLEAN_ROUNDS`` rounds."""
+    jobs = []
+    for seed in held_out_faults.SEEDS[:max(clean_seeds, len(held_out_faults.FAULT_SEEDS))]:
+        for env in envs:
+            if seed in held_out_faults.FAULT_SEEDS:
+                jobs += [(env, f"{HELD_OUT}{kind}", seed, held_out_faults.ROUNDS, out, 0, trainer)
+                         for kind in held_out_faults.KINDS if held_out_faults.applies(kind, env)]
+            if seed < held_out_faults.SEEDS[0] + clean_seeds:
+                jobs.append((env, None, seed, held_out_faults.CLEAN_ROUNDS, out, 0, trainer))
+    return jobs
+
+
 def detect(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    done = finished(out / "runs.csv", ["env", "fault", "seed"])
     envs = args.envs.split(",")
-    chosen = args.faults.split(";") if args.faults else list(FAULTS)
-    jobs = []
-    for seed in range(1, max(args.seeds, args.clean_seeds) + 1):
-        for env in envs:
-            faults = (chosen if seed <= args.seeds else []) + ([None] if seed <= args.clean_seeds else [])
-            for fault in faults:
-                if fault == "obs-bug:envs=1,mode=swap" and env == "FrozenLake-v1":
-                    continue
-                if (env, fault or "clean", seed) not in done:
-                    jobs.append((env, fault, seed, args.rounds, out, args.window))
+    if args.held_out:
+        jobs = held_out_jobs(envs, out, args.trainer, args.clean_seeds)
+    else:
+        chosen = args.faults.split(";") if args.faults else list(FAULTS)
+        jobs = []
+        for seed in range(1, max(args.seeds, args.clean_seeds) + 1):
+            for env in envs:
+                faults = (chosen if seed <= args.seeds else []) + ([None] if seed <= args.clean_seeds else [])
+                jobs += [(env, fault, seed, args.rounds, out, args.window, args.trainer) for fault in faults
+                         if not (fault == "obs-bug:envs=1,mode=swap" and env == "FrozenLake-v1")]
+    done = finished(out / "runs.csv", ["env", "fault", "seed"])
+    jobs = [job for job in jobs if (job[0], job[1] or "clean", job[2]) not in done]
     print(f"{len(jobs)} runs to go", flush=True)
     with ProcessPoolExecutor(args.workers) as pool:
         for row in pool.map(run_one, *zip(*jobs, strict=True)) if jobs else []:
@@ -525,6 +632,10 @@ def main() -> None:
     d.add_argument("--out", default="bench_out/hidden_faults")
     d.add_argument("--faults", default="", help="';'-separated fault specs (default: the module's FAULTS)")
     d.add_argument("--window", type=int, default=0, help="audit the last W rounds (0: every round so far)")
+    d.add_argument("--held-out", action="store_true",
+                   help="the held-out protocol's runs (benchmarks/held_out_faults.py: kinds, seeds, rounds)")
+    d.add_argument("--trainer", choices=("native", "sb3"), default="native",
+                   help="rlinfluence's PPO, or Stable-Baselines3's written by RunDirectoryCallback")
     s = sub.add_parser("summary")
     s.add_argument("--out", default="bench_out/hidden_faults")
     s.add_argument("--data", default="")

@@ -10,6 +10,7 @@ import pytest
 from rlinfluence import cli
 from rlinfluence.analysis.audit import audit_run, holm, source_test
 from rlinfluence.ppo import PPO, PPOConfig
+from rlinfluence.sources import VERDICT_VERSION
 
 
 def _run(tmp_path, seed, corrupt=()):
@@ -49,7 +50,7 @@ def test_audit_flags_the_flipped_env_and_no_env_of_clean_runs(tmp_path, capsys):
     assert list(pd.read_csv(flipped.run.path / "audit" / "detection.csv").columns) == ["scorer", "level", "round",
                                                                                       "auroc", "precision"]
     assert (flipped.run.path / "audit" / "detection.csv").is_file() and (flipped.run.path / "audit" / "sources.png").is_file()
-    assert "flagged (adjusted p < 0.01 across sources x families)" in capsys.readouterr().out
+    assert f"flagged (verdict v{VERDICT_VERSION}, adjusted p < 0.01 across sources x families)" in capsys.readouterr().out
     assert cli.main(["report", str(flipped.run.path)]) == 0  # the audit is a section of the run's report
     html = next(flipped.run.path.glob("report*.html")).read_text()
     assert "Audit: which worker is broken, and what kind of fault it is" in html and "Detection against the ground truth" in html

@@ -26,7 +26,9 @@ from rlinfluence.consistency import (
 )
 from rlinfluence.ppo import PPO, PPOConfig
 from rlinfluence.sources import (
+    FAULT_CLASSES,
     KIND_CLASS,
+    VERDICT_VERSION,
     calibration_test,
     episode_floor,
     maxt_test,
@@ -461,25 +463,54 @@ def test_an_audit_that_could_not_flag_anything_says_so():
     assert unreachable_note(verdict({"dynamics": h[:3]}, range(7), outlier_means={"dynamics": h[:3]}), 0.01) == ""
 
 
-def test_a_signature_is_read_as_its_fault_class():
-    assert reading(["dtv", "dynamics", "action-surprise"])[0] == "action"
-    assert reading(["obs-shift", "dynamics"])[0] == "observation"
-    assert reading(["dynamics", "action-fit", "lag-fit"])[0] == "observation"
-    assert reading(["dynamics", "action-fit"], {"lag-fit": 0.001})[0] == "action"  # lag-fit must flag
+def test_a_signature_names_a_class_only_where_the_evidence_separates_it():
+    # one class explains every flagging family: named
     assert reading(["logp-gap"])[0] == "stale-policy"
-    assert reading(["action-surprise"])[0] == "sampling"
-    assert reading(["termination", "td-error"])[0] == "done-flags"
-    assert reading(["reward-model"])[0] == "reward"
-    # a family that does not flag on its own decides between readings of the ones that do
-    assert reading(["dynamics"], {"obs-shift": 0.01, "action-surprise": 0.5})[0] == "observation"
-    assert reading(["dynamics"], {"obs-shift": 0.5})[0] == "action"
-    # unlikely actions read as a sampler's unless a model family flags too, or leans strongly
-    assert reading(["action-calibration"], {"action-fit": 0.02})[0] == "sampling"
-    assert reading(["action-calibration"], {"action-fit": 0.001})[0] == "action"
+    assert reading(["dtv", "dynamics", "action-surprise"], {"action-fit": 0.01})[0] == "action"  # logged, not executed
     assert reading(["action-calibration", "action-fit"])[0] == "action"
+    assert reading(["truncations"], directions={"truncations": 0.4})[0] == "done-flags"  # more time-limit ends
+    assert reading(["reward-recheck"])[0] == "reward"
+    # another action explains the transitions and the previous one does not: not a lag, an action
+    assert reading(["dynamics", "action-fit"], {"lag-fit": 0.3})[0] == "action"
+    # transitions off and no action explains them: not an action, but observation or env undetermined
+    fault, text, candidates = reading(["obs-shift", "dynamics"], {"action-fit": 0.4, "lag-fit": 0.6})
+    assert (fault, candidates) == ("undetermined", "observation;environment")
+    assert "do not follow from its logged (state, action)" in text and "tells:" in text
+    # a lag: an observation lag and an actuator lag fit the same evidence
+    fault, text, candidates = reading(["dynamics", "action-fit", "lag-fit"])
+    assert (fault, candidates) == ("undetermined", "observation;action") and "actuator lag" in text
+    assert reading(["dynamics", "action-fit"], {"lag-fit": 0.001})[2] == "observation;action"
+    # unlikely actions alone: a sampler or logged actions that were not executed
+    assert reading(["action-surprise"])[2] == "stale-policy;action;sampling"
+    assert reading(["action-calibration"], {"logp-gap": 0.9})[0] == "undetermined"
+    # fewer time-limit ends, a reward model, a termination model: a worker that behaves otherwise fits too
+    assert reading(["truncations"], directions={"truncations": -0.3})[0] == "undetermined"
+    assert reading(["reward-model", "reward-extremes"])[2] == "observation;action;environment;reward"
+    assert "done-flags" in reading(["termination", "td-error"])[2].split(";")
+    # never a class whose family is not in the signature or its support
+    for signature in (["obs-shift"], ["reward-extremes"], ["termination"], ["dynamics"]):
+        fault, _, candidates = reading(signature)
+        assert fault == "undetermined" and len(candidates.split(";")) >= 2
+    # families that no one class explains: the most specific ones' classes, undetermined
+    fault, _, candidates = reading(["logp-gap", "dynamics"])
+    assert (fault, candidates) == ("undetermined", "stale-policy")
+    # a rule that would leave nothing: undetermined with what was left before it
+    assert reading(["dynamics", "action-surprise"], {"action-fit": 0.5})[::2] == ("undetermined", "action")
     assert reading(["influence", "dtv"])[0] == "unexplained"
-    assert reading([]) == ("", "")
-    assert set(KIND_CLASS.values()) <= {"stale-policy", "observation", "action", "sampling", "done-flags", "reward"}
+    assert reading([]) == ("", "", "")
+    assert set(KIND_CLASS.values()) <= set(FAULT_CLASSES)
+
+
+def test_the_verdict_records_its_version_and_reads_the_side_of_a_two_sided_family():
+    h = np.zeros((6, 7))
+    h[:, 2] = 0.9  # one source ends its episodes by the time limit far more often than the others
+    h += np.random.default_rng(1).normal(scale=0.01, size=h.shape)
+    sources = verdict({"truncations": h}, range(7), two_sided=["truncations"])
+    row = sources.set_index("source").loc[2]
+    assert row["flagged"] and row["fault_class"] == "done-flags" and row["candidates"] == "done-flags"
+    assert (sources["verdict_version"] == VERDICT_VERSION).all()
+    h[:, 2] = -0.9  # far less often: a worker that fails sooner fits as well
+    assert verdict({"truncations": h}, range(7), two_sided=["truncations"]).loc[2, "fault_class"] == "undetermined"
 
 
 def _trained(tmp_path, corrupt, seed, filter="none", rounds=7):
@@ -497,7 +528,7 @@ def test_the_verdict_flags_an_action_mismatch_worker_and_nothing_on_a_clean_run(
     assert sources["flagged"].tolist() == [s == bad for s in range(8)]
     row = sources.set_index("source").loc[bad]
     assert set(row["signature"].split(";")) & {"dynamics", "action-fit", "action-surprise"}
-    assert row["fault_class"] == "action"
+    assert row["fault_class"] == "action" or "action" in row["candidates"].split(";")
     clean = _trained(tmp_path, [], 2)
     sources, _, _ = audit_run(clean.run.path)
     assert not sources["flagged"].any()

@@ -104,5 +104,5 @@ def test_bad_reward_worker_settings_are_one_clear_error(tmp_path, overrides, mes
 
 
 def test_a_rechecked_reward_mismatch_reads_as_a_reward_fault():
-    fault, text = reading(["reward-recheck"])
+    fault, text, _ = reading(["reward-recheck"])
     assert fault == "reward" and "not what the reward function gives" in text

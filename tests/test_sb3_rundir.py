@@ -117,3 +117,43 @@ def test_a_second_training_into_the_same_folder_is_refused_and_a_continued_one_g
     assert load_round(tmp_path / "run", 1).trainer.round == 1
     with pytest.raises(UserError, match="already holds a run"):
         sb3_model().learn(96, callback=RunDirectoryCallback(tmp_path / "run"))
+
+
+def test_time_limit_bootstraps_are_kept_apart_from_the_reward_and_the_thread_count_is_left_alone(tmp_path):
+    """SB3 adds gamma * V(final observation) to a time-limit end's reward; the run directory keeps the
+    env's reward, marks the end truncated with its bootstrap in final_values (so that the sum is SB3's),
+    and the audit's reward-extremes reads the env's reward (on CartPole: 1 everywhere)."""
+    import numpy as np
+    import pandas as pd
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    from rlinfluence.integrations.sb3 import AuditCallback
+
+    class SB3Rewards(BaseCallback):
+        def __init__(self):
+            super().__init__()
+            self.rewards = []
+
+        def _on_step(self) -> bool:
+            return True
+
+        def _on_rollout_end(self) -> None:
+            self.rewards.append(self.model.rollout_buffer.rewards.copy())
+
+    env = make_vec_env("CartPole-v1", n_envs=3, seed=1, env_kwargs={"max_episode_steps": 12})
+    model = SB3PPO("MlpPolicy", env, n_steps=32, batch_size=32, n_epochs=2, seed=1, device="cpu")
+    sb3_rewards = SB3Rewards()
+    torch.set_num_threads(2)
+    model.learn(32 * 3 * 3, callback=[RunDirectoryCallback(tmp_path / "run", eval_episodes=0),
+                                      AuditCallback(tmp_path / "run", scorers=("reward-extremes",)), sb3_rewards])
+    assert torch.get_num_threads() == 2
+    truncations = 0
+    for k, theirs in enumerate(sb3_rewards.rewards):
+        buffer = load_round(tmp_path / "run", k).buffer
+        assert (buffer.rewards == 1).all() and not (buffer.terminated & buffer.truncated).any()
+        truncations += int(buffer.truncated.sum())
+        assert np.allclose(buffer.gae_rewards(model.gamma).numpy(), theirs, atol=1e-5)
+        assert (theirs != 1).any()  # SB3's own rewards do carry bootstraps
+        table = pd.read_parquet(tmp_path / "run" / "audit" / "scores" / f"round_{k:06d}.parquet")
+        assert (table["reward-extremes"] == 0).all()
+    assert truncations > 0

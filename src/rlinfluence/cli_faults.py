@@ -93,8 +93,8 @@ def audit(a: AuditArgs) -> int:
     if is_verdict(sources):
         print(sources[["source", "records", "rounds", "flagged", "signature", "signature_p", "fault_class"]]
               .to_string(index=False))
-        print(f"flagged (adjusted p < {a.alpha} across sources x families): "
-              f"{', '.join(f'source {s}' for s in flagged) or 'none'}")
+        print(f"flagged (verdict v{sources['verdict_version'].iloc[0]}, adjusted p < {a.alpha} across sources x "
+              f"families): {', '.join(f'source {s}' for s in flagged) or 'none'}")
         for row in sources[sources["flagged"]].itertuples():
             print(f"source {row.source} ({row.fault_class}): {row.reading}")
         print(unreachable_note(sources, a.alpha) if not flagged else "", end="")

@@ -550,8 +550,9 @@ def audit_section(sources: pd.DataFrame, found: pd.DataFrame, alpha: float) -> S
             "source has 5 episodes its mean normal score by a t test beside it (Holm), and its logged actions' "
             "calibration against the law they have when sampled from the logged policy (Holm; tests run: "
             f"{sources['test'].iloc[0]}): a run with no broken source has a flag with probability at most {alpha}. "
-            "A flagged source's signature (the families "
-            "that flag it) is read as the likely fault.",
+            "A flagged source's signature (the families that flag it) is read as a fault class where the evidence "
+            "separates that class from the others that fit it, else as undetermined between the candidates "
+            f"(verdict version {sources['verdict_version'].iloc[0]}).",
             f"Flagged sources: {', '.join(flagged) or 'none'}."])
         section.tables.append(Table("Sources", ["source", "records", "rounds", "flagged", "signature (adjusted p)",
                                                 "fault class", "reading"],

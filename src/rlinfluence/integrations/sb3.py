@@ -463,13 +463,47 @@ class InfluenceFilterCallback(BaseCallback):
 
 
 # -- quarantine -----------------------------------------------------------------------------------
-def as_rollout_buffer(model: Any, buffer: RolloutBuffer, round_index: int, episode_offsets: np.ndarray
-                      ) -> OurRolloutBuffer:
+class TimeLimitEnds:
+    """The env's own rewards and the time-limit ends of a rollout, recorded step by step.
+
+    SB3's ``collect_rollouts`` adds gamma * V(final observation) to the reward of a step that a time
+    limit cut, in place, *after* the callbacks' ``on_step``, and stores only the sum, with every end
+    alike in ``episode_starts``. Recorded at ``on_step`` (``record(self.locals)``), the env's reward
+    and which ends were time-limit ends are kept apart, so that no family reads the bootstrap as a
+    reward (on CartPole it is the largest reward of a run)."""
+
+    def __init__(self) -> None:
+        self._rewards: list[np.ndarray] = []
+        self._truncated: list[np.ndarray] = []
+
+    def record(self, step_locals: dict[str, Any]) -> None:
+        """One step of ``collect_rollouts``'s locals (``rewards``, ``dones``, ``infos``)."""
+        self._rewards.append(np.asarray(step_locals["rewards"], dtype=np.float64).copy())  # SB3 adds in place later
+        self._truncated.append(np.array([bool(done) and info.get("terminal_observation") is not None
+                                         and bool(info.get("TimeLimit.truncated", False))
+                                         for done, info in zip(step_locals["dones"], step_locals["infos"],
+                                                               strict=True)]))
+
+    def take(self, n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """(env rewards, truncated), each [n_steps, n_envs], of the rollout just collected (its last
+        ``n_steps`` steps: a rollout that a callback stopped leaves steps before it); then empty."""
+        if len(self._rewards) < n_steps:
+            raise RuntimeError(f"recorded {len(self._rewards)} steps of a rollout of {n_steps}: pass every on_step "
+                               "of the rollout to record()")
+        out = np.stack(self._rewards[-n_steps:]), np.stack(self._truncated[-n_steps:])
+        self._rewards, self._truncated = [], []
+        return out
+
+
+def as_rollout_buffer(model: Any, buffer: RolloutBuffer, round_index: int, episode_offsets: np.ndarray,
+                      time_limits: tuple[np.ndarray, np.ndarray] | None = None) -> OurRolloutBuffer:
     """SB3's rollout buffer (after GAE) as rlinfluence's ``RolloutBuffer`` of round ``round_index``:
-    the same records in ``[n_steps, n_envs]`` layout; an episode ends where the next step starts one
-    (SB3 does not keep termination apart from truncation, whose bootstrap it adds to the reward, so
-    every end is ``terminated``); episode ids count from ``episode_offsets`` [n_envs];
-    ``last_values`` are V of the model's last observations."""
+    the same records in ``[n_steps, n_envs]`` layout; an episode ends where the next step starts one;
+    episode ids count from ``episode_offsets`` [n_envs]; ``last_values`` are V of the model's last
+    observations. With ``time_limits`` (``TimeLimitEnds.take``: the env's rewards and the time-limit
+    ends), a time-limit end is ``truncated`` with its bootstrap V(final observation) in
+    ``final_values`` = (SB3's reward - the env's) / gamma, and ``rewards`` are the env's; without
+    them, every end is ``terminated`` and the reward carries SB3's bootstrap."""
     n_steps, n_envs = buffer.buffer_size, buffer.n_envs
 
     def layout(name: str, per_record: bool = False) -> torch.Tensor:
@@ -486,11 +520,17 @@ def as_rollout_buffer(model: Any, buffer: RolloutBuffer, round_index: int, episo
         last_obs = obs_as_tensor(model._last_obs, model.policy.device)
         last_values = model.policy.predict_values(last_obs).flatten().cpu().float()
     episode_ids = torch.as_tensor(episode_offsets)[None] + torch.cumsum(starts.long(), dim=0) - starts[0].long()[None]
+    rewards, truncated = layout("rewards", True).double(), torch.zeros_like(ends)
+    final_values = torch.zeros(n_steps, n_envs, dtype=torch.float64)
+    if time_limits is not None:
+        env_rewards, truncated = torch.as_tensor(time_limits[0]), torch.as_tensor(time_limits[1]) & ends
+        final_values = torch.where(truncated, (rewards - env_rewards) / model.gamma, final_values)
+        rewards = env_rewards
     out = OurRolloutBuffer(round=round_index, obs=layout("observations"), actions=actions,
-                           rewards=layout("rewards", True).float(), terminated=ends,
-                           truncated=torch.zeros_like(ends), logp=layout("log_probs", True).float(),
+                           rewards=rewards.float(), terminated=ends & ~truncated,
+                           truncated=truncated, logp=layout("log_probs", True).float(),
                            values=layout("values", True).float(),
-                           final_values=torch.zeros(n_steps, n_envs), episode_ids=episode_ids.long(),
+                           final_values=final_values.float(), episode_ids=episode_ids.long(),
                            last_values=last_values)
     out.advantages = layout("advantages", True).float()
     out.returns = layout("returns", True).float()
@@ -513,6 +553,7 @@ class QuarantineCallback(BaseCallback):
         self.filter = QuarantineFilter(window, alpha, False, trusted_envs)
         self.history: list[list[int]] = []
         self._episodes: np.ndarray | None = None
+        self._time_limits = TimeLimitEnds()
 
     def _init_callback(self) -> None:
         if not isinstance(self.model.rollout_buffer, FilteredRolloutBuffer):
@@ -523,13 +564,15 @@ class QuarantineCallback(BaseCallback):
                              f"{self.model.n_envs} - {self.filter.trusted_envs}")
 
     def _on_step(self) -> bool:
+        self._time_limits.record(self.locals)
         return True
 
     def _on_rollout_end(self) -> None:
         model, buffer = self.model, self.model.rollout_buffer
         if self._episodes is None:
             self._episodes = np.zeros(buffer.n_envs, dtype=np.int64)
-        ours = as_rollout_buffer(model, buffer, len(self.history), self._episodes)
+        ours = as_rollout_buffer(model, buffer, len(self.history), self._episodes,
+                                 self._time_limits.take(buffer.buffer_size))
         self._episodes = ours.episode_ids[-1].numpy() + 1
         context = FilterContext(SB3PolicyAdapter(model.policy), len(self.history), model.batch_size, model.gamma)
         with _global_rng_untouched(model.policy.device):
@@ -577,6 +620,7 @@ class AuditCallback(BaseCallback):
         self.scorers, self.corrupted_envs = tuple(scorers), tuple(int(e) for e in corrupted_envs)
         self.rounds = 0
         self._episodes: np.ndarray | None = None  # per env: episodes started so far
+        self._time_limits = TimeLimitEnds()
 
     def _init_callback(self) -> None:
         n_envs = self.model.n_envs
@@ -596,10 +640,11 @@ class AuditCallback(BaseCallback):
         self.folder.mkdir(parents=True, exist_ok=True)
 
     def _on_step(self) -> bool:
+        self._time_limits.record(self.locals)
         return True
 
     def _harm(self, name: str, buffer: RolloutBuffer, adapter: SB3PolicyAdapter, obs: torch.Tensor,
-              actions: torch.Tensor, advantages: torch.Tensor) -> np.ndarray:
+              actions: torch.Tensor, advantages: torch.Tensor, env_rewards: np.ndarray) -> np.ndarray:
         try:
             if name == "influence":
                 return -attribute(self.model, buffer, advantage_norm="batch").double().numpy()
@@ -612,9 +657,8 @@ class AuditCallback(BaseCallback):
             return -a
         if name == "abs-advantage":
             return np.abs(a)
-        if name == "reward-extremes":
-            rewards = _flat(buffer, "rewards").reshape(-1).astype(np.float64)
-            return np.abs(rewards - rewards.mean())
+        if name == "reward-extremes":  # the env's rewards, without SB3's time-limit bootstrap
+            return np.abs(env_rewards - env_rewards.mean())
         checksum = zlib.crc32(_flat(buffer, "actions").tobytes())
         return np.random.default_rng([self.rounds, checksum]).random(len(a))
 
@@ -636,8 +680,9 @@ class AuditCallback(BaseCallback):
         if self.corrupted_envs:
             table["corrupted"] = table["source"].isin(self.corrupted_envs)
         obs, actions, advantages = _records(buffer, adapter)
+        env_rewards = self._time_limits.take(n_steps)[0].T.reshape(-1)  # flat env-major, as the table
         with _global_rng_untouched(adapter.policy.device):
             for name in self.scorers:
-                table[name] = self._harm(name, buffer, adapter, obs, actions, advantages)
+                table[name] = self._harm(name, buffer, adapter, obs, actions, advantages, env_rewards)
         atomic_write(self.folder / f"round_{self.rounds:06d}.parquet", lambda p: table.to_parquet(p, index=False))
         self.rounds += 1

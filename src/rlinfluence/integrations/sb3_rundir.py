@@ -51,7 +51,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from rlinfluence.config import PPOConfig
 from rlinfluence.errors import UserError
-from rlinfluence.integrations.sb3 import as_rollout_buffer
+from rlinfluence.integrations.sb3 import TimeLimitEnds, as_rollout_buffer
 from rlinfluence.ppo import PPO
 from rlinfluence.rundir import RunDirectory
 
@@ -144,6 +144,7 @@ class RunDirectoryCallback(BaseCallback):
         self._episodes: np.ndarray | None = None
         self._returns: list[float] = []
         self._pending: dict[str, Any] | None = None  # the last round's row, completed after its train()
+        self._time_limits = TimeLimitEnds()
 
     def _on_training_start(self) -> None:
         if self.run is not None:  # a later learn() with this callback continues its run
@@ -152,7 +153,11 @@ class RunDirectoryCallback(BaseCallback):
             raise UserError(f"{str(self.path)!r} already holds a run: the analyses would mix the two trainings; give "
                             "this one its own path (or pass the same callback to a later learn() to continue)")
         config = config_of(self.model, self.model._total_timesteps, self.eval_episodes)
-        self.trainer = PPO(config, run_dir=False)
+        threads = torch.get_num_threads()
+        try:
+            self.trainer = PPO(config, run_dir=False)
+        finally:  # the trainer sets the process's thread count for itself: the user's training keeps theirs
+            torch.set_num_threads(threads)
         ours = dict(self.trainer.policy.named_parameters())
         theirs = {our_name(n): p for n, p in self.model.policy.named_parameters()}
         if set(theirs) != set(ours) or any(theirs[n].shape != p.shape for n, p in ours.items()):
@@ -179,6 +184,7 @@ class RunDirectoryCallback(BaseCallback):
         trainer.round, trainer.env_steps = self.round, int(self.num_timesteps)
 
     def _on_step(self) -> bool:
+        self._time_limits.record(self.locals)
         for info in self.locals.get("infos", []):
             if "episode" in info:  # SB3's Monitor: an episode ended
                 self._returns.append(float(info["episode"]["r"]))
@@ -207,8 +213,9 @@ class RunDirectoryCallback(BaseCallback):
         buffer = self.model.rollout_buffer
         if self._episodes is None:
             self._episodes = np.zeros(buffer.n_envs, dtype=np.int64)
-        ours = as_rollout_buffer(self.model, buffer, self.round, self._episodes)
-        self._episodes = ours.episode_ids[-1].numpy() + ours.terminated[-1].long().numpy()
+        ours = as_rollout_buffer(self.model, buffer, self.round, self._episodes,
+                                 self._time_limits.take(buffer.buffer_size))
+        self._episodes = ours.episode_ids[-1].numpy() + ours.dones[-1].long().numpy()
         tensors = ours.tensors()
         tensors["keep"] = torch.ones(len(ours), dtype=torch.bool)
         self.run.save_checkpoint(self.round, self.trainer.state_dict())

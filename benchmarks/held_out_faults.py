@@ -1,0 +1,119 @@
+"""The held-out faults: kinds of broken worker that no rule of the verdict was built or tuned on.
+
+They are not ``--corrupt`` kinds and never will be (``rlinfluence.corruptions`` must not learn them):
+each is a gymnasium wrapper that ``hidden_faults.py detect --held-out`` puts around one training env
+of a run, chosen by the seed, so that the trainer, the run directory and the audit know nothing of
+it. The protocol that uses them (fixed before any of them was measured) is the first section of
+docs/results/hidden-faults.md; its constants are here so that the benchmark cannot drift from it.
+
+    random-actuator    with probability 0.25 per step the env executes a uniformly drawn action
+                       instead of the sampled one, which the record keeps (a flaky actuator)
+    actuator-lag       the env executes the previous step's sampled action (an episode's first
+                       step executes its own): a one-step actuator delay
+    obs-rounding       the worker's observations are rounded to one decimal (a lossy serialisation),
+                       and it acts and logs on them; one-hot observations are unchanged (FrozenLake:
+                       does not apply)
+    reward-scale       its rewards are multiplied by 3 (another reward normalisation)
+    short-time-limit   its episodes are cut by a time limit of a quarter of the env's own, reported
+                       as truncations (a worker configured with another max_episode_steps)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import gymnasium as gym
+import numpy as np
+
+SEEDS = range(201, 231)
+"""Fresh seeds: no committed benchmark, study or test used seeds 201-230 before the protocol."""
+FAULT_SEEDS = range(201, 211)
+"""The faulty runs: 10 seeds per env and kind; the clean runs use all of ``SEEDS``."""
+ENVS = ("CartPole-v1", "LunarLander-v3", "FrozenLake-v1")
+"""The envs of the targets; Acrobot-v1 is measured with the same seeds and kinds and reported apart."""
+ROUNDS = 8
+CLEAN_ROUNDS = 20
+"""Clean runs are audited after each of 20 rounds: a run's false flag at any of them counts."""
+RANDOM_ACTUATOR_P = 0.25
+ROUNDING_DECIMALS = 1
+REWARD_FACTOR = 3.0
+TIME_LIMIT_SHARE = 4
+
+
+class RandomActuator(gym.ActionWrapper):
+    """With probability ``p`` a step executes a uniformly drawn action (seeded) instead of the given one."""
+
+    def __init__(self, env: gym.Env, p: float, seed: int):
+        super().__init__(env)
+        self.p, self.rng = p, np.random.default_rng(seed)
+
+    def action(self, action):
+        if self.rng.random() >= self.p:
+            return action
+        space = self.env.action_space
+        if isinstance(space, gym.spaces.Discrete):
+            return np.int64(space.start + self.rng.integers(space.n))
+        return self.rng.uniform(space.low, space.high).astype(space.dtype)
+
+
+class ActuatorLag(gym.Wrapper):
+    """Each step executes the action given at the step before (an episode's first step, its own)."""
+
+    def reset(self, **kwargs):
+        self.previous = None
+        return self.env.reset(**kwargs)
+
+    def step(self, action):
+        executed = action if self.previous is None else self.previous
+        self.previous = action
+        return self.env.step(executed)
+
+
+class ObservationRounding(gym.ObservationWrapper):
+    """Observations rounded to ``decimals`` decimals, in their own dtype."""
+
+    def __init__(self, env: gym.Env, decimals: int):
+        super().__init__(env)
+        self.decimals = decimals
+
+    def observation(self, observation):
+        return np.round(observation, self.decimals).astype(observation.dtype)
+
+
+class RewardScale(gym.RewardWrapper):
+    def __init__(self, env: gym.Env, factor: float):
+        super().__init__(env)
+        self.factor = factor
+
+    def reward(self, reward):
+        return self.factor * reward
+
+
+def _short_time_limit(env: gym.Env, seed: int) -> gym.Env:
+    return gym.wrappers.TimeLimit(env, max_episode_steps=max(1, env.spec.max_episode_steps // TIME_LIMIT_SHARE))
+
+
+KINDS: dict[str, tuple[str, Callable[[gym.Env, int], gym.Env]]] = {
+    "random-actuator": ("action", lambda env, seed: RandomActuator(env, RANDOM_ACTUATOR_P, seed)),
+    "actuator-lag": ("action", lambda env, seed: ActuatorLag(env)),
+    "obs-rounding": ("observation", lambda env, seed: ObservationRounding(env, ROUNDING_DECIMALS)),
+    "reward-scale": ("reward", lambda env, seed: RewardScale(env, REWARD_FACTOR)),
+    "short-time-limit": ("done-flags", _short_time_limit),
+}
+"""kind -> (the fault class a right reading names, the wrapper of the broken env given (env, seed))."""
+
+
+def applies(kind: str, env_id: str) -> bool:
+    """Whether the kind changes the data on ``env_id`` (rounding leaves one-hot observations as they are)."""
+    return not (kind == "obs-rounding" and env_id.startswith("FrozenLake"))
+
+
+def broken_env(seed: int, corruptible: int) -> int:
+    """The env a held-out fault breaks: a seeded choice among the first ``corruptible`` (untrusted) envs."""
+    return int(np.random.default_rng([seed, 71]).integers(corruptible))
+
+
+def break_env(vec_env, kind: str, index: int, seed: int) -> None:
+    """Wrap sub-env ``index`` of a gymnasium ``SyncVectorEnv`` or SB3 ``DummyVecEnv`` (both keep
+    them in ``envs``) with the held-out ``kind``, before the first reset."""
+    vec_env.envs[index] = KINDS[kind][1](vec_env.envs[index], seed)
