@@ -41,6 +41,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -237,6 +238,79 @@ def natural(args: argparse.Namespace) -> None:
     print("\n".join(natural_lines(pd.read_csv(path))))
 
 
+SLIDE_FAULT = "action-mismatch:envs=2,mode=actuator,from=10"
+"""The slides' broken workers: two envs of 8 whose actuator executes another action from round 10 on."""
+SLIDE_EPISODES = 30
+"""Evaluation episodes after every round of a slide run (what ``find_drops`` reads)."""
+
+
+def slide_one(env: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
+    """Train ``args.rounds`` rounds with ``SLIDE_FAULT``; explain the largest slide over ``args.window``
+    updates that starts once the workers broke (a window from the break round on), if any."""
+    from rlinfluence.analysis.explain import explain_window, find_drops
+    from rlinfluence.ppo import PPO, PPOConfig
+
+    scratch = out / "scratch" / f"slide_{env}_{seed}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    study = Path(__file__).parent / "studies" / f"{env}.json"
+    lr = {"learning_rate": json.loads(study.read_text())["chosen"]["ppo"]["learning_rate"]} if study.is_file() else {}
+    config = PPOConfig.for_env(env, n_envs=8, n_steps=256, batch_size=64, seed=seed, **lr,
+                               total_timesteps=args.rounds * 2048, eval_episodes=SLIDE_EPISODES, corrupt=(args.fault,),
+                               save_buffers=True, run_root=str(scratch), progress=False, tensorboard=False)
+    trainer = PPO(config).learn()
+    broken = sorted(np.flatnonzero(trainer.corruptor.broken_envs).tolist())
+    start = max(spec.start for spec in trainer.corruptor.specs)
+    metrics = pd.read_csv(trainer.run.path / "metrics.csv")
+    slides = [d for d in find_drops(metrics, SLIDE_EPISODES, window=args.window) if d.round >= start]
+    row = {"env": env, "fault": args.fault, "seed": seed, "window": args.window, "broken": " ".join(map(str, broken)),
+           "slide_round": np.nan, "size": np.nan, "se": np.nan, "verdict": "no slide beyond noise",
+           "named_broken": False, "named_one_broken": False, "best": "", "best_recovered": np.nan, "beyond_band": "", "reproduces": np.nan,
+           "returns": " ".join(f"{r:.1f}" for r in metrics["eval_return_mean"]), "seconds": np.nan}
+    if slides:
+        d = slides[0]
+        table, _ = explain_window(trainer.run.path, d.round, args.window, episodes=args.episodes, draws=args.draws,
+                                  seed=seed)
+        scored = table.dropna(subset=["recovered_fraction"])
+        best = scored.loc[scored["recovered_fraction"].idxmax()] if len(scored) else None
+        verdict = table["verdict"].iloc[0]
+        named = {int(x) for x in verdict.split(" ")[1].split(",")} if verdict.startswith("source") else set()
+        row |= {"slide_round": d.round, "size": d.size, "se": d.se, "verdict": verdict,
+                "named_broken": named == set(broken), "named_one_broken": bool(named) and named <= set(broken),
+                "best": "" if best is None else best["counterfactual"],
+                "best_recovered": np.nan if best is None else best["recovered_fraction"],
+                "beyond_band": ";".join(table.loc[table["beyond_band"], "counterfactual"]),
+                "reproduces": bool(table["plain_reproduces_run"].iloc[0]), "seconds": table["seconds"].iloc[0]}
+    shutil.rmtree(scratch, ignore_errors=True)
+    append_row(out / "slides.csv", row)
+    return row
+
+
+def slides(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    done = finished(out / "slides.csv", ["env", "seed"])
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        if (args.env, seed) not in done:
+            row = slide_one(args.env, seed, args, out)
+            print(f"{args.env} seed {seed}: broken {row['broken']}, slide at {row['slide_round']} (-{row['size']:.3g}): "
+                  f"{row['verdict']} (best {row['best']} {row['best_recovered']:.2f})", flush=True)
+    print("\n".join(slide_lines(pd.read_csv(out / "slides.csv"))))
+
+
+def slide_lines(rows: pd.DataFrame) -> list[str]:
+    """Per env and fault, over every seed tried: slides found, the broken sources named, the verdicts."""
+    lines = []
+    for (env, fault), group in rows.groupby(["env", "fault"]):
+        name = f"slides/{env}/{fault}"
+        found = group["slide_round"].notna()
+        lines.append(f"{name}/slide_found: {int(found.sum())}/{len(group)}")
+        for column, what in (("named_broken", "broken_sources_named"), ("named_one_broken", "broken_sources_named_in_part")):
+            lines.append(f"{name}/{what}: {int(group[column].astype(bool).sum())}/{len(group)} (every seed tried; "
+                         f"{int(group.loc[found, column].astype(bool).sum())}/{int(found.sum())} of the slides)")
+        lines.append(f"{name}/verdicts: " + ", ".join(f"{k} {v}" for k, v in group["verdict"].value_counts().items()))
+    return lines
+
+
 ATTRIBUTION = ("influence", "influence-fresh", "tracin")
 
 
@@ -299,6 +373,16 @@ def main() -> None:
     n.add_argument("--drops", type=int, default=2)
     n.add_argument("--episodes", type=int, default=100)
     n.add_argument("--out", default="bench_out/explain")
+    sl = sub.add_parser("slides", help="slides caused by broken workers, explained over a window of updates")
+    sl.add_argument("--env", default="CartPole-v1")
+    sl.add_argument("--fault", default=SLIDE_FAULT)
+    sl.add_argument("--seeds", type=int, default=10)
+    sl.add_argument("--first-seed", type=int, default=201)
+    sl.add_argument("--rounds", type=int, default=20)
+    sl.add_argument("--window", type=int, default=3)
+    sl.add_argument("--episodes", type=int, default=50)
+    sl.add_argument("--draws", type=int, default=5)
+    sl.add_argument("--out", default="bench_out/explain_slides")
     s = sub.add_parser("summary")
     s.add_argument("--out", default="bench_out/explain")
     s.add_argument("--data", default="")
@@ -308,7 +392,8 @@ def main() -> None:
     ns.add_argument("--data", default="")
     args = parser.parse_args()
     np.seterr(all="ignore")
-    {"run": run, "natural": natural, "summary": summary, "natural-summary": natural_summary}[args.command](args)
+    {"run": run, "natural": natural, "summary": summary, "natural-summary": natural_summary,
+     "slides": slides}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -506,25 +506,56 @@ def learn_summary(args: argparse.Namespace) -> None:
     print("\n".join(lines))
 
 
+def _has_false_flag(group: pd.DataFrame, prefix: str = "") -> pd.Series:
+    return group[f"{prefix}false_flags"].fillna("").astype(str).str.strip().ne("")
+
+
+def _outcomes(group: pd.DataFrame, prefix: str = "") -> pd.Series:
+    """Each flagged run's reading outcome (right, undetermined, wrong); rows of verdict version 1
+    have no ``reading_outcome``: right or wrong by ``reading_right``."""
+    flagged = group[group[f"{prefix}verdict_round"].notna()]
+    if f"{prefix}reading_outcome" in flagged:
+        return flagged[f"{prefix}reading_outcome"].fillna("").astype(str)
+    return flagged[f"{prefix}reading_right"].map({1.0: "right", 0.0: "wrong"})
+
+
+def _reading_cell(outcomes: pd.Series) -> str:
+    return "/".join(str(int((outcomes == o).sum())) for o in ("right", "undetermined", "wrong"))
+
+
 def markdown_table(runs: pd.DataFrame, families: list[str]) -> str:
-    """One row per env and fault: seeds, flagged within WITHIN rounds, the rounds it took, the
-    reading's accuracy, runs with a false flag, and the families that flag it within WITHIN."""
-    lines = [f"| env | fault | seeds | flagged within {WITHIN} rounds | rounds to flag (each seed; - = not in "
-             f"{int((runs['rounds'] - runs.get('start', 0)).max())}) | reading right | runs with a false flag | families flagging it within "
-             f"{WITHIN} (seeds) |", "|---|---|---|---|---|---|---|---|"]
+    """One row per env and fault: seeds, flagged within WITHIN rounds and within the runs' rounds, the
+    rounds it took, the reading of the first flag (right / undetermined / wrong), runs with a false
+    flag, the same for the per-run arm where the rows have it, and the families that flag it within WITHIN."""
+    sequential = "seq_verdict_round" in runs
+    last = int((runs.loc[runs["fault"] != "clean", "rounds"] - runs.get("start", 0)).max()) \
+        if (runs["fault"] != "clean").any() else int(runs["rounds"].max())
+    header = (f"| env | fault | seeds | flagged within {WITHIN} rounds | within {last} | rounds to flag (each seed; - = not "
+              f"in {last}) | reading right/undetermined/wrong | runs with a false flag |"
+              + (f" per-run alpha: within {WITHIN} / {last}, false flags |" if sequential else "")
+              + f" families flagging it within {WITHIN} (seeds) |")
+    lines = [header, "|" + "---|" * header.count(" |")]
     for (env, fault), group in runs.groupby(["env", "fault"], sort=False):
         n = len(group)
-        false = int(group["false_flags"].fillna("").astype(str).str.strip().ne("").sum())
-        rounds = " ".join("-" if np.isnan(r) else str(int(r)) for r in group["verdict_round"])
+        false = int(_has_false_flag(group).sum())
+        seq_false = int(_has_false_flag(group, "seq_").sum()) if sequential else 0
         if fault == "clean":
             low, high = clopper_pearson(false, n)
-            lines.append(f"| {env} | clean | {n} | - | - | - | {false}/{n} [{low:.2f}, {high:.2f}] | - |")
+            cells = ["-", "-", "-", "-", f"{false}/{n} [{low:.2f}, {high:.2f}]"]
+            if sequential:
+                low, high = clopper_pearson(seq_false, n)
+                cells.append(f"{seq_false}/{n} [{low:.2f}, {high:.2f}]")
+            lines.append(f"| {env} | clean | {n} | " + " | ".join(cells) + " | - |")
             continue
-        within = group["verdict_round"] <= WITHIN
+        rounds = " ".join("-" if np.isnan(r) else str(int(r)) for r in group["verdict_round"])
         finders = ", ".join(f"{f} {int((group[f'round_{f}'] <= WITHIN).sum())}" for f in families
                             if (group[f"round_{f}"] <= WITHIN).sum() > 0) or "none"
-        lines.append(f"| {env} | {fault} | {n} | {int(within.sum())}/{n} | {rounds} | "
-                     f"{int(group.loc[within, 'reading_right'].sum())}/{int(within.sum())} | {false}/{n} | {finders} |")
+        cells = [f"{int((group['verdict_round'] <= WITHIN).sum())}/{n}", f"{int(group['verdict_round'].notna().sum())}/{n}",
+                 rounds, _reading_cell(_outcomes(group)), f"{false}/{n}"]
+        if sequential:
+            cells.append(f"{int((group['seq_verdict_round'] <= WITHIN).sum())}/{n} / "
+                         f"{int(group['seq_verdict_round'].notna().sum())}/{n}, {seq_false}/{n}")
+        lines.append(f"| {env} | {fault} | {n} | " + " | ".join(cells) + f" | {finders} |")
     return "\n".join(lines) + "\n"
 
 
@@ -557,67 +588,77 @@ def rounds_figure(runs: pd.DataFrame, path: Path) -> None:
 
 
 def summary(args: argparse.Namespace) -> None:
-    runs = pd.read_csv(Path(args.out) / "runs.csv").drop_duplicates(["env", "fault", "seed"], keep="last")
+    """Tables, figure and summary lines of a detection run's rows, each reading as recorded when its
+    run was made (never re-read by later rules); rows of more than one verdict version are refused."""
+    source = Path(args.runs) if args.runs else Path(args.out) / "runs.csv"
+    runs = pd.read_csv(source).drop_duplicates(["env", "fault", "seed"], keep="last")
     runs = runs.drop(columns=["corrupted_within_5"], errors="ignore")  # every record of a broken env: not what changed
-    # the reading of each flag from its stored signature and p-values, by the current rules
-    from rlinfluence.sources import KIND_CLASS, reading
-    flagged_runs = runs["signature"].fillna("").astype(str).ne("")
-    runs.loc[flagged_runs, "reading"] = [
-        reading(signature.split(";"), json.loads(p_values))[0]
-        for signature, p_values in zip(runs.loc[flagged_runs, "signature"], runs.loc[flagged_runs, "p_at_flag"], strict=True)]
-    runs.loc[flagged_runs, "reading_right"] = (
-        runs.loc[flagged_runs, "reading"] == runs.loc[flagged_runs, "fault"].str.split(":").str[0].map(KIND_CLASS)).astype(float)
+    versions = sorted(set(runs["verdict_version"].astype(int))) if "verdict_version" in runs else [1]
+    if len(versions) > 1:
+        raise SystemExit(f"{source} holds rows of verdict versions {versions}: summarise each version's rows apart")
+    print(f"verdict_version: {versions[0]}")
     if "start" in runs:  # a fault that breaks its env at round R: its rounds to flag count from R
-        counted = ["verdict_round"] + [c for c in runs.columns if c.startswith("round_")]
+        counted = [c for c in runs.columns if c.endswith("verdict_round") or c.startswith("round_")]
         runs[counted] = runs[counted].sub(runs["start"], axis=0)
     runs = runs.sort_values(["env", "fault", "seed"], kind="stable")
     families = [c[6:] for c in runs.columns if c.startswith("round_")]
+    arms = ["", "seq_"] if "seq_verdict_round" in runs else [""]
     if args.data:
         Path(args.data).mkdir(parents=True, exist_ok=True)
-        runs.to_csv(Path(args.data) / f"{args.name}_runs.csv", index=False)
+        if not args.runs:
+            runs.to_csv(Path(args.data) / f"{args.name}_runs.csv", index=False)
         (Path(args.data) / f"{args.name}_table.txt").write_text(markdown_table(runs, families))
-        rounds_figure(runs, Path(args.data).parent / f"{args.name}_rounds.png")
+        figures = Path(args.data).parent / "figures"
+        figures.mkdir(exist_ok=True)
+        rounds_figure(runs, figures / f"{args.name}_rounds.png")
     for (env, fault), group in runs.groupby(["env", "fault"], sort=False):
         n = len(group)
-        if fault == "clean":
-            k = int(group["false_flags"].fillna("").astype(str).str.strip().ne("").sum())
-            low, high = clopper_pearson(k, n)
-            print(f"{env}/clean/runs_with_a_false_flag: {k}/{n} [{low:.2f}, {high:.2f}]")
-            for look in (WITHIN, int(group["rounds"].max())):  # one audit of each run, not one after every round
-                k = int(group["false_flags"].fillna("").astype(str).str.split().apply(
-                    lambda flags, look=look: any(f.split(":")[0] == str(look) for f in flags)).sum())
+        for arm in arms:
+            name = f"{env}/{fault}/{'per_run_alpha/' if arm else ''}"
+            if fault == "clean":
+                k = int(_has_false_flag(group, arm).sum())
                 low, high = clopper_pearson(k, n)
-                print(f"{env}/clean/false_flag_in_the_audit_of_round_{look}: {k}/{n} [{low:.2f}, {high:.2f}]")
-            continue
-        within = group["verdict_round"] <= WITHIN
-        print(f"{env}/{fault}/flagged_within_{WITHIN}: {int(within.sum())}/{n}")
-        read = group.loc[within, "reading_right"]
-        print(f"{env}/{fault}/reading_right: {int(read.sum())}/{len(read)}")
-        false = int(group["false_flags"].fillna("").astype(str).str.strip().ne("").sum())
-        print(f"{env}/{fault}/runs_with_a_false_flag: {false}/{n}")
+                print(f"{name}runs_with_a_false_flag: {k}/{n} [{low:.2f}, {high:.2f}]")
+                if not arm:
+                    for look in sorted({WITHIN, 8, int(group["rounds"].max())}):  # one audit of each run
+                        k = int(group["false_flags"].fillna("").astype(str).str.split().apply(
+                            lambda flags, look=look: any(f.split(":")[0] == str(look) for f in flags)).sum())
+                        low, high = clopper_pearson(k, n)
+                        print(f"{name}false_flag_in_the_audit_of_round_{look}: {k}/{n} [{low:.2f}, {high:.2f}]")
+                continue
+            print(f"{name}flagged_within_{WITHIN}: {int((group[f'{arm}verdict_round'] <= WITHIN).sum())}/{n}")
+            last = int((group["rounds"] - group["start"]).max()) if "start" in group else int(group["rounds"].max())
+            print(f"{name}flagged_within_{last}: "
+                  f"{int(group[f'{arm}verdict_round'].notna().sum())}/{n}")
+            print(f"{name}reading_right_undetermined_wrong: {_reading_cell(_outcomes(group, arm))}")
+            print(f"{name}runs_with_a_false_flag: {int(_has_false_flag(group, arm).sum())}/{n}")
         finders = [f"{f} {int((group[f'round_{f}'] <= WITHIN).sum())}/{n}" for f in families
                    if (group[f"round_{f}"] <= WITHIN).sum() > 0]
-        print(f"{env}/{fault}/families_within_{WITHIN}: {', '.join(finders) or 'none'}")
-    faulty = runs[runs["fault"] != "clean"]
-    within = faulty["verdict_round"] <= WITHIN
-    print(f"all/faults/flagged_within_{WITHIN}: {int(within.sum())}/{len(faulty)}")
-    print(f"all/faults/flagged_within_{int(runs['rounds'].max())}: {int(faulty['verdict_round'].notna().sum())}/{len(faulty)}")
-    gradient = faulty[[f"round_{f}" for f in families if f in GRADIENT_FAMILIES]].min(axis=1)
-    other = faulty[[f"round_{f}" for f in families if f not in GRADIENT_FAMILIES]].min(axis=1)
-    print(f"all/faults/found_only_by_gradient_families: {int((gradient.notna() & other.isna()).sum())}/"
-          f"{int(faulty['verdict_round'].notna().sum())}")
-    print(f"all/faults/gradient_families_first: {int((gradient < other).sum())}, other_families_first: "
-          f"{int((other < gradient).sum())}, same_round: {int((other == gradient).sum())}")
-    clean = runs[runs["fault"] == "clean"]
-    k = int(clean["false_flags"].fillna("").astype(str).str.strip().ne("").sum())
-    low, high = clopper_pearson(k, len(clean))
-    print(f"all/clean/runs_with_a_false_flag: {k}/{len(clean)} [{low:.2f}, {high:.2f}]")
-    print(f"all/faults/reading_right: {int(faulty.loc[within, 'reading_right'].sum())}/{int(within.sum())}")
-    held_out = within & (faulty["seed"] > 3)  # the reading's STRONG_SUPPORT was chosen on seeds 1-3
-    print(f"all/faults/reading_right_seeds_4_on: {int(faulty.loc[held_out, 'reading_right'].sum())}/{int(held_out.sum())}")
-    confusion = pd.crosstab(faulty.loc[within, "fault"].str.split(",").str[0] + "," +
-                            faulty.loc[within, "fault"].str.split(",").str[-1], faulty.loc[within, "reading"])
-    print(confusion.to_string())
+        if fault != "clean":
+            print(f"{env}/{fault}/families_within_{WITHIN}: {', '.join(finders) or 'none'}")
+    faulty, clean = runs[runs["fault"] != "clean"], runs[runs["fault"] == "clean"]
+    for arm in arms:
+        name = f"all/{'per_run_alpha/' if arm else ''}"
+        if len(faulty):
+            within = faulty[f"{arm}verdict_round"] <= WITHIN
+            print(f"{name}faults/flagged_within_{WITHIN}: {int(within.sum())}/{len(faulty)}")
+            print(f"{name}faults/flagged_within_{int(faulty['rounds'].max())}: "
+                  f"{int(faulty[f'{arm}verdict_round'].notna().sum())}/{len(faulty)}")
+            outcomes = _outcomes(faulty, arm)
+            print(f"{name}faults/reading_right_undetermined_wrong: {_reading_cell(outcomes)} of {len(outcomes)}")
+        if len(clean):
+            k = int(_has_false_flag(clean, arm).sum())
+            low, high = clopper_pearson(k, len(clean))
+            print(f"{name}clean/runs_with_a_false_flag: {k}/{len(clean)} [{low:.2f}, {high:.2f}]")
+    if len(faulty):
+        gradient = faulty[[f"round_{f}" for f in families if f in GRADIENT_FAMILIES]].min(axis=1)
+        other = faulty[[f"round_{f}" for f in families if f not in GRADIENT_FAMILIES]].min(axis=1)
+        print(f"all/faults/found_only_by_gradient_families: {int((gradient.notna() & other.isna()).sum())}/"
+              f"{int(faulty['verdict_round'].notna().sum())}")
+        print(f"all/faults/gradient_families_first: {int((gradient < other).sum())}, other_families_first: "
+              f"{int((other < gradient).sum())}, same_round: {int((other == gradient).sum())}")
+        flagged = faulty[faulty["verdict_round"].notna()]
+        print(pd.crosstab(flagged["fault"], flagged["reading"]).to_string())
 
 
 def main() -> None:
@@ -640,6 +681,8 @@ def main() -> None:
     s.add_argument("--out", default="bench_out/hidden_faults")
     s.add_argument("--data", default="")
     s.add_argument("--name", default="hidden_faults", help="the written files' prefix")
+    s.add_argument("--runs", default="", help="summarise this rows file (e.g. docs/data/<name>_runs.csv) instead of "
+                   "<out>/runs.csv; it is not rewritten")
     lr = sub.add_parser("learn")
     lr.add_argument("--settings", default="CartPole-v1/action-mismatch:envs=1,mode=actuator;"
                     "CartPole-v1/obs-bug:envs=1,mode=scale;CartPole-v1/reward-delay:envs=1,lag=10;"

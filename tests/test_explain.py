@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from rlinfluence import cli
-from rlinfluence.analysis.explain import counterfactuals, find_drops, verdict_of
+from rlinfluence.analysis.explain import (
+    counterfactuals,
+    driving_records,
+    explain_window,
+    find_drops,
+    replay_window,
+    verdict_of,
+)
 from rlinfluence.checkpoint import load_round
 from rlinfluence.errors import UserError
 from rlinfluence.ppo import PPO, PPOConfig
@@ -27,6 +34,37 @@ def test_a_drop_is_an_update_whose_return_fell_beyond_its_noise_across_the_runs_
                          "eval_return_std": [0.1] * 101, "approx_kl": [0.01] * 101})
     assert find_drops(flat, eval_episodes=100) == []
     assert len(find_drops(flat.iloc[:5], eval_episodes=100)) == 2
+
+
+def test_a_slide_is_a_fall_over_a_window_of_updates_that_no_single_update_makes():
+    # three updates of -0.03 each: no one is beyond noise (s.e. 0.014, z 2.5), the window of 3 is
+    metrics = pd.DataFrame({"round": range(7), "eval_return_mean": [0.5, 0.5, 0.47, 0.44, 0.41, 0.41, 0.41],
+                            "eval_return_std": [0.1] * 7, "approx_kl": [0.01, 0.01, 0.02, 0.03, 0.01, 0.01, 0.01]})
+    assert find_drops(metrics, eval_episodes=100) == []
+    slides = find_drops(metrics, eval_episodes=100, window=3)
+    # rows 1 -> 4 evaluate theta(2) -> theta(5): updates 2, 3, 4; an overlapping window is not listed again
+    assert [(d.round, d.updates) for d in slides] == [(2, 3)] and slides[0].size == pytest.approx(0.09)
+    assert slides[0].approx_kl == pytest.approx(0.03)
+
+
+def test_a_set_of_sources_is_named_when_leaving_them_out_together_recovers_beyond_its_own_band():
+    rows = pd.DataFrame([
+        {"kind": "harmful", "counterfactual": "harmful 10% influence", "recovered_fraction": 0.1},
+        *({"kind": "random", "counterfactual": f"random 10% draw {j}", "recovered_fraction": v} for j, v in enumerate(CHANCE)),
+        *({"kind": "random-source", "counterfactual": f"random 12.5% draw {j}", "recovered_fraction": v}
+          for j, v in enumerate(CHANCE)),
+        {"kind": "source", "counterfactual": "source 2", "recovered_fraction": 0.3},  # half the cause each
+        {"kind": "source", "counterfactual": "source 6", "recovered_fraction": 0.35},
+        {"kind": "source-set", "counterfactual": "sources 2,6", "recovered_fraction": 0.9},
+        {"kind": "step", "counterfactual": "lr/4", "recovered_fraction": 0.6}])
+    random_set = [{"kind": "random-set", "counterfactual": f"random 25% draw {j}", "recovered_fraction": v}
+                  for j, v in enumerate([0.1, 0.2, 0.0, 0.15, 0.1])]
+    rows = pd.concat([rows, pd.DataFrame(random_set)], ignore_index=True)
+    rows["ci_low"] = rows["recovered_fraction"] - 0.2
+    assert verdict_of(rows) == "sources 2,6"
+    # removing as many random records recovers as much: chance, and the step is left
+    rows.loc[rows["kind"] == "random-set", "recovered_fraction"] = [0.8, 0.95, 0.7, 0.9, 0.85]
+    assert verdict_of(rows) == "step"
 
 
 def _rows(**recovered):
@@ -124,6 +162,34 @@ def test_explain_writes_one_row_per_counterfactual_and_the_plain_rerun_reproduce
     assert cli.main(["report", str(run)]) == 0  # explain is a section of the run's report
     html = next(run.glob("report*.html")).read_text()
     assert "Why did the run get worse?" in html and "Update 2" in html
+
+
+def test_the_listed_harmful_records_are_harmful_beyond_float_noise(run):
+    saved = load_round(run, 1)
+    n = len(saved.buffer)
+    harm = torch.zeros(n, dtype=torch.float64)
+    harm[:3] = torch.tensor([2e-3, 1e-3, 5e-4], dtype=torch.float64)
+    harm[3:6] = torch.tensor([4e-16, -4e-16, 1e-12], dtype=torch.float64)  # float rounding, not harm
+    listed = driving_records(saved, harm, pct=10.0)
+    assert listed["records"].sum() == 3 and (listed["harm"] > 0).all()
+    assert driving_records(saved, torch.full((n,), -1e-3, dtype=torch.float64), pct=10.0).empty
+
+
+def test_a_window_is_replayed_round_after_round_and_its_plain_replay_lands_on_the_run(run, capsys):
+    rounds = [load_round(run, j) for j in (1, 2)]
+    policy, _ = replay_window(rounds, [r.keep for r in rounds])
+    saved = load_round(run, 3).start["policy"]
+    assert all(torch.equal(policy[name], saved[name]) for name in saved)  # bit for bit, round after round
+    source_out = [r.keep & (r.buffer.record_ids()[:, 1] != 0) for r in rounds]
+    changed, _ = replay_window(rounds, source_out)
+    assert any(not torch.equal(changed[name], saved[name]) for name in saved)
+    table, harm = explain_window(run, 1, 2, episodes=4, draws=2)
+    assert len(harm) == 2 and (table["updates"] == 2).all() and table["plain_reproduces_run"].all()
+    assert {"source 0", "source 3", "harmful 10% influence", "random 25% draw 2", "lr/2"} <= set(table["counterfactual"])
+    assert cli.main(["explain", str(run), "--round", "1", "--window", "2", "--episodes", "4", "--draws", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "updates 1..2:" in out and "round 2: " in out and "verdict:" in out
+    assert cli.main(["explain", str(run), "--round", "3", "--window", "2"]) == 2  # the window would end past the run
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -136,6 +136,9 @@ class ExplainArgs:
     """random-removal draws (the chance band)"""
     drops: int = 1
     """explain this many of the largest drops (without --round)"""
+    window: int = 1
+    """explain slides over this many updates (theta(k) -> theta(k+m), every round of the window re-run
+    under each counterfactual) instead of single updates"""
 
 
 def explain(a: ExplainArgs) -> int:
@@ -146,7 +149,9 @@ def explain(a: ExplainArgs) -> int:
         driving_records,
         explain_round,
         explain_section,
+        explain_window,
         find_drops,
+        smallest_fall,
     )
     from rlinfluence.analysis.report import ANALYSES_DIR, save_section
     from rlinfluence.checkpoint import load_round
@@ -162,34 +167,55 @@ def explain(a: ExplainArgs) -> int:
         raise UserError(f"{a.run_dir!r} was trained without --save-buffers: there is no saved round to re-run")
     metrics = pd.read_csv(run.path / "metrics.csv")
     last = int(metrics["round"].max())
+    if a.window < 1 or a.window > last + 1:
+        raise UserError(f"--window must be in 1..{last + 1} (the run's updates), got {a.window}")
+    span = "update" if a.window == 1 else f"{a.window} updates"
     if a.round is not None:
-        if not 0 <= a.round <= last:
-            raise UserError(f"--round {a.round} is out of range: the run has rounds 0..{last}")
+        if not 0 <= a.round <= last - a.window + 1:
+            raise UserError(f"--round {a.round} is out of range: the run has rounds 0..{last}"
+                            + (f" (a window of {a.window} must start at {last - a.window + 1} or before)" if a.window > 1 else ""))
         rounds = [a.round]
     else:
-        found = find_drops(metrics, config.eval_episodes, a.threshold) if config.eval_episodes else []
+        found = find_drops(metrics, config.eval_episodes, a.threshold, a.window) if config.eval_episodes else []
         for d in found:
-            print(f"drop at update {d.round}: {d.before:.4g} -> {d.after:.4g} (-{d.size:.3g}, noise s.e. {d.se:.2g})"
+            print(f"{'drop at update' if a.window == 1 else 'slide over the updates from'} {d.round}: {d.before:.4g} -> "
+                  f"{d.after:.4g} (-{d.size:.3g}, noise s.e. {d.se:.2g})"
                   f"{', approx_kl spike ' + format(d.approx_kl, '.3g') if d.kl_spike else ''}")
         if not found:
-            print("no update lowered the evaluation return beyond its noise: nothing to explain "
-                  "(name one with --round)")
+            print(f"no {span} lowered the evaluation return beyond its noise: nothing to explain (name one with "
+                  f"--round{'' if a.window > 1 else ', or look for slides with --window 3'}); {smallest_fall(metrics, config.eval_episodes, a.window)}")
             return 0
         rounds = [d.round for d in found[: a.drops]]
     tables = []
     for k in rounds:
-        table, harm = explain_round(run.path, k, a.pct, a.episodes, a.draws)
+        if a.window == 1:
+            table, harm = explain_round(run.path, k, a.pct, a.episodes, a.draws)
+            harms = [harm["influence"]]
+        else:
+            table, harms = explain_window(run.path, k, a.window, a.pct, a.episodes, a.draws)
         tables.append(table)
         print(table[["counterfactual", "kept", "return_mean", "recovered_fraction", "ci_low", "ci_high"]]
               .to_string(index=False, float_format=lambda x: f"{x:.3g}"))
         row = table.iloc[0]
-        print(f"update {k}: {row['return_before']:.4g} -> {row['return_after']:.4g} on {a.episodes} episodes "
-              f"(batched plain re-run: {table['return_mean'].iloc[0]:.4g}, parameters within "
-              f"{row['plain_float_gap']:.1g} of the run's); verdict: {row['verdict']} (the serial re-run reproduces "
-              f"the run: {row['plain_reproduces_run']}; {row['seconds']:.0f} s)")
-        print(f"the {a.pct:g}% most harmful records (influence on the return), per source and episode:")
-        print(driving_records(load_round(run.path, k), harm["influence"], a.pct).head(10)
-              .to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+        reproduced = ("yes" if row["plain_reproduces_run"] else
+                      "no: the re-run's update is not the trainer's (a run written from another trainer, such as "
+                      "SB3's, draws its own minibatches), so each counterfactual is compared with the plain re-run, "
+                      "not with the run")
+        where = f"update {k}" if a.window == 1 else f"updates {k}..{k + a.window - 1}"
+        rerun = (f"batched plain re-run: {table['return_mean'].iloc[0]:.4g}, its parameters within "
+                 f"{row['plain_float_gap']:.1g} of the serial re-run's" if a.window == 1 else
+                 f"plain replay: {table['return_mean'].iloc[0]:.4g}")
+        print(f"{where}: {row['return_before']:.4g} -> {row['return_after']:.4g} on {a.episodes} episodes "
+              f"({rerun}); verdict: {row['verdict']} (the plain re-run lands on the run's saved "
+              f"theta({k + a.window}): {reproduced}; {row['seconds']:.0f} s)")
+        for j, harm in enumerate(harms):
+            drivers = driving_records(load_round(run.path, k + j), harm, a.pct)
+            if len(drivers):
+                print(f"round {k + j}: the {a.pct:g}% most harmful records (influence on the return), per source "
+                      "and episode:")
+                print(drivers.head(10).to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+            else:
+                print(f"round {k + j}: no record has a harm above float noise (influence on the return)")
     out = pd.concat(tables, ignore_index=True)
     atomic_write(run.path / "explain.csv", lambda p: out.to_csv(p, index=False))
     save_section(run.path / ANALYSES_DIR, explain_section(out))  # `rlinfluence report` shows it

@@ -40,6 +40,19 @@ largest parameter gap between the two (``plain_float_gap``). The drop is explain
 is reproduced beyond noise: the paired 95% interval of R(theta(k)) - R(theta(k+1)) over the
 episodes lies above 0 (``drop_ci_low``); otherwise every recovered fraction would divide by noise.
 
+**Slides** (``window`` m > 1): the return of theta(k) against theta(k+m), the same test over the
+run's windows of m updates (a broken worker rarely makes one update fall beyond noise; it makes
+several fall a little). Each counterfactual applies to every round of the window (the m% most
+harmful records of each round by its own influence scores, random records of each, source s in
+each, the whole window at a shorter step; episodes run across rounds and are not left out alone),
+and the window's saved rounds are replayed one after the other from theta(k) (``replay_window``):
+the records stay the ones the run collected, since a counterfactual policy cannot collect its own
+from saved files. The plain replay lands on the saved theta(k+m) exactly for a run of
+rlinfluence's trainer. Where the audit's verdict over rounds 0..k+m-1 (the cheap families) holds
+two or more sources suspect (``suspects``: adjusted p below ``SUSPECT_LEVEL``, not a flag), the
+window is also re-run without all of them (``source-set``, with its own band of as many random
+records): several broken workers make a slide that no one of them makes alone. The verdict reads the same table; a source set is named after any single source.
+
 **Verdict** (a counterfactual *recovers* when recovered >= ``RECOVERS`` and its interval lies
 above 0; a removal counts *beyond its chance band* when it recovers more than every random
 draw of its size and more than their mean plus ``BAND_SDS`` standard deviations, because in a
@@ -57,6 +70,7 @@ removal recovers by luck with the step as long as before.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -70,7 +84,7 @@ import torch
 
 from rlinfluence.errors import UserError
 from rlinfluence.influence import ReturnTarget
-from rlinfluence.rundir import RunDirectory
+from rlinfluence.rundir import RunDirectory, load_checkpoint
 from rlinfluence.statistics import ci95
 
 if TYPE_CHECKING:
@@ -87,8 +101,8 @@ VERDICTS = ("source", "data", "step", "not explained")
 
 @dataclass(frozen=True)
 class Drop:
-    """Update ``round`` (theta(k) -> theta(k+1)) lowered the evaluation return by ``size``
-    (positive), with its noise (one s.e.) and the update's approx_kl."""
+    """Update ``round`` (theta(k) -> theta(k+1)), or the ``updates`` updates from it, lowered the
+    evaluation return by ``size`` (positive), with its noise (one s.e.) and the largest approx_kl."""
 
     round: int
     before: float
@@ -97,11 +111,15 @@ class Drop:
     se: float
     approx_kl: float
     kl_spike: bool
+    updates: int = 1
+    """the updates the fall spans: 1 for a drop, m for a slide over a window"""
 
 
-def find_drops(metrics: pd.DataFrame, eval_episodes: int, threshold: float = 0.0) -> list[Drop]:
+def find_drops(metrics: pd.DataFrame, eval_episodes: int, threshold: float = 0.0, window: int = 1) -> list[Drop]:
     """The drops of a run's metrics (module docstring; ``eval_episodes`` per evaluation), largest
-    first."""
+    first. With ``window`` m > 1, the slides: the return of theta(k) against theta(k+m), over m
+    updates (Bonferroni over the run's windows; ``Drop.round`` is the window's first update, its
+    approx_kl the window's largest), the largest first and none overlapping a larger one."""
     if "eval_return_mean" not in metrics or metrics["eval_return_mean"].isna().all():
         raise UserError("the run has no evaluation returns (train with --eval-episodes > 0)")
     rows = metrics.sort_values("round").reset_index(drop=True)
@@ -112,16 +130,33 @@ def find_drops(metrics: pd.DataFrame, eval_episodes: int, threshold: float = 0.0
     kl = rows["approx_kl"].to_numpy(float) if "approx_kl" in rows else np.full(len(rows), np.nan)
     median_kl = float(np.nanmedian(kl)) if np.isfinite(kl).any() else math.nan
     spread = rows["eval_return_std"].fillna(0.0).to_numpy(float)
-    z = float(scipy.stats.norm.ppf(1 - DROP_ALPHA / max(1, len(rows) - 1)))
+    z = float(scipy.stats.norm.ppf(1 - DROP_ALPHA / max(1, len(rows) - window)))
     drops = []
-    for i in range(1, len(rows)):
-        before, after = float(rows["eval_return_mean"][i - 1]), float(rows["eval_return_mean"][i])
-        se = math.sqrt((spread[i] ** 2 + spread[i - 1] ** 2) / eval_episodes)
+    for i in range(window, len(rows)):
+        before, after = float(rows["eval_return_mean"][i - window]), float(rows["eval_return_mean"][i])
+        se = math.sqrt((spread[i] ** 2 + spread[i - window] ** 2) / eval_episodes)
         size = before - after
+        step_kl = float(np.nanmax(kl[i - window + 1:i + 1])) if np.isfinite(kl[i - window + 1:i + 1]).any() else math.nan
         if size > max(threshold, z * se):
-            drops.append(Drop(int(rows["round"][i]), before, after, size, se, float(kl[i]),
-                              bool(kl[i] > KL_SPIKE * median_kl)))
-    return sorted(drops, key=lambda d: -d.size)
+            drops.append(Drop(int(rows["round"][i - window + 1]), before, after, size, se, step_kl,
+                              bool(step_kl > KL_SPIKE * median_kl), window))
+    chosen: list[Drop] = []
+    for d in sorted(drops, key=lambda d: -d.size):
+        if all(d.round + d.updates <= c.round or c.round + c.updates <= d.round for c in chosen):
+            chosen.append(d)
+    return chosen
+
+
+def smallest_fall(metrics: pd.DataFrame, eval_episodes: int, window: int = 1) -> str:
+    """What ``find_drops`` can see in this run: the fall over ``window`` updates that its test needs,
+    z sqrt(2 s^2 / n), at the median evaluation standard deviation s over n = ``eval_episodes``."""
+    spread = metrics["eval_return_std"].dropna() if "eval_return_std" in metrics else pd.Series(dtype=float)
+    if not len(spread) or eval_episodes < 1:
+        return "the run's evaluation has no spread recorded"
+    z = float(scipy.stats.norm.ppf(1 - DROP_ALPHA / max(1, len(metrics) - window)))
+    fall = z * math.sqrt(2 * float(spread.median()) ** 2 / eval_episodes)
+    return (f"at its {eval_episodes} evaluation episodes a fall smaller than about {fall:.3g} (at the median "
+            f"spread {float(spread.median()):.3g}) stays within noise")
 
 
 @dataclass(frozen=True)
@@ -217,19 +252,20 @@ def beyond_band(rows: pd.DataFrame) -> pd.Series:
     level = pd.Series(pct_band[1], index=rows.index)
     for i in rows.index[kind == "source"]:  # the other sources left out are chance draws of a source's size too
         level[i] = band(pd.concat([recovered[kind == "random-source"], recovered[(kind == "source") & (rows.index != i)]]))[1]
+    level[kind == "source-set"] = band(recovered[kind == "random-set"])[1]
     beyond = recovers & (recovered > level)
     plain_kl = rows.loc[kind == "plain", "approx_kl"] if "kl_level" in rows else pd.Series(dtype=float)
     if len(plain_kl) and plain_kl.iloc[0] > rows["kl_level"].iloc[0]:  # the update was a KL spike
         beyond &= rows["approx_kl"] <= rows["kl_level"]
-    return beyond & rows["kind"].isin(["harmful", "source", "episode"])
+    return beyond & rows["kind"].isin(["harmful", "source", "source-set", "episode"])
 
 
 def verdict_of(rows: pd.DataFrame) -> str:
     """The drop's verdict from its counterfactual rows (module docstring)."""
     beyond, kind = beyond_band(rows), rows["kind"]
-    sources = rows[(kind == "source") & beyond]
-    if len(sources):
-        return sources.sort_values("recovered_fraction").iloc[-1]["counterfactual"]
+    for sources in (rows[(kind == "source") & beyond], rows[(kind == "source-set") & beyond]):
+        if len(sources):  # one source before a set: the smaller claim that explains it
+            return sources.sort_values("recovered_fraction").iloc[-1]["counterfactual"]
     chance = rows.loc[kind == "random", "recovered_fraction"].mean()  # NaN without draws: no band to recover
     if (beyond & (kind == "harmful")).any() and not chance >= RECOVERS:
         return "data"
@@ -272,36 +308,200 @@ def explain_round(run_dir: str | Path, round_index: int, pct: float = 10.0, epis
     reproduces = matches_checkpoint(trainer, run.path, round_index + 1)
     float_gap = max(float((p.detach() - reruns.params[0][n]).abs().max()) for n, p in trainer.policy.named_parameters())
     recorded = trainer.evaluate(episodes)
-    # the batched counterfactuals are compared with the batched plain re-run, the same arithmetic:
-    # where float rounding alone moves the return, that is the noise every counterfactual carries
-    reference = returns[0]
-    drop, drop_low, _ = ci95(before - reference)  # paired over the episodes: a fall within noise explains nothing
-    reproduced = drop_low > 0
-    rows = []
-    for c, r, kl in zip(chosen, returns, reruns.approx_kl, strict=True):
-        fraction, low, high = _recovery(r, reference, drop) if reproduced and c.kind != "plain" else (math.nan,) * 3
-        rows.append({"round": round_index, "counterfactual": c.name, "kind": c.kind, "kept": int(c.keep.sum()),
-                     "lr_scale": c.lr_scale * step_scale, "n_epochs": c.n_epochs or trainer.config.n_epochs,
-                     "approx_kl": kl, "return_mean": float(r.mean()), "recovered_fraction": fraction,
-                     "ci_low": low, "ci_high": high})
-    table = pd.DataFrame(rows)
-    table["return_before"], table["return_after"], table["drop"] = float(before.mean()), float(recorded.mean()), drop
-    table["drop_ci_low"] = drop_low
-    metrics = pd.read_csv(run.path / "metrics.csv")
-    others = metrics.loc[metrics["round"] != round_index, "approx_kl"] if "approx_kl" in metrics else pd.Series()
-    table["kl_level"] = KL_SPIKE * float(others.median()) if others.notna().any() else math.inf
-    table["beyond_band"] = beyond_band(table) if reproduced else False
-    table["verdict"] = verdict_of(table) if reproduced else NOT_REPRODUCED
+    table = _judged(run.path, [round_index], chosen, returns, reruns.approx_kl, before, recorded,
+                    [c.lr_scale * step_scale for c in chosen], trainer.config.n_epochs)
     table["plain_reproduces_run"], table["plain_float_gap"] = reproduces, float_gap
     table["seconds"] = time.perf_counter() - start
     return table, harm
 
 
+def _judged(run_path: Path, rounds: list[int], chosen: list, returns: list[np.ndarray], approx_kl: list[float],
+            before: np.ndarray, recorded: np.ndarray, lr_scales: list[float], n_epochs: int) -> pd.DataFrame:
+    """One row per counterfactual of the updates ``rounds`` (their returns on the common episodes,
+    the first the plain re-run), with the recovered fractions, the chance bands and the verdict.
+
+    The counterfactuals are compared with the plain re-run, the same arithmetic: where float rounding
+    alone moves the return, that is the noise every counterfactual carries; a fall within noise
+    (the paired interval of R(theta(k)) - R(plain re-run) reaching 0) explains nothing."""
+    reference = returns[0]
+    drop, drop_low, _ = ci95(before - reference)
+    reproduced = drop_low > 0
+    rows = []
+    for c, r, kl, scale in zip(chosen, returns, approx_kl, lr_scales, strict=True):
+        fraction, low, high = _recovery(r, reference, drop) if reproduced and c.kind != "plain" else (math.nan,) * 3
+        rows.append({"round": rounds[0], "updates": len(rounds), "counterfactual": c.name, "kind": c.kind,
+                     "kept": sum(int(k.sum()) for k in (c.keep if isinstance(c.keep, list) else [c.keep])), "lr_scale": scale,
+                     "n_epochs": c.n_epochs or n_epochs, "approx_kl": kl, "return_mean": float(r.mean()),
+                     "recovered_fraction": fraction, "ci_low": low, "ci_high": high})
+    table = pd.DataFrame(rows)
+    table["return_before"], table["return_after"], table["drop"] = float(before.mean()), float(recorded.mean()), drop
+    table["drop_ci_low"] = drop_low
+    metrics = pd.read_csv(run_path / "metrics.csv")
+    others = metrics.loc[~metrics["round"].isin(rounds), "approx_kl"] if "approx_kl" in metrics else pd.Series()
+    table["kl_level"] = KL_SPIKE * float(others.median()) if others.notna().any() else math.inf
+    table["beyond_band"] = beyond_band(table) if reproduced else False
+    table["verdict"] = verdict_of(table) if reproduced else NOT_REPRODUCED
+    return table
+
+
+@dataclass(frozen=True)
+class WindowCounterfactual:
+    """One re-run of a window's updates: its name, a keep mask per round, and the lr scale."""
+
+    name: str
+    kind: str
+    keep: list[torch.Tensor]
+    lr_scale: float = 1.0
+    n_epochs: int | None = None
+
+
+def window_counterfactuals(rounds: list, pct: float = 10.0, draws: int = 5, seed: int = 0,
+                           suspects: list[int] | tuple[int, ...] = ()
+                           ) -> tuple[list[WindowCounterfactual], list[torch.Tensor]]:
+    """(the counterfactuals of a window of saved rounds, each round's influence harm [N]): plain;
+    without the ``pct``% most harmful records of every round (snapshot influence on the round's
+    in-sample return target at its own theta(j); and ``abs-advantage``); without ``pct``% random
+    records of every round (``draws`` draws) and as many as a source has; without source s in every
+    round; with two or more ``suspects`` (the sources an audit flags), without all of them, and
+    ``draws`` draws of as many random records (``random-set``: that removal's chance band); and the
+    whole window at lr/2 and lr/4. Episodes run across rounds, so none is left out alone."""
+    from rlinfluence.analysis.validation import score_round
+    from rlinfluence.filters import drop_lowest
+
+    keeps = [saved.keep.bool() for saved in rounds]
+    harm = [-score_round(saved, ReturnTarget(), "snapshot/batch", seed).double() for saved in rounds]
+    extreme = [saved.buffer.flat("advantages").double().abs() for saved in rounds]
+    sizes = [len(saved.buffer) for saved in rounds]
+    n_envs = rounds[0].buffer.n_envs
+    out = [WindowCounterfactual("plain", "plain", keeps)]
+    for name, scores in (("influence", harm), ("abs-advantage", extreme)):
+        out.append(WindowCounterfactual(f"harmful {pct:g}% {name}", "harmful",
+                                        [k & drop_lowest(-h, round(pct / 100 * n)) for k, h, n in zip(keeps, scores, sizes, strict=True)]))
+    generator = torch.Generator().manual_seed(seed)
+    for kind, share, label in (("random", pct / 100, f"{pct:g}%"), ("random-source", 1 / n_envs, f"{100 / n_envs:g}%")):
+        if kind == "random-source" and n_envs == 1:
+            continue
+        for j in range(draws):
+            out.append(WindowCounterfactual(f"random {label} draw {j + 1}", kind,
+                                            [k & drop_lowest(torch.rand(n, generator=generator), round(share * n))
+                                             for k, n in zip(keeps, sizes, strict=True)]))
+    for s in range(n_envs if n_envs > 1 else 0):
+        out.append(WindowCounterfactual(f"source {s}", "source",
+                                        [k & (saved.buffer.record_ids()[:, 1] != s) for k, saved in zip(keeps, rounds, strict=True)]))
+    if len(suspects) >= 2:
+        out.append(WindowCounterfactual(f"sources {','.join(map(str, sorted(suspects)))}", "source-set",
+                                        [k & ~torch.isin(saved.buffer.record_ids()[:, 1], torch.tensor(sorted(suspects)))
+                                         for k, saved in zip(keeps, rounds, strict=True)]))
+        for j in range(draws):
+            out.append(WindowCounterfactual(f"random {100 * len(suspects) / n_envs:g}% draw {j + 1}", "random-set",
+                                            [k & drop_lowest(torch.rand(n, generator=generator), len(suspects) * n // n_envs)
+                                             for k, n in zip(keeps, sizes, strict=True)]))
+    out += [WindowCounterfactual("lr/2", "step", keeps, 0.5), WindowCounterfactual("lr/4", "step", keeps, 0.25)]
+    batch = rounds[0].trainer.config.batch_size
+    return [c for c in out if all(int(k.sum()) >= batch for k in c.keep)], harm
+
+
+SUSPECT_LEVEL = 0.5
+"""A source is a suspect when the audit's adjusted p-value for it is below this (``suspects``)."""
+MAX_SUSPECTS = 3
+
+
+def suspects(run_path: Path, n_rounds: int) -> list[int]:
+    """The sources the audit's verdict over the run's rounds 0..``n_rounds`` - 1 holds most suspect,
+    on the cheap families (the consistency checks and the reward, value and advantage statistics,
+    as quarantine uses): those whose adjusted p-value is below ``SUSPECT_LEVEL``, the
+    ``MAX_SUSPECTS`` smallest at most. Not a flag: a choice of which sources a window's explanation
+    leaves out together, made on the records' consistency and not on the return, so that removal's
+    chance band (as many random records) still holds. None where the run has fewer than 3
+    untrusted sources."""
+    from rlinfluence.analysis.audit import harm_table, verdict_table
+    from rlinfluence.checkpoint import load_round
+    from rlinfluence.consistency import CHECKS, STATISTICS
+
+    families = [*STATISTICS, *CHECKS]
+    table = pd.concat([harm_table(load_round(run_path, k), families) for k in range(n_rounds)], ignore_index=True)
+    if table.loc[~table["trusted"], "source"].nunique() < 3:
+        return []
+    verdict = verdict_table(table, families).sort_values("p_adjusted_min", kind="stable")
+    return [int(s) for s in verdict.loc[verdict["p_adjusted_min"] < SUSPECT_LEVEL, "source"][:MAX_SUSPECTS]]
+
+
+def replay_window(rounds: list, keep: list[torch.Tensor], lr_scale: float = 1.0) -> tuple[dict[str, torch.Tensor], float]:
+    """(theta'(k+m), the largest approx_kl of its updates): the window's m saved rounds re-run one
+    after the other from theta(k) and its optimiser state, round j's update on its kept records
+    ``keep[j]`` with its own minibatch generator, from the policy and optimiser state the re-run
+    of round j - 1 left. The records are the ones the run collected: a counterfactual policy does
+    not collect its own (the replay's approximation, as every re-run of a window)."""
+    policy = optimizer = None
+    largest = 0.0
+    for saved, kept in zip(rounds, keep, strict=True):
+        trainer = saved.trainer
+        state = copy.deepcopy(saved.start)
+        if policy is not None:
+            state["policy"], state["optimizer"] = policy, optimizer
+        trainer.load_state_dict(state)
+        trainer.policy.noise((trainer.config.n_steps, trainer.config.n_envs), trainer.generator)
+        stats = trainer.update(saved.buffer, kept, lr_scale=lr_scale)
+        largest = max(largest, float(stats.get("approx_kl", 0.0)))
+        policy = copy.deepcopy(trainer.policy.state_dict())
+        optimizer = copy.deepcopy(trainer.optimizer.state_dict())
+    return policy, largest
+
+
+def explain_window(run_dir: str | Path, first: int, updates: int, pct: float = 10.0, episodes: int = 100,
+                   draws: int = 5, seed: int = 0) -> tuple[pd.DataFrame, list[torch.Tensor]]:
+    """``explain_round`` for a slide: the ``updates`` updates theta(first) -> theta(first + updates),
+    each counterfactual of ``window_counterfactuals`` applied to every round of the window and
+    replayed (``replay_window``), every policy evaluated on the same ``episodes`` episodes; the
+    same table and verdict (``updates`` = m; ``plain_reproduces_run``: the plain replay lands on
+    the saved theta(first + updates) exactly), and each round's influence harm."""
+    from rlinfluence.analysis.intervention import matches_checkpoint
+    from rlinfluence.checkpoint import load_round
+
+    if updates < 1:
+        raise UserError(f"--window must be >= 1, got {updates}")
+    if not 0 < pct < 100:
+        raise UserError(f"--pct must be in (0, 100), got {pct}")
+    if episodes < 2 or draws < 1:
+        raise UserError(f"--episodes must be >= 2 and --draws >= 1, got {episodes} and {draws}")
+    start = time.perf_counter()
+    run = RunDirectory.open_existing(run_dir, tensorboard=False)
+    rounds = [load_round(run.path, j) for j in range(first, first + updates)]
+    chosen, harm = window_counterfactuals(rounds, pct, draws, seed, suspects(run.path, first + updates))
+    judge = rounds[0].trainer  # every policy is evaluated by theta(first)'s trainer: the same episodes
+    judge.load_state_dict(copy.deepcopy(rounds[0].start))
+    before = judge.evaluate(episodes)
+    returns, kls, reproduces = [], [], False
+    for c in chosen:
+        policy, kl = replay_window(rounds, c.keep, c.lr_scale)
+        judge.load_state_dict(copy.deepcopy(rounds[0].start))
+        judge.policy.load_state_dict(policy)
+        if c.kind == "plain":
+            reproduces = matches_checkpoint(judge, run.path, first + updates)
+        returns.append(judge.evaluate(episodes))
+        kls.append(kl)
+    judge.load_state_dict(copy.deepcopy(rounds[0].start))
+    judge.policy.load_state_dict(load_checkpoint(run.checkpoint_path(first + updates))["policy"])
+    recorded = judge.evaluate(episodes)  # the run's own theta(first + updates)
+    table = _judged(run.path, list(range(first, first + updates)), chosen, returns, kls, before, recorded,
+                    [c.lr_scale for c in chosen], judge.config.n_epochs)
+    table["plain_reproduces_run"], table["plain_float_gap"] = reproduces, 0.0
+    table["seconds"] = time.perf_counter() - start
+    return table, harm
+
+
+HARM_NOISE = 1e-6
+"""A harm at most this fraction of the round's largest |harm| is float rounding (float32 sums), not harm."""
+
+
 def driving_records(saved, harm: torch.Tensor, pct: float = 10.0) -> pd.DataFrame:
-    """The m% most harmful records of the round, counted per source and episode (most first)."""
+    """The m% most harmful records of the round, counted per source and episode (most first): only
+    records whose harm is above float noise (``HARM_NOISE`` x the round's largest |harm|), so a
+    round with fewer harmful records lists fewer, and one with none lists none."""
     ids = saved.buffer.record_ids()
     n_top = max(1, round(pct / 100 * len(harm)))
     top = torch.argsort(harm, descending=True, stable=True)[:n_top]
+    top = top[harm[top] > HARM_NOISE * float(harm.abs().max())]
     frame = pd.DataFrame({"source": ids[top, 1].numpy(), "episode": saved.buffer.flat("episode_ids")[top].numpy(),
                           "harm": harm[top].numpy()})
     return (frame.groupby(["source", "episode"]).agg(records=("harm", "size"), harm=("harm", "sum"))
@@ -323,10 +523,11 @@ def explain_section(table: pd.DataFrame) -> Section:
     for ax, k in zip(axes[:, 0], rounds, strict=True):
         rows = table[table["round"] == k]
         first = rows.iloc[0]
-        section.paragraphs.append(f"Update {k}: {first['return_before']:.4g} -> {first['return_after']:.4g} "
-                                  f"(batched plain re-run {rows['return_mean'].iloc[0]:.4g}); verdict: "
-                                  f"{first['verdict']}.")
-        section.tables.append(Table(f"Update {k}", ["counterfactual", "kept", "return", "recovered", "95% interval"],
+        updates = int(first["updates"]) if "updates" in rows else 1
+        name = f"Update {k}" if updates == 1 else f"Updates {k}..{k + updates - 1}"
+        section.paragraphs.append(f"{name}: {first['return_before']:.4g} -> {first['return_after']:.4g} "
+                                  f"(plain re-run {rows['return_mean'].iloc[0]:.4g}); verdict: {first['verdict']}.")
+        section.tables.append(Table(name, ["counterfactual", "kept", "return", "recovered", "95% interval"],
                                     [[r.counterfactual, int(r.kept), f"{r.return_mean:.4g}",
                                       f"{r.recovered_fraction:.2f}", f"[{r.ci_low:.2f}, {r.ci_high:.2f}]"]
                                      for r in rows.itertuples()]))
@@ -339,7 +540,7 @@ def explain_section(table: pd.DataFrame) -> Section:
         ax.axvline(RECOVERS, color="k", lw=0.6, ls="--")
         ax.set_yticks(y, shown["counterfactual"], fontsize=7)
         ax.invert_yaxis()
-        ax.set_title(f"update {k}: {first['verdict']}", fontsize=9)
+        ax.set_title(f"{name.lower()}: {first['verdict']}", fontsize=9)
     axes[-1, 0].set_xlabel("fraction of the drop recovered (dashed: half)")
     section.figures["recovered"] = (figure_png(fig), "Fraction of each drop that each counterfactual recovers.")
     return section
