@@ -7,6 +7,7 @@ from rlinfluence.filters import (
     AdvantageFilter,
     FilterContext,
     IIFFilter,
+    InfluenceScorer,
     RandomFilter,
     RewardExtremesFilter,
     TDErrorFilter,
@@ -227,6 +228,10 @@ def test_iif_keeps_every_record_when_every_advantage_is_zero():
         with pytest.warns(RuntimeWarning, match=r"round 3: \w+ kept every record \(skipped=1\).*zero gradient"):
             keep = f(buffer, context)
         assert keep.all() and context.stats["skipped"] == 1.0 and context.stats["minibatch_guard"] == 0.0
+    # the scorer alone (the audit's influence family) says the same, not an AttributeError
+    context = FilterContext(policy=policy, round=3, batch_size=4)
+    with pytest.warns(RuntimeWarning, match=r"round 3: influence kept every record \(skipped=1\)"):
+        assert InfluenceScorer(advantage_norm="batch").scores(buffer, context) is None
     scored = FilterContext(policy=policy, round=0, batch_size=4)
     IIFFilter(drop_pct=50)(_buffer(16, rewards=torch.arange(16.0)), scored)
     assert scored.stats["skipped"] == 0.0

@@ -182,6 +182,8 @@ class InfluenceScorer(_Seeded):
     change Adam's step would make rather than an SGD step's (TracIn's assumption).
     """
 
+    name = "influence"
+
     uses_validation = True
 
     def __init__(self, advantage_norm: Literal["chunk", "batch", "none"] = DEFAULT_ADVANTAGE_NORM, seed: int = 0,
