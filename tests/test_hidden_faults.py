@@ -14,7 +14,7 @@ from scipy import stats as scipy_stats
 from sklearn.linear_model import Ridge
 from sklearn.preprocessing import StandardScaler
 
-from rlinfluence import cli
+from rlinfluence import cli, corruptions
 from rlinfluence.analysis.audit import audit_run
 from rlinfluence.checkpoint import load_round
 from rlinfluence.consistency import (
@@ -673,3 +673,70 @@ def test_the_learning_benchmark_counts_what_a_filter_drops_and_the_rounds_corrup
     assert torch.equal(recording(buffer, None), keep)
     assert (recording.dropped, recording.dropped_corrupted) == ([2], [1])
     assert (recording.records, recording.corrupted) == ([8], [3])
+
+
+def test_the_held_out_faults_do_what_their_protocol_says(benchmark_script):
+    """benchmarks/held_out_faults.py: each wrapper changes what its kind says and nothing else."""
+    import gymnasium as gym
+
+    held_out = benchmark_script("held_out_faults")
+
+    class Recorder(gym.Wrapper):  # the actions the env really executes, across episodes
+        def __init__(self, env):
+            super().__init__(env)
+            self.executed = []
+
+        def step(self, action):
+            self.executed.append(int(action))
+            return self.env.step(action)
+
+    lagged = held_out.ActuatorLag(Recorder(gym.make("CartPole-v1")))
+    lagged.reset(seed=0)
+    for action in (1, 0, 0, 1):
+        lagged.step(action)
+    assert lagged.env.executed == [1, 1, 0, 0]  # the first step its own, then the previous one
+    flaky = held_out.RandomActuator(Recorder(gym.make("CartPole-v1")), p=0.25, seed=3)
+    flaky.reset(seed=0)
+    for _ in range(400):
+        _, _, terminated, truncated, _ = flaky.step(1)
+        if terminated or truncated:
+            flaky.reset()
+    executed = np.array(flaky.env.executed)
+    assert 0.08 < (executed == 0).mean() < 0.18  # a quarter drawn at random, half of those the other action
+    rounded = held_out.ObservationRounding(gym.make("CartPole-v1"), 1)
+    obs, _ = rounded.reset(seed=0)
+    assert obs.dtype == np.float32 and np.allclose(obs, np.round(obs, 1))
+    scaled = held_out.RewardScale(gym.make("CartPole-v1"), 3.0)
+    scaled.reset(seed=0)
+    assert scaled.step(0)[1] == 3.0
+    short = held_out.KINDS["short-time-limit"][1](gym.make("CountingChain-v0", max_episode_steps=40), 0)
+    short.reset(seed=0)
+    steps, truncated = 0, False
+    while not truncated:  # the chain never terminates: only a time limit ends it
+        obs, _, terminated, truncated, _ = short.step(0)
+        assert not terminated
+        steps += 1
+    assert steps == 40 // 4
+    assert held_out.KINDS.keys().isdisjoint(corruptions.KINDS)  # never a --corrupt kind
+    assert not held_out.applies("obs-rounding", "FrozenLake-v1") and held_out.applies("obs-rounding", "CartPole-v1")
+    assert {held_out.broken_env(seed, 7) for seed in held_out.FAULT_SEEDS} <= set(range(7))
+
+
+def test_the_benchmark_counts_readings_apart_and_never_mixes_verdict_versions(benchmark_script, tmp_path):
+    hidden_faults = benchmark_script("hidden_faults")
+    outcome = hidden_faults.reading_outcome
+    assert outcome("action", "action", "action") == "right"
+    assert outcome("undetermined", "observation;action", "action") == "undetermined"
+    assert outcome("undetermined", "observation;environment", "action") == "wrong"
+    assert outcome("observation", "observation", "action") == "wrong"
+    assert hidden_faults.truth_class("held-out:short-time-limit") == "done-flags"
+    assert hidden_faults.truth_class("obs-bug:envs=1,mode=lag") == "observation"
+    looks = [hidden_faults.sequential_alpha(0.01, k) for k in range(1, 10_001)]
+    assert sum(looks) <= 0.01 and looks[0] == 0.005
+    rows = pd.DataFrame({"env": "CartPole-v1", "fault": ["clean", "clean"], "seed": [1, 2], "rounds": 20,
+                         "verdict_version": [1, 2], "verdict_round": np.nan, "false_flags": ""})
+    rows.to_csv(tmp_path / "runs.csv", index=False)
+    from types import SimpleNamespace
+
+    with pytest.raises(SystemExit, match="verdict versions \\[1, 2\\]"):
+        hidden_faults.summary(SimpleNamespace(out=str(tmp_path), runs="", data="", name="x"))
