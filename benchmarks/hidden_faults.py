@@ -559,6 +559,57 @@ def markdown_table(runs: pd.DataFrame, families: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+HELD_OUT_DATA = ("hidden_faults_held_out", "hidden_faults_held_out_sb3", "hidden_faults_held_out_acrobot")
+"""The held-out protocol's per-run rows in docs/data (``<name>_runs.csv``): native on the three target
+envs, SB3, and Acrobot apart."""
+
+
+def _count(flags: pd.Series) -> str:
+    return f"{int(flags.sum())}/{len(flags)}"
+
+
+def held_out_answer(native: pd.DataFrame, sb3: pd.DataFrame | None = None, acrobot: pd.DataFrame | None = None
+                    ) -> list[str]:
+    """The held-out results' short answer, every figure computed from the per-run rows: what was
+    flagged within ``WITHIN`` rounds per env, the kinds that meet the target (>= 9 of 10 on each
+    target env where they apply), the readings right / undetermined / wrong, and the clean runs with
+    a false flag under both arms (alpha per audit, and the per-run alpha)."""
+    lines = []
+    faulty, clean = native[native["fault"] != "clean"], native[native["fault"] == "clean"]
+    version = int(native["verdict_version"].iloc[0])
+    per_env = ", ".join(f"{env.split('-')[0]} {_count(g['verdict_round'] <= WITHIN)}" for env, g in faulty.groupby("env"))
+    kinds = faulty.assign(kind=faulty["fault"].str.removeprefix(HELD_OUT))
+    met = [k for k, g in kinds.groupby("kind") if all((e["verdict_round"] <= WITHIN).sum() >= 9 for _, e in g.groupby("env"))]
+    outcomes = _outcomes(faulty)
+    wrong = outcomes == "wrong"
+    lines.append(f"On 5 fault kinds and seeds its rules never saw (verdict version {version}, one broken env of 8, "
+                 f"10 seeds per env and kind), the audit flags the broken env within {WITHIN} rounds in {per_env} "
+                 f"runs; {len(met)} of {kinds['kind'].nunique()} kinds meet the target (>= 9 of 10 on every target env "
+                 f"where they apply){': ' + ', '.join(met) if met else ''}.")
+    lines.append(f"Its readings of {len(outcomes)} first flags: {int((outcomes == 'right').sum())} right, "
+                 f"{int((outcomes == 'undetermined').sum())} undetermined (the truth among the candidates), "
+                 f"{int(wrong.sum())} wrong ({100 * wrong.mean():.0f}%; target <= 5%).")
+    k, seq_k = int(_has_false_flag(clean).sum()), int(_has_false_flag(clean, "seq_").sum())
+    rounds = int(clean["rounds"].max()) if len(clean) else 0
+    lines.append(f"Clean runs audited after each of {rounds} rounds: {k} of {len(clean)} have a false flag at alpha "
+                 f"0.01 per audit; with the per-run alpha (audit j at 0.01 / (j (j + 1))) {seq_k} of {len(clean)}, "
+                 f"at the cost of flagging {_count(faulty['seq_verdict_round'] <= WITHIN)} faulty runs within "
+                 f"{WITHIN} rounds instead of {_count(faulty['verdict_round'] <= WITHIN)}.")
+    if sb3 is not None and len(sb3):
+        f3, c3 = sb3[sb3["fault"] != "clean"], sb3[sb3["fault"] == "clean"]
+        lines.append(f"Stable-Baselines3 runs (RunDirectoryCallback): faulty flagged within {WITHIN} rounds "
+                     f"{_count(f3['verdict_round'] <= WITHIN)}, readings wrong {int((_outcomes(f3) == 'wrong').sum())} "
+                     f"of {len(_outcomes(f3))}; clean runs with a false flag {int(_has_false_flag(c3).sum())} of {len(c3)} "
+                     f"per audit, {int(_has_false_flag(c3, 'seq_').sum())} with the per-run alpha.")
+    if acrobot is not None and len(acrobot):
+        fa, ca = acrobot[acrobot["fault"] != "clean"], acrobot[acrobot["fault"] == "clean"]
+        lines.append(f"Acrobot (500-step episodes, reported apart): faulty flagged within {WITHIN} rounds "
+                     f"{_count(fa['verdict_round'] <= WITHIN)}, within {int(fa['rounds'].max())} "
+                     f"{_count(fa['verdict_round'].notna())}; clean runs with a false flag {int(_has_false_flag(ca).sum())} "
+                     f"of {len(ca)}.")
+    return lines
+
+
 def rounds_figure(runs: pd.DataFrame, path: Path) -> None:
     """PNG: per fault (rows) and env (colours), each seed's rounds until the verdict flags the
     broken source (past the last round: not flagged)."""
@@ -587,20 +638,28 @@ def rounds_figure(runs: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def summary(args: argparse.Namespace) -> None:
-    """Tables, figure and summary lines of a detection run's rows, each reading as recorded when its
-    run was made (never re-read by later rules); rows of more than one verdict version are refused."""
-    source = Path(args.runs) if args.runs else Path(args.out) / "runs.csv"
-    runs = pd.read_csv(source).drop_duplicates(["env", "fault", "seed"], keep="last")
+def prepared(runs: pd.DataFrame, source: str = "the rows") -> pd.DataFrame:
+    """A detection run's rows as the summary reads them: the last row of each (env, fault, seed), one
+    verdict version (rows of several are refused), rounds to flag counted from a fault's start,
+    sorted. A runs file the summary wrote (``<name>_runs.csv``) comes back unchanged."""
+    runs = runs.drop_duplicates(["env", "fault", "seed"], keep="last")
     runs = runs.drop(columns=["corrupted_within_5"], errors="ignore")  # every record of a broken env: not what changed
     versions = sorted(set(runs["verdict_version"].astype(int))) if "verdict_version" in runs else [1]
     if len(versions) > 1:
         raise SystemExit(f"{source} holds rows of verdict versions {versions}: summarise each version's rows apart")
-    print(f"verdict_version: {versions[0]}")
-    if "start" in runs:  # a fault that breaks its env at round R: its rounds to flag count from R
+    if "start" in runs and runs["start"].any():  # a fault that breaks its env at round R: rounds count from R
         counted = [c for c in runs.columns if c.endswith("verdict_round") or c.startswith("round_")]
         runs[counted] = runs[counted].sub(runs["start"], axis=0)
-    runs = runs.sort_values(["env", "fault", "seed"], kind="stable")
+        runs["fault_start"], runs["start"] = runs["start"], 0  # counted from it once; kept, not counted again
+    return runs.sort_values(["env", "fault", "seed"], kind="stable")
+
+
+def summary(args: argparse.Namespace) -> None:
+    """Tables, figure and summary lines of a detection run's rows, each reading as recorded when its
+    run was made (never re-read by later rules); rows of more than one verdict version are refused."""
+    source = Path(args.runs) if args.runs else Path(args.out) / "runs.csv"
+    runs = prepared(pd.read_csv(source), str(source))
+    print(f"verdict_version: {int(runs['verdict_version'].iloc[0]) if 'verdict_version' in runs else 1}")
     families = [c[6:] for c in runs.columns if c.startswith("round_")]
     arms = ["", "seq_"] if "seq_verdict_round" in runs else [""]
     if args.data:

@@ -42,7 +42,7 @@ from rlinfluence.experiments.published import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hidden_faults import learn_table  # noqa: E402
+from hidden_faults import HELD_OUT_DATA, held_out_answer, learn_table, markdown_table, prepared  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "docs" / "data"
@@ -61,6 +61,38 @@ TABLES = {
 
 # learning tables of hidden_faults.py (``learn_table``): docs/data/<name>.csv -> docs/data/<name>_table.txt
 LEARN_TABLES = ("hidden_faults_learn_tuned", "reward_flip_tuned", "corruption_tuned")
+HELD_OUT_PAGES = ("README.md", "docs/index.md", "docs/results/hidden-faults.md")
+"""The pages whose held-out answer (``hidden_faults.held_out_answer``, between <!-- table:held-out-answer -->
+markers) is written from the held-out rows in docs/data; each held-out detection table is rebuilt from its rows too."""
+
+
+def held_out(check: bool) -> list[str]:
+    """Write (or with ``check`` only compare) the held-out answer on its pages and the held-out
+    detection tables from their per-run rows; the stale ones."""
+    stale = []
+    frames = [prepared(pd.read_csv(DATA / f"{n}_runs.csv")) if (DATA / f"{n}_runs.csv").is_file() else None
+              for n in HELD_OUT_DATA]
+    if frames[0] is None:
+        return stale
+    for name, frame in zip(HELD_OUT_DATA, frames, strict=True):
+        if frame is None:
+            continue
+        table = markdown_table(frame, [c[6:] for c in frame.columns if c.startswith("round_")])
+        path = DATA / f"{name}_table.txt"
+        if not path.is_file() or path.read_text() != table:
+            stale.append(str(path.relative_to(ROOT)))
+            if not check:
+                path.write_text(table)
+    lines = held_out_answer(*frames)
+    for page in HELD_OUT_PAGES:
+        path = ROOT / page
+        old = path.read_text()
+        new = fill(old, "held-out-answer", lines)
+        if new != old:
+            stale.append(f"{page} (held-out-answer)")
+            if not check:
+                path.write_text(new)
+    return stale
 
 
 def main() -> int:
@@ -117,6 +149,7 @@ def main() -> int:
             stale.append(str(path.relative_to(ROOT)))
             if not args.check:
                 path.write_text("\n".join(lines) + "\n")
+    stale += held_out(args.check)
     for curves in sorted(DATA.glob("*_curves.csv")):  # a published summary beside its per-seed curves
         name = curves.name.removesuffix("_curves.csv")
         if (DATA / f"{name}.csv").is_file() and not summary_matches_curves(name):
