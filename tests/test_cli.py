@@ -1,6 +1,7 @@
 """The command line, run as a user runs it: a subprocess of the installed console script."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -214,3 +215,20 @@ def test_help_states_each_default_once(monkeypatch, capsys):
                 flags[-1] += " " + line
         doubled = [flag for flag in flags if flag.count("(default") > 1]
         assert not doubled, (command, doubled)
+
+
+def test_train_says_what_it_chose_and_its_help_names_every_corruption(monkeypatch, capsys, tmp_path):
+    from rlinfluence import cli
+    from rlinfluence.corruptions import KINDS
+
+    assert cli.main(["train", "--env", "CartPole-v1", "--n-envs", "4", "--n-steps", "16", "--batch-size", "16",
+                     "--total-timesteps", "64", "--eval-episodes", "0", "--device", "auto", "--corrupt",
+                     "action-mismatch:envs=2,mode=actuator,from=1", "--run-root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "device: cpu (--device auto)" in out
+    assert re.search(r"--corrupt action-mismatch:envs=2,mode=actuator,from=1: breaks training envs \d, \d from round 1", out)
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = capsys.readouterr().out
+    assert all(f"{kind}:" in text for kind in KINDS)

@@ -72,6 +72,19 @@ def train(a: TrainArgs) -> int:
         return _train(a)
 
 
+def _chosen_for_the_run(trainer) -> list[str]:
+    """What the trainer chose that the flags left open: the device of ``--device auto``, and the
+    training envs each ``--corrupt`` kind that breaks whole envs broke (a seeded choice)."""
+    lines = [f"device: {trainer.device} (--device auto)"] if trainer.config.device == "auto" else []
+    corruptor = trainer.corruptor
+    for spec in corruptor.specs if corruptor is not None else ():
+        if spec.kind in corruptor.broken:
+            envs = ", ".join(str(i) for i, broken in enumerate(corruptor.broken[spec.kind]) if broken)
+            lines.append(f"--corrupt {spec}: breaks training env{'s' * (spec['envs'] > 1)} {envs}"
+                         + (f" from round {spec.start}" if spec.start else ""))
+    return lines
+
+
 def _train(a: TrainArgs) -> int:
     from rlinfluence.ppo import PPO
 
@@ -96,6 +109,8 @@ def _train(a: TrainArgs) -> int:
     else:
         trainer = PPO(a.config)
         print(f"run directory: {trainer.run.path}", flush=True)
+    for line in _chosen_for_the_run(trainer):
+        print(line, flush=True)
     _learn(trainer, fresh=a.resume is None)
     last = trainer.run.rows[-1] if trainer.run and trainer.run.rows else None
     if last is not None:

@@ -18,7 +18,7 @@ import tyro
 
 from rlinfluence.config import DEFAULT_ADVANTAGE_NORM
 from rlinfluence.errors import UserError
-from rlinfluence.helptext import EmptyMeansNone, StatedDefault
+from rlinfluence.helptext import EmptyMeansNone, RunName, RunNames, StatedDefault
 from rlinfluence.rundir import atomic_write, check_output_dir, check_output_file
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ AdvantageNorm = Literal["chunk", "batch", "none"]
 class AttributeArgs:
     """Score every record of a saved round's buffer by its influence on a target."""
 
-    run_dir: tyro.conf.Positional[str]
+    run_dir: tyro.conf.Positional[Annotated[str, RunName]]
     """run directory trained with --save-buffers"""
     round: int
     """round k to attribute (its buffer and theta(k) are loaded)"""
@@ -169,7 +169,7 @@ class DiagnoseArgs:
     """Diagnose a saved round: its most harmful records (return target) and, for small discrete
     envs, how their estimated advantages disagree with Monte-Carlo advantages."""
 
-    run_dir: tyro.conf.Positional[str]
+    run_dir: tyro.conf.Positional[Annotated[str, RunName]]
     """run directory trained with --save-buffers"""
     round: int
     """round k to diagnose"""
@@ -234,7 +234,7 @@ class TimelineArgs:
     """Behaviour-formation timeline of (s*, a*) over the saved rounds: pi(a*|s*), top records and
     roughness of the action-target scores (docs/method.md, section 8.2)."""
 
-    run_dir: tyro.conf.Positional[str]
+    run_dir: tyro.conf.Positional[Annotated[str, RunName]]
     """run directory trained with --save-buffers"""
     state_index: int | None = None
     """s* = this record of --state-round's buffer (flat index)"""
@@ -295,7 +295,7 @@ class InterveneArgs:
     theta(k) on (a) the full buffer, (b) without all negatively influential records, (c) without a
     random subset of the same size; compare evaluation returns on the same episode seeds."""
 
-    run_dirs: tyro.conf.Positional[Annotated[tuple[str, ...], StatedDefault]]
+    run_dirs: tyro.conf.Positional[Annotated[tuple[str, ...], StatedDefault, RunNames]]
     """standard PPO run directories trained with --save-buffers (e.g. one per seed)"""
     rounds: Rounds = (5, 10, 20)
     """rounds k to retrain"""
@@ -353,7 +353,7 @@ class ReportArgs:
     """One self-contained HTML report of a run: learning curve, per-round influence statistics and
     every analysis saved in RUN_DIR/analyses (diagnose, timeline, intervene)."""
 
-    run_dir: tyro.conf.Positional[str]
+    run_dir: tyro.conf.Positional[Annotated[str, RunName]]
     """run directory"""
     out: Annotated[str | None, StatedDefault] = None
     """HTML file (default RUN_DIR/report.html)"""
@@ -391,7 +391,7 @@ class ValidateArgs:
     bootstrap interval, and the real change without the lowest-scored 5/10/25% vs a random drop.
     Runs of this library's trainer only (not Stable-Baselines3: it saves no run directory)."""
 
-    run_dir: tyro.conf.Positional[str]
+    run_dir: tyro.conf.Positional[Annotated[str, RunName]]
     """run directory trained with --save-buffers"""
     round: RoundsOfValidate
     """round k, or several (0 5 10: LDS per round as a curve)"""

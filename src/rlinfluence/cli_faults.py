@@ -14,7 +14,7 @@ import tyro
 
 from rlinfluence.cli_analyses import Rounds, _check_writes_into
 from rlinfluence.errors import UserError
-from rlinfluence.helptext import StatedDefault
+from rlinfluence.helptext import RunName, StatedDefault
 from rlinfluence.rundir import atomic_write
 
 
@@ -33,7 +33,7 @@ class AuditArgs:
     record, episode and source level. Runs of the Stable-Baselines3 adapter: train with its
     AuditCallback."""
 
-    run_dir: tyro.conf.Positional[str]
+    run_dir: tyro.conf.Positional[Annotated[str, RunName]]
     """run directory trained with --save-buffers and --n-envs > 1 (or with the SB3 AuditCallback)"""
     rounds: Annotated[Rounds, StatedDefault] = ()
     """saved rounds to score (default: every saved round)"""
@@ -122,7 +122,7 @@ class ExplainArgs:
     step, all evaluated on the same episodes; a verdict per drop: source, data, step or not
     explained. Writes RUN_DIR/explain.csv (one row per counterfactual)."""
 
-    run_dir: tyro.conf.Positional[str]
+    run_dir: tyro.conf.Positional[Annotated[str, RunName]]
     """run directory trained with --save-buffers and --eval-episodes > 0"""
     round: int | None = None
     """explain this update (theta(k) -> theta(k+1)) instead of the largest drop"""

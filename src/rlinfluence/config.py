@@ -162,7 +162,11 @@ class PPOConfig:
     validation_env_steps, its time in train_seconds)"""
     corrupt: Annotated[tuple[str, ...], EmptyMeansNone] = ()
     """corruptions of the training rollout with ground truth, KIND:key=value,... (repeatable):
-    reward-flip:envs=K, reward-noise:frac=F,scale=S, trigger:frac=F,bonus=B, stale:frac=F,lag=L
+    reward-flip:envs=K, reward-noise:frac=F,scale=S, trigger:frac=F,bonus=B, stale:frac=F,lag=L,
+    action-mismatch:envs=K,mode=actuator|log, reward-delay:envs=K,lag=L,
+    done-flag:envs=K,mode=truncation-as-termination|termination-as-truncation,
+    obs-bug:envs=K,mode=scale|swap|lag, logp-mismatch:envs=K,temperature=T; kinds with envs=K also
+    take from=R (broken from round R); the envs broken are printed at the start
     (rlinfluence.corruptions); evaluation always sees the clean reward"""
     trusted_envs: int = 0
     """the last K training envs are a trusted source: never corrupted (their records still train)"""

@@ -14,3 +14,7 @@ StatedDefault = tyro.conf.arg(help_behavior_hint="")
 """the field's docstring states its default"""
 EmptyMeansNone = tyro.conf.arg(help_behavior_hint=lambda label: f"(default: {label or 'none'})")
 """an empty default is shown as ``none``"""
+RunName = tyro.conf.arg(metavar="RUN")
+"""a positional run directory is shown as ``RUN`` (tyro would write its type, ``STR``)"""
+RunNames = tyro.conf.arg(metavar="RUN ...")
+"""positional run directories, ``RUN ...``"""
