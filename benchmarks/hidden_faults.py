@@ -582,17 +582,20 @@ def held_out_answer(native: pd.DataFrame, sb3: pd.DataFrame | None = None, acrob
     met = [k for k, g in kinds.groupby("kind") if all((e["verdict_round"] <= WITHIN).sum() >= 9 for _, e in g.groupby("env"))]
     outcomes = _outcomes(faulty)
     wrong = outcomes == "wrong"
-    lines.append(f"On 5 fault kinds and seeds its rules never saw (verdict version {version}, one broken env of 8, "
-                 f"10 seeds per env and kind), the audit flags the broken env within {WITHIN} rounds in {per_env} "
-                 f"runs; {len(met)} of {kinds['kind'].nunique()} kinds meet the target (>= 9 of 10 on every target env "
-                 f"where they apply){': ' + ', '.join(met) if met else ''}.")
+    lines.append(f"On {kinds['kind'].nunique()} fault kinds and seeds its rules never saw (verdict version {version}, "
+                 f"one broken env of 8, 10 seeds per env and kind), the audit flags the broken env within {WITHIN} "
+                 f"rounds in {per_env} runs; {len(met)} of {kinds['kind'].nunique()} kinds meet the target (>= 9 of 10 on "
+                 f"every target env where they apply){': ' + ', '.join(met) if met else ''}.")
+    lines.append("By kind, flagged within 5 rounds: " + "; ".join(
+        f"{kind} " + ", ".join(f"{env.split('-')[0]} {_count(e['verdict_round'] <= WITHIN)}" for env, e in g.groupby("env"))
+        for kind, g in kinds.groupby("kind", sort=False)) + " (a kind missing on an env does not apply there).")
     lines.append(f"Its readings of {len(outcomes)} first flags: {int((outcomes == 'right').sum())} right, "
                  f"{int((outcomes == 'undetermined').sum())} undetermined (the truth among the candidates), "
                  f"{int(wrong.sum())} wrong ({100 * wrong.mean():.0f}%; target <= 5%).")
     k, seq_k = int(_has_false_flag(clean).sum()), int(_has_false_flag(clean, "seq_").sum())
     rounds = int(clean["rounds"].max()) if len(clean) else 0
     lines.append(f"Clean runs audited after each of {rounds} rounds: {k} of {len(clean)} have a false flag at alpha "
-                 f"0.01 per audit; with the per-run alpha (audit j at 0.01 / (j (j + 1))) {seq_k} of {len(clean)}, "
+                 f"0.01 per audit (target: none); with the per-run alpha (audit j at 0.01 / (j (j + 1))) {seq_k} of {len(clean)}, "
                  f"at the cost of flagging {_count(faulty['seq_verdict_round'] <= WITHIN)} faulty runs within "
                  f"{WITHIN} rounds instead of {_count(faulty['verdict_round'] <= WITHIN)}.")
     if sb3 is not None and len(sb3):
