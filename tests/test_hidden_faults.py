@@ -740,3 +740,39 @@ def test_the_benchmark_counts_readings_apart_and_never_mixes_verdict_versions(be
 
     with pytest.raises(SystemExit, match="verdict versions \\[1, 2\\]"):
         hidden_faults.summary(SimpleNamespace(out=str(tmp_path), runs="", data="", name="x"))
+
+
+def test_the_held_out_answer_is_written_from_its_rows_and_an_edited_figure_fails_the_check(benchmark_script, tmp_path,
+                                                                                            monkeypatch):
+    publish = benchmark_script("publish_results")
+    hidden_faults = benchmark_script("hidden_faults")
+    data = tmp_path / "docs" / "data"
+    data.mkdir(parents=True)
+    rows = []
+    for seed in range(201, 211):
+        for kind, truth in (("random-actuator", "action"), ("reward-scale", "reward")):
+            flagged = seed % 3 != 0
+            rows.append({"env": "CartPole-v1", "fault": f"held-out:{kind}", "seed": seed, "rounds": 8, "start": 0,
+                         "verdict_version": 2, "verdict_round": 3.0 if flagged else np.nan,
+                         "seq_verdict_round": 6.0 if flagged else np.nan, "reading": truth if flagged else "",
+                         "candidates": truth if flagged else "", "reading_outcome": "right" if flagged else "",
+                         "false_flags": "", "seq_false_flags": "", "round_dynamics": np.nan})
+        rows.append({"env": "CartPole-v1", "fault": "clean", "seed": seed, "rounds": 20, "start": 0, "verdict_version": 2,
+                     "verdict_round": np.nan, "seq_verdict_round": np.nan, "reading": "", "candidates": "",
+                     "reading_outcome": "", "false_flags": "4:3 " if seed == 201 else "", "seq_false_flags": "",
+                     "round_dynamics": np.nan})
+    pd.DataFrame(rows).to_csv(data / "hidden_faults_held_out_runs.csv", index=False)
+    for page in publish.HELD_OUT_PAGES:
+        (tmp_path / page).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / page).write_text("intro\n<!-- table:held-out-answer -->\n<!-- /table:held-out-answer -->\n")
+    monkeypatch.setattr(publish, "ROOT", tmp_path)
+    monkeypatch.setattr(publish, "DATA", data)
+    assert publish.held_out(check=False)  # written the first time
+    readme = (tmp_path / "README.md").read_text()
+    assert "CartPole 12/20 runs" in readme and "1 of 10 have a false flag" in readme
+    assert "12 right, 0 undetermined (the truth among the candidates), 0 wrong" in readme
+    assert publish.held_out(check=True) == []  # and then in step with its rows
+    (tmp_path / "README.md").write_text(readme.replace("12 right", "13 right"))
+    assert publish.held_out(check=True) == ["README.md (held-out-answer)"]
+    assert hidden_faults.prepared(pd.read_csv(data / "hidden_faults_held_out_runs.csv")).equals(
+        hidden_faults.prepared(hidden_faults.prepared(pd.read_csv(data / "hidden_faults_held_out_runs.csv"))))
