@@ -94,6 +94,13 @@ def test_every_analysis_command_runs_on_the_sb3_run_directory(sb3_run, command, 
     path, _ = sb3_run
     assert cli.main([c.format(run=path) for c in command]) == 0
     assert "error" not in capsys.readouterr().err
+    if command[0] == "report":  # SB3 records no train seconds: left out, not shown as nan
+        from rlinfluence.analysis.report import learning_section
+        from rlinfluence.rundir import RunDirectory
+
+        run = RunDirectory.open_existing(path, tensorboard=False)
+        summary = learning_section(run, run.read_config()).summary
+        assert "train seconds" not in summary and summary["final eval return"] == summary["final eval return"]
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -81,12 +81,14 @@ def learning_section(run: RunDirectory, config: dict[str, Any]) -> Section:
     section.figures["curve"] = (figure_png(fig), "Per round k: the evaluation return of theta(k+1) (+/- 1 std "
                                 "over episodes), the kept and clip fractions and the approx KL of its update.")
     best = int(np.nanargmax(mean)) if np.isfinite(mean).any() else None
-    section.summary.update({
+    figures = {
         "final eval return": float(mean[-1]),
         "best eval return": float(mean[best]) if best is not None else math.nan,
         "best after round": int(rounds[best]) if best is not None else None,
         "train seconds": float(column("train_seconds")[-1]),
-    })
+    }
+    # what the run did not record (a run written from another trainer has no train seconds) is left out, not "nan"
+    section.summary.update({k: v for k, v in figures.items() if v is not None and not (isinstance(v, float) and math.isnan(v))})
     return section
 
 
