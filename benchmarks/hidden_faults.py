@@ -598,18 +598,15 @@ def held_out_answer(native: pd.DataFrame, sb3: pd.DataFrame | None = None, acrob
                  f"0.01 per audit (target: none); with the per-run alpha (audit j at 0.01 / (j (j + 1))) {seq_k} of {len(clean)}, "
                  f"at the cost of flagging {_count(faulty['seq_verdict_round'] <= WITHIN)} faulty runs within "
                  f"{WITHIN} rounds instead of {_count(faulty['verdict_round'] <= WITHIN)}.")
-    if sb3 is not None and len(sb3):
-        f3, c3 = sb3[sb3["fault"] != "clean"], sb3[sb3["fault"] == "clean"]
-        lines.append(f"Stable-Baselines3 runs (RunDirectoryCallback): faulty flagged within {WITHIN} rounds "
-                     f"{_count(f3['verdict_round'] <= WITHIN)}, readings wrong {int((_outcomes(f3) == 'wrong').sum())} "
-                     f"of {len(_outcomes(f3))}; clean runs with a false flag {int(_has_false_flag(c3).sum())} of {len(c3)} "
-                     f"per audit, {int(_has_false_flag(c3, 'seq_').sum())} with the per-run alpha.")
-    if acrobot is not None and len(acrobot):
-        fa, ca = acrobot[acrobot["fault"] != "clean"], acrobot[acrobot["fault"] == "clean"]
-        lines.append(f"Acrobot (500-step episodes, reported apart): faulty flagged within {WITHIN} rounds "
-                     f"{_count(fa['verdict_round'] <= WITHIN)}, within {int(fa['rounds'].max())} "
-                     f"{_count(fa['verdict_round'].notna())}; clean runs with a false flag {int(_has_false_flag(ca).sum())} "
-                     f"of {len(ca)}.")
+    for name, rows in (("Stable-Baselines3 runs (RunDirectoryCallback)", sb3),
+                       ("Acrobot (500-step episodes, reported apart)", acrobot)):
+        if rows is not None and len(rows):
+            f, c = rows[rows["fault"] != "clean"], rows[rows["fault"] == "clean"]
+            lines.append(f"{name}: faulty runs flagged within {WITHIN} rounds {_count(f['verdict_round'] <= WITHIN)}, "
+                         f"within {int(f['rounds'].max())} {_count(f['verdict_round'].notna())}; readings wrong "
+                         f"{int((_outcomes(f) == 'wrong').sum())} of {len(_outcomes(f))}; clean runs with a false flag "
+                         f"{int(_has_false_flag(c).sum())} of {len(c)} per audit, {int(_has_false_flag(c, 'seq_').sum())} "
+                         "with the per-run alpha.")
     return lines
 
 

@@ -274,6 +274,13 @@ def verdict_of(rows: pd.DataFrame) -> str:
     return "not explained"
 
 
+def _check_sizes(pct: float, episodes: int, draws: int) -> None:
+    if not 0 < pct < 100:
+        raise UserError(f"--pct must be in (0, 100), got {pct}")
+    if episodes < 2 or draws < 1:
+        raise UserError(f"--episodes must be >= 2 and --draws >= 1, got {episodes} and {draws}")
+
+
 def explain_round(run_dir: str | Path, round_index: int, pct: float = 10.0, episodes: int = 100, draws: int = 5,
                   worst_episodes: int = 3, seed: int = 0) -> tuple[pd.DataFrame, dict[str, torch.Tensor]]:
     """(one row per counterfactual of update ``round_index``, the harm scores): ``round``,
@@ -285,10 +292,7 @@ def explain_round(run_dir: str | Path, round_index: int, pct: float = 10.0, epis
     from rlinfluence.checkpoint import load_round
     from rlinfluence.reruns import Variant, batched_retrain
 
-    if not 0 < pct < 100:
-        raise UserError(f"--pct must be in (0, 100), got {pct}")
-    if episodes < 2 or draws < 1:
-        raise UserError(f"--episodes must be >= 2 and --draws >= 1, got {episodes} and {draws}")
+    _check_sizes(pct, episodes, draws)
     start = time.perf_counter()
     run = RunDirectory.open_existing(run_dir, tensorboard=False)
     saved = load_round(run.path, round_index)
@@ -460,10 +464,7 @@ def explain_window(run_dir: str | Path, first: int, updates: int, pct: float = 1
 
     if updates < 1:
         raise UserError(f"--window must be >= 1, got {updates}")
-    if not 0 < pct < 100:
-        raise UserError(f"--pct must be in (0, 100), got {pct}")
-    if episodes < 2 or draws < 1:
-        raise UserError(f"--episodes must be >= 2 and --draws >= 1, got {episodes} and {draws}")
+    _check_sizes(pct, episodes, draws)
     start = time.perf_counter()
     run = RunDirectory.open_existing(run_dir, tensorboard=False)
     rounds = [load_round(run.path, j) for j in range(first, first + updates)]
