@@ -373,8 +373,8 @@ _CLASS_TEXT = {
     "reward": ("its reward differs (timing, scale, sign, assignment)",
                "reward-model with transitions that follow: compare its rewards with a healthy worker's"),
 }
-_LAG_CHECK = ("an observation lag repeats the first observation of each episode and lags the observation; an "
-              "actuator lag executes the previous action: compare its first two observations of an episode")
+_LAG_CHECK = ("an observation lag shows each episode's first observation twice (its second equals its first), "
+              "an actuator lag does not: compare the first two observations of a few of its episodes")
 
 
 def reading(signature: Sequence[str], p_values: Mapping[str, float] | None = None,
@@ -398,8 +398,9 @@ def reading(signature: Sequence[str], p_values: Mapping[str, float] | None = Non
     One candidate left: that class, named. Several: "undetermined", the evidence and each candidate
     with the check that tells it apart. None (flagging families that no single class explains, or
     a rule that leaves out the last one: more than one fault, or a fault outside the classes):
-    "undetermined" with the classes named by the most specific families (or left before the rule). A signature of families that carry no class information (gradient and
-    advantage families only): "unexplained", self-consistent data whose updates oppose the others'.
+    "undetermined" with the classes named by the most specific families (or left before the rule).
+    A signature of families that carry no class information (gradient and advantage families
+    only): "unexplained", self-consistent data whose updates oppose the others'.
     """
     flagged = list(dict.fromkeys(signature))
     if not flagged:
