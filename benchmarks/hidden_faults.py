@@ -19,7 +19,7 @@ Rows are appended to ``<out>/runs.csv`` as runs finish; a re-run skips finished 
 run in ``--workers`` processes, seed by seed, so a cut-off run still covers every env and fault.
 
 ``summary`` writes ``<data>/<name>_runs.csv`` (the per-run rows), ``<data>/<name>_table.txt``
-(the results page's table) and ``<name>_rounds.png`` (``--name``, default ``hidden_faults``), and prints one line per
+(the results page's table) and ``figures/<name>_rounds.png`` beside the data folder (``--name``, default ``hidden_faults``), and prints one line per
 figure: ``<env>/<fault>/flagged_within_5: k/n``, ``.../reading_right: k/m``,
 ``<env>/clean/runs_with_a_false_flag: k/n [Clopper-Pearson 95%]``, and per fault the families
 that flag it within 5 rounds on most seeds.

@@ -20,7 +20,7 @@ the cost does not depend on their values. A method that runs out of memory or pa
 ``--time-cap`` seconds is not run at larger sizes; its row says so.
 
 Rows go to ``--out``/scaling.csv as they are measured (a re-run skips the rows it has), the
-figure to docs/influence_scaling.png. Summary lines last: the fitted exponent a of time ~ N^a
+figure to docs/figures/attribution-time-by-buffer-size.png. Summary lines last: the fitted exponent a of time ~ N^a
 (least squares on log-log over N >= 8192) and the largest size each method completed.
 
     python benchmarks/influence_scaling.py [--out bench_out/influence_scaling] [--time-cap 120]
@@ -239,7 +239,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench_out/influence_scaling")
     parser.add_argument("--time-cap", type=float, default=120.0, help="seconds per measurement")
     parser.add_argument("--memory-cap-gb", type=float, default=8.0)
-    parser.add_argument("--figure", default="docs/influence_scaling.png")
+    parser.add_argument("--figure", default="docs/figures/attribution-time-by-buffer-size.png")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:

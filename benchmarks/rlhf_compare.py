@@ -1,6 +1,6 @@
 """Summarise `rlinfluence rlhf` runs: the standard method (GRPO, PPO) against the same method + IIF.
 
-    python benchmarks/rlhf_compare.py bench_out/rlhf15c bench_out/rlhf15 --png docs/rlhf15_compare.png
+    python benchmarks/rlhf_compare.py bench_out/rlhf15c bench_out/rlhf15 --png docs/figures/lm-grpo-vs-iif-speed.png
 
 Reads every finished run directory under the given folders (``config.json`` + ``metrics.csv``
 with ``rounds`` rows; the newest per (algo, filter, seed)) and pairs the runs of a seed: the

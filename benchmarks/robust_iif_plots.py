@@ -2,7 +2,7 @@
 p that ``--drop-pct auto`` chose, mean +/- s.e. over the evaluation seeds (docs/results/variants.md,
 "Robust IIF").
 
-    python benchmarks/robust_iif_plots.py bench_out/robust14/Acrobot-v1 --out docs/robust14_acrobot.png
+    python benchmarks/robust_iif_plots.py bench_out/robust14/Acrobot-v1 --out docs/figures/iif-variants-acrobot.png
 
 Ends with summary lines per method: ``<env>/<method>/approx_kl_ratio_to_ppo: x`` (mean approx_kl
 over rounds and seeds, over the reference's), ``<env>/<method>/cpu_seconds_per_round: x`` and,

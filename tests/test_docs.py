@@ -42,7 +42,7 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     # the guide, the existing pages (with their figures) and the API reference are all there
     for page in ("index.html", "guide/filters/index.html", "guide/resume/index.html", "results/tuned-ppo/index.html",
-                 "api/influence/index.html", "api/ppo/index.html", "results_frozenlake.png"):
+                 "api/influence/index.html", "api/ppo/index.html", "figures/paper-protocol-frozenlake.png"):
         assert (site / page).is_file(), page
     api = (site / "api/influence/index.html").read_text()
     assert 'id="rlinfluence.influence.tracin_influence"' in api
