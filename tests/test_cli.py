@@ -103,6 +103,9 @@ def _assert_one_line_error(out, *fragments):
         (["--n-steps", "16", "--batch-size", "64"], ["batch_size 64", "16"]),
         (["--learning-rate", "0"], ["learning_rate", "0.0"]),
         (["--learning-rate", "-0.001"], ["learning_rate", "-0.001"]),
+        # the verdict compares each source with 2 others: 2 untrusted envs are refused before training
+        (["--filter", "quarantine", "--n-envs", "3", "--trusted-envs", "1", "--n-steps", "64"],
+         ["at least 3 untrusted envs", "n_envs 3 - trusted_envs 1"]),
     ],
 )
 def test_bad_config_is_one_error_line_and_writes_nothing(args, fragments, tmp_path):

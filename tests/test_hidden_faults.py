@@ -613,6 +613,11 @@ def test_the_sb3_quarantine_callback_drops_exactly_the_flagged_env_and_nothing_o
             assert not any(callback.history)
         else:
             assert any(callback.history) and all(set(q) <= {broken} for q in callback.history)
+    # 2 untrusted envs: refused when training starts, not by the test in its fifth round
+    model = sb3.PPO("MlpPolicy", DummyVecEnv([make(i, None) for i in range(3)]), n_steps=64, batch_size=64,
+                    rollout_buffer_class=FilteredRolloutBuffer)
+    with pytest.raises(ValueError, match="at least 3 untrusted envs, got 3 - 1"):
+        model.learn(192, callback=QuarantineCallback(trusted_envs=1))
 
 
 @pytest.mark.parametrize(("change", "message"), [

@@ -354,9 +354,13 @@ class PPOConfig:
             raise UserError(f"quarantine_window must be >= 1, got {self.quarantine_window}")
         if not 0 < self.quarantine_alpha < 1:
             raise UserError(f"quarantine_alpha must be in (0, 1), got {self.quarantine_alpha}")
-        if self.filter == "quarantine" and self.n_envs - self.trusted_envs < 2:
-            raise UserError(f"the quarantine filter compares sources: it needs at least 2 untrusted envs "
-                            f"(n_envs {self.n_envs} - trusted_envs {self.trusted_envs})")
+        if self.filter == "quarantine":
+            # imported here, not with the module: the CLI starts without pandas
+            from rlinfluence.sources import MIN_SOURCES
+
+            if self.n_envs - self.trusted_envs < MIN_SOURCES:
+                raise UserError(f"the quarantine filter compares each source with 2 or more others: it needs at least "
+                                f"{MIN_SOURCES} untrusted envs (n_envs {self.n_envs} - trusted_envs {self.trusted_envs})")
         if self.scoring_target == "trusted" and not self.trusted_envs:
             raise UserError("scoring_target trusted needs trusted_envs >= 1 (the envs its target is computed on)")
         if self.scoring_target == "trusted" and self.validation_steps:

@@ -41,6 +41,9 @@ from scipy import stats
 
 from rlinfluence.statistics import holm
 
+MIN_SOURCES = 3
+"""The verdict compares each source with 2 or more others (the outlier test's spread of the others'
+means needs two): the audit, quarantine and their SB3 callbacks need this many untrusted sources."""
 MAXT_BLOCK = 1 << 22
 """maxT's null is drawn in blocks of at most this many values (32 MiB of float64)."""
 EXACT_LIMIT = 1 << 21

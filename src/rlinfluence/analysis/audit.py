@@ -74,6 +74,7 @@ from rlinfluence.rundir import saved_round_numbers
 from rlinfluence.seeding import derived_seed
 from rlinfluence.sources import (  # noqa: F401
     MIN_EPISODES,
+    MIN_SOURCES,
     calibration_p_values,
     episode_floor,
     episode_starts,
@@ -271,7 +272,7 @@ def verdict_table(table: pd.DataFrame, families: Sequence[str], alpha: float = 0
     calibration test of each source's records against their known null."""
     families = [f for f in families if f not in FAMILY_EXCLUDED]
     judged, sources = _judged(table)
-    if len(sources) < 3:
+    if len(sources) < MIN_SOURCES:
         raise UserError(f"the verdict compares each source with 2 or more others: this run has {len(sources)} "
                         "untrusted source(s) (test them with one --scorer, which needs 2)")
     rounds, source, episode = (judged[c].to_numpy() for c in ("round", "source", "episode"))

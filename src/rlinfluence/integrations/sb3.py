@@ -89,6 +89,7 @@ from rlinfluence.influence import (
     snapshot_influence,
 )
 from rlinfluence.rundir import AUDIT_SCORES, atomic_write
+from rlinfluence.sources import MIN_SOURCES
 
 __all__ = ["AuditCallback", "FilteredRolloutBuffer", "InfluenceFilterCallback", "QuarantineCallback", "SB3PolicyAdapter",
            "as_rollout_buffer", "attribute",
@@ -559,9 +560,9 @@ class QuarantineCallback(BaseCallback):
         if not isinstance(self.model.rollout_buffer, FilteredRolloutBuffer):
             raise TypeError("QuarantineCallback needs the model built with rollout_buffer_class=FilteredRolloutBuffer "
                             f"(from rlinfluence.integrations.sb3), got {type(self.model.rollout_buffer).__name__}")
-        if self.model.n_envs - self.filter.trusted_envs < 2:
-            raise ValueError(f"QuarantineCallback compares envs: it needs at least 2 untrusted envs, got "
-                             f"{self.model.n_envs} - {self.filter.trusted_envs}")
+        if self.model.n_envs - self.filter.trusted_envs < MIN_SOURCES:
+            raise ValueError(f"QuarantineCallback compares each env with 2 or more others: it needs at least "
+                             f"{MIN_SOURCES} untrusted envs, got {self.model.n_envs} - {self.filter.trusted_envs}")
 
     def _on_step(self) -> bool:
         self._time_limits.record(self.locals)
