@@ -192,6 +192,24 @@ def test_a_window_is_replayed_round_after_round_and_its_plain_replay_lands_on_th
     assert cli.main(["explain", str(run), "--round", "3", "--window", "2"]) == 2  # the window would end past the run
 
 
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda text: "", "has no round: the run has nothing to explain yet"),
+    (lambda text: text + text.splitlines()[-1] + "\n", "round 3 has a row already"),
+])
+def test_a_metrics_file_that_is_empty_or_repeats_a_round_is_one_error_line(run, tmp_path, capsys, damage, message):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    metrics = copy / "metrics.csv"
+    metrics.write_text(damage(metrics.read_text()))
+    assert cli.main(["explain", str(copy)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "Traceback" not in err[0]
+    if message.startswith("round"):
+        assert cli.main(["report", str(copy)]) == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--round", "9"], "--round 9 is out of range"),
     (["--round", "1", "--pct", "100"], "--pct must be in (0, 100)"),

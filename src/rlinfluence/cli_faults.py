@@ -165,7 +165,9 @@ def explain(a: ExplainArgs) -> int:
     config = PPOConfig.from_dict(run.read_config())
     if not config.save_buffers:
         raise UserError(f"{a.run_dir!r} was trained without --save-buffers: there is no saved round to re-run")
-    metrics = pd.read_csv(run.path / "metrics.csv")
+    if not run.rows:
+        raise UserError(f"{str(run.path / 'metrics.csv')!r} has no round: the run has nothing to explain yet")
+    metrics = pd.DataFrame(run.rows)  # read and checked with the run (numbers, each round once)
     last = int(metrics["round"].max())
     if a.window < 1 or a.window > last + 1:
         raise UserError(f"--window must be in 1..{last + 1} (the run's updates), got {a.window}")

@@ -509,9 +509,9 @@ def _check_buffer(tensors: dict[str, torch.Tensor], round_index: int, path: Path
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    """``metrics.csv`` as rows of numbers (an empty or NaN cell is left out); ``UserError``
-    naming the line and column of the first cell that is not a number, or a file that is not
-    such a CSV."""
+    """``metrics.csv`` as rows of numbers (an empty or NaN cell is left out; an empty file, no
+    rows); ``UserError`` naming the line and column of the first cell that is not a number, the
+    line of a round written twice, or a file that is not such a CSV."""
     import pandas as pd
 
     try:
@@ -534,6 +534,11 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
         line = int(wrong.to_numpy().argmax())
         raise UserError(f"{str(path)!r} line {line + 2}: round {rounds.iloc[line]!r} is not a round number")
     frame["round"] = rounds.astype(int)
+    again = frame["round"].duplicated()
+    if again.any():  # the trainer writes each round once: a second row is an edit or another run's
+        line = int(again.to_numpy().argmax())
+        raise UserError(f"{str(path)!r} line {line + 2}: round {int(frame['round'].iloc[line])} has a row already "
+                        "(each round is written once: was the file edited, or did two trainings write into it?)")
     return [{key: value for key, value in row.items() if not pd.isna(value)}
             for row in frame.to_dict("records")]
 

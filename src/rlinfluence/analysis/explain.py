@@ -340,7 +340,7 @@ def _judged(run_path: Path, rounds: list[int], chosen: list, returns: list[np.nd
     table = pd.DataFrame(rows)
     table["return_before"], table["return_after"], table["drop"] = float(before.mean()), float(recorded.mean()), drop
     table["drop_ci_low"] = drop_low
-    metrics = pd.read_csv(run_path / "metrics.csv")
+    metrics = pd.DataFrame(RunDirectory.open_existing(run_path, tensorboard=False).rows)
     others = metrics.loc[~metrics["round"].isin(rounds), "approx_kl"] if "approx_kl" in metrics else pd.Series()
     table["kl_level"] = KL_SPIKE * float(others.median()) if others.notna().any() else math.inf
     table["beyond_band"] = beyond_band(table) if reproduced else False
