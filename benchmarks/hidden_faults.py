@@ -589,6 +589,12 @@ def held_out_answer(native: pd.DataFrame, sb3: pd.DataFrame | None = None, acrob
     lines.append("By kind, flagged within 5 rounds: " + "; ".join(
         f"{kind} " + ", ".join(f"{env.split('-')[0]} {_count(e['verdict_round'] <= WITHIN)}" for env, e in g.groupby("env"))
         for kind, g in kinds.groupby("kind", sort=False)) + " (a kind missing on an env does not apply there).")
+    families = [c[6:] for c in faulty.columns if c.startswith("round_")]
+    gradient = faulty[[f"round_{f}" for f in families if f in GRADIENT_FAMILIES]].min(axis=1)
+    other = faulty[[f"round_{f}" for f in families if f not in GRADIENT_FAMILIES]].min(axis=1)
+    lines.append(f"Of the {int(faulty['verdict_round'].notna().sum())} flagged runs, "
+                 f"{int((gradient.notna() & other.isna()).sum())} were flagged only by the gradient families "
+                 "(influence, TracIn, dtv and their variants), never by another family in the run's rounds.")
     lines.append(f"Its readings of {len(outcomes)} first flags: {int((outcomes == 'right').sum())} right, "
                  f"{int((outcomes == 'undetermined').sum())} undetermined (the truth among the candidates), "
                  f"{int(wrong.sum())} wrong ({100 * wrong.mean():.0f}%; target <= 5%).")
