@@ -294,7 +294,12 @@ def slides(args: argparse.Namespace) -> None:
             row = slide_one(args.env, seed, args, out)
             print(f"{args.env} seed {seed}: broken {row['broken']}, slide at {row['slide_round']} (-{row['size']:.3g}): "
                   f"{row['verdict']} (best {row['best']} {row['best_recovered']:.2f})", flush=True)
-    print("\n".join(slide_lines(pd.read_csv(out / "slides.csv"))))
+    rows = pd.read_csv(out / "slides.csv")
+    lines = slide_lines(rows)
+    print("\n".join(lines))
+    if args.data:  # the rows and the summary lines the results page includes
+        rows.to_csv(Path(args.data) / "explain_slides_runs.csv", index=False)
+        (Path(args.data) / "explain_slides_summary.txt").write_text("\n".join(lines) + "\n")
 
 
 def slide_lines(rows: pd.DataFrame) -> list[str]:
@@ -383,6 +388,7 @@ def main() -> None:
     sl.add_argument("--episodes", type=int, default=50)
     sl.add_argument("--draws", type=int, default=5)
     sl.add_argument("--out", default="bench_out/explain_slides")
+    sl.add_argument("--data", default="", help="write <data>/explain_slides_runs.csv and explain_slides_summary.txt")
     s = sub.add_parser("summary")
     s.add_argument("--out", default="bench_out/explain")
     s.add_argument("--data", default="")
