@@ -597,11 +597,12 @@ def held_out_answer(native: pd.DataFrame, sb3: pd.DataFrame | None = None, acrob
                  "(influence, TracIn, dtv and their variants), never by another family in the run's rounds.")
     lines.append(f"Its readings of {len(outcomes)} first flags: {int((outcomes == 'right').sum())} right, "
                  f"{int((outcomes == 'undetermined').sum())} undetermined (the truth among the candidates), "
-                 f"{int(wrong.sum())} wrong ({100 * wrong.mean():.0f}%; target <= 5%).")
+                 f"{int(wrong.sum())} wrong: right or undetermined {100 * (1 - wrong.mean()):.0f}% (target >= 90%), "
+                 f"wrong {100 * wrong.mean():.0f}% (target <= 5%).")
     k, seq_k = int(_has_false_flag(clean).sum()), int(_has_false_flag(clean, "seq_").sum())
     rounds = int(clean["rounds"].max()) if len(clean) else 0
     lines.append(f"Clean runs audited after each of {rounds} rounds: {k} of {len(clean)} have a false flag at alpha "
-                 f"0.01 per audit (target: none); with the per-run alpha (audit j at 0.01 / (j (j + 1))) {seq_k} of {len(clean)}, "
+                 f"0.01 per audit (target: 0); with the per-run alpha (audit j at 0.01 / (j (j + 1))) {seq_k} of {len(clean)}, "
                  f"at the cost of flagging {_count(faulty['seq_verdict_round'] <= WITHIN)} faulty runs within "
                  f"{WITHIN} rounds instead of {_count(faulty['verdict_round'] <= WITHIN)}.")
     for name, rows in (("Stable-Baselines3 runs (RunDirectoryCallback)", sb3),
