@@ -627,7 +627,7 @@ def rounds_figure(runs: pd.DataFrame, path: Path) -> None:
 
     faulty = runs[runs["fault"] != "clean"]
     faults, envs = list(dict.fromkeys(faulty["fault"])), list(dict.fromkeys(faulty["env"]))
-    never = int(runs["rounds"].max()) + 1
+    never = int(faulty["rounds"].max()) + 1  # the faulty runs' last round (clean runs may run longer)
     fig, ax = plt.subplots(figsize=(8, 0.42 * len(faults) + 1.4))
     for j, env in enumerate(envs):
         for i, fault in enumerate(faults):
