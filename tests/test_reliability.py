@@ -215,7 +215,7 @@ def _set_config(run_dir: Path, **values) -> None:
     (lambda r: _edit_metrics(r, lambda rows: [{**rows[0], "value_loss": "abc"}, rows[1]]),
      ["metrics.csv", "line 2", "value_loss", "abc"]),
     (lambda r: (r / "metrics.csv").unlink(), ["metrics.csv", "rows missing for rounds 0..1"]),
-    (lambda r: _edit_metrics(r, lambda rows: [rows[0], rows[1], rows[1]]), ["metrics.csv", "rounds 1 repeated"]),
+    (lambda r: _edit_metrics(r, lambda rows: [rows[0], rows[1], rows[1]]), ["metrics.csv", "line 4", "round 1 has a row already"]),
     (lambda r: _edit_metrics(r, lambda rows: rows[1:]), ["metrics.csv", "rows missing for rounds 0"]),
 ])
 def test_resume_refuses_damaged_run_files(capsys, run_copy, damage, fragments):

@@ -337,14 +337,13 @@ class RunDirectory:
 
     def truncate(self, n_rounds: int) -> None:
         """Forget rows of rounds >= ``n_rounds`` (used when resuming from a checkpoint);
-        ``UserError`` unless the rows left are rounds 0..n_rounds-1, each once."""
+        ``UserError`` unless the rows left are rounds 0..n_rounds-1 (each once: ``_read_metrics``
+        refuses a round written twice)."""
         self.rows = [row for row in self.rows if row["round"] < n_rounds]
         rounds = [row["round"] for row in self.rows]
         if rounds != list(range(n_rounds)):
             missing = sorted(set(range(n_rounds)) - set(rounds))
-            repeated = sorted({r for r in rounds if rounds.count(r) > 1})
-            problem = f"rows missing for rounds {_spans(missing)}" if missing else (
-                f"rounds {_spans(repeated)} repeated" if repeated else "rounds out of order")
+            problem = f"rows missing for rounds {_spans(missing)}" if missing else "rounds out of order"
             raise UserError(f"{str(self.path / 'metrics.csv')!r} does not match the checkpoint of "
                             f"round {n_rounds} ({problem}): restore it or start a new run")
 
