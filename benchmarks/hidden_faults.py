@@ -570,7 +570,7 @@ def _count(flags: pd.Series) -> str:
 
 def held_out_answer(native: pd.DataFrame, sb3: pd.DataFrame | None = None, acrobot: pd.DataFrame | None = None
                     ) -> list[str]:
-    """The held-out results' short answer, every figure computed from the per-run rows: what was
+    """The held-out results' short answer as markdown list items, every figure computed from the per-run rows: what was
     flagged within ``WITHIN`` rounds per env, the kinds that meet the target (>= 9 of 10 on each
     target env where they apply), the readings right / undetermined / wrong, and the clean runs with
     a false flag under both arms (alpha per audit, and the per-run alpha)."""
@@ -614,7 +614,7 @@ def held_out_answer(native: pd.DataFrame, sb3: pd.DataFrame | None = None, acrob
                          f"{int((_outcomes(f) == 'wrong').sum())} of {len(_outcomes(f))}; clean runs with a false flag "
                          f"{int(_has_false_flag(c).sum())} of {len(c)} per audit, {int(_has_false_flag(c, 'seq_').sum())} "
                          "with the per-run alpha.")
-    return lines
+    return [f"- {line}" for line in lines]  # a list: each figure's sentence on its own line of the page
 
 
 def rounds_figure(runs: pd.DataFrame, path: Path) -> None:
