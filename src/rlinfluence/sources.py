@@ -513,8 +513,7 @@ def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Seque
     out["signature_p"] = [";".join(f"{adjusted[i, families.index(f)]:.2g}" for f in s) for i, s in enumerate(signatures)]
     # each source's side of the others per family (mean over rounds of its centred means): the
     # reading's truncations rule needs it, the two-sided p-values do not keep it
-    sides = (np.column_stack([np.nan_to_num(np.nanmean(means[f] - np.nanmean(means[f], axis=1, keepdims=True), axis=0))
-                              for f in families])
+    sides = (np.column_stack([(means[f] - means[f].mean(axis=1, keepdims=True)).mean(axis=0) for f in families])
              if families else np.zeros((n_sources, 0)))
     readings = [reading(s, dict(zip(families, raw[i], strict=True)), dict(zip(families, sides[i], strict=True)))
                 for i, s in enumerate(signatures)]

@@ -312,17 +312,18 @@ def explain_round(run_dir: str | Path, round_index: int, pct: float = 10.0, epis
     reproduces = matches_checkpoint(trainer, run.path, round_index + 1)
     float_gap = max(float((p.detach() - reruns.params[0][n]).abs().max()) for n, p in trainer.policy.named_parameters())
     recorded = trainer.evaluate(episodes)
-    table = _judged(run.path, [round_index], chosen, returns, reruns.approx_kl, before, recorded,
+    table = _judged(pd.DataFrame(run.rows), [round_index], chosen, returns, reruns.approx_kl, before, recorded,
                     [c.lr_scale * step_scale for c in chosen], trainer.config.n_epochs)
     table["plain_reproduces_run"], table["plain_float_gap"] = reproduces, float_gap
     table["seconds"] = time.perf_counter() - start
     return table, harm
 
 
-def _judged(run_path: Path, rounds: list[int], chosen: list, returns: list[np.ndarray], approx_kl: list[float],
+def _judged(metrics: pd.DataFrame, rounds: list[int], chosen: list, returns: list[np.ndarray], approx_kl: list[float],
             before: np.ndarray, recorded: np.ndarray, lr_scales: list[float], n_epochs: int) -> pd.DataFrame:
     """One row per counterfactual of the updates ``rounds`` (their returns on the common episodes,
-    the first the plain re-run), with the recovered fractions, the chance bands and the verdict.
+    the first the plain re-run; ``metrics`` the run's rows, whose other updates' approx_kl set the
+    spike level), with the recovered fractions, the chance bands and the verdict.
 
     The counterfactuals are compared with the plain re-run, the same arithmetic: where float rounding
     alone moves the return, that is the noise every counterfactual carries; a fall within noise
@@ -340,7 +341,6 @@ def _judged(run_path: Path, rounds: list[int], chosen: list, returns: list[np.nd
     table = pd.DataFrame(rows)
     table["return_before"], table["return_after"], table["drop"] = float(before.mean()), float(recorded.mean()), drop
     table["drop_ci_low"] = drop_low
-    metrics = pd.DataFrame(RunDirectory.open_existing(run_path, tensorboard=False).rows)
     others = metrics.loc[~metrics["round"].isin(rounds), "approx_kl"] if "approx_kl" in metrics else pd.Series()
     table["kl_level"] = KL_SPIKE * float(others.median()) if others.notna().any() else math.inf
     table["beyond_band"] = beyond_band(table) if reproduced else False
@@ -389,13 +389,14 @@ def window_counterfactuals(rounds: list, pct: float = 10.0, draws: int = 5, seed
             out.append(WindowCounterfactual(f"random {label} draw {j + 1}", kind,
                                             [k & drop_lowest(torch.rand(n, generator=generator), round(share * n))
                                              for k, n in zip(keeps, sizes, strict=True)]))
+    sources = [saved.buffer.record_ids()[:, 1] for saved in rounds]  # each record's env, per round
     for s in range(n_envs if n_envs > 1 else 0):
         out.append(WindowCounterfactual(f"source {s}", "source",
-                                        [k & (saved.buffer.record_ids()[:, 1] != s) for k, saved in zip(keeps, rounds, strict=True)]))
+                                        [k & (env != s) for k, env in zip(keeps, sources, strict=True)]))
     if len(suspects) >= 2:
         out.append(WindowCounterfactual(f"sources {','.join(map(str, sorted(suspects)))}", "source-set",
-                                        [k & ~torch.isin(saved.buffer.record_ids()[:, 1], torch.tensor(sorted(suspects)))
-                                         for k, saved in zip(keeps, rounds, strict=True)]))
+                                        [k & ~torch.isin(env, torch.tensor(sorted(suspects)))
+                                         for k, env in zip(keeps, sources, strict=True)]))
         for j in range(draws):
             out.append(WindowCounterfactual(f"random {100 * len(suspects) / n_envs:g}% draw {j + 1}", "random-set",
                                             [k & drop_lowest(torch.rand(n, generator=generator), len(suspects) * n // n_envs)
@@ -484,7 +485,7 @@ def explain_window(run_dir: str | Path, first: int, updates: int, pct: float = 1
     judge.load_state_dict(copy.deepcopy(rounds[0].start))
     judge.policy.load_state_dict(load_checkpoint(run.checkpoint_path(first + updates))["policy"])
     recorded = judge.evaluate(episodes)  # the run's own theta(first + updates)
-    table = _judged(run.path, list(range(first, first + updates)), chosen, returns, kls, before, recorded,
+    table = _judged(pd.DataFrame(run.rows), list(range(first, first + updates)), chosen, returns, kls, before, recorded,
                     [c.lr_scale for c in chosen], judge.config.n_epochs)
     table["plain_reproduces_run"], table["plain_float_gap"] = reproduces, 0.0
     table["seconds"] = time.perf_counter() - start
