@@ -666,17 +666,26 @@ def summary(args: argparse.Namespace) -> None:
     run was made (never re-read by later rules); rows of more than one verdict version are refused."""
     source = Path(args.runs) if args.runs else Path(args.out) / "runs.csv"
     runs = prepared(pd.read_csv(source), str(source))
-    print(f"verdict_version: {int(runs['verdict_version'].iloc[0]) if 'verdict_version' in runs else 1}")
-    families = [c[6:] for c in runs.columns if c.startswith("round_")]
-    arms = ["", "seq_"] if "seq_verdict_round" in runs else [""]
+    lines = summary_lines(runs)
+    print("\n".join(lines))
     if args.data:
         Path(args.data).mkdir(parents=True, exist_ok=True)
         if not args.runs:
             runs.to_csv(Path(args.data) / f"{args.name}_runs.csv", index=False)
+        families = [c[6:] for c in runs.columns if c.startswith("round_")]
         (Path(args.data) / f"{args.name}_table.txt").write_text(markdown_table(runs, families))
+        (Path(args.data) / f"{args.name}_summary.txt").write_text("\n".join(lines) + "\n")
         figures = Path(args.data).parent / "figures"
         figures.mkdir(exist_ok=True)
         rounds_figure(runs, figures / f"{args.name}_rounds.png")
+
+
+def summary_lines(runs: pd.DataFrame) -> list[str]:
+    """The summary lines of a detection run's rows (``prepared``): per env and fault, what was flagged
+    within ``WITHIN`` rounds and by the end, the readings, the false flags; then over all runs."""
+    lines = [f"verdict_version: {int(runs['verdict_version'].iloc[0]) if 'verdict_version' in runs else 1}"]
+    families = [c[6:] for c in runs.columns if c.startswith("round_")]
+    arms = ["", "seq_"] if "seq_verdict_round" in runs else [""]
     for (env, fault), group in runs.groupby(["env", "fault"], sort=False):
         n = len(group)
         for arm in arms:
@@ -684,47 +693,48 @@ def summary(args: argparse.Namespace) -> None:
             if fault == "clean":
                 k = int(_has_false_flag(group, arm).sum())
                 low, high = clopper_pearson(k, n)
-                print(f"{name}runs_with_a_false_flag: {k}/{n} [{low:.2f}, {high:.2f}]")
+                lines.append(f"{name}runs_with_a_false_flag: {k}/{n} [{low:.2f}, {high:.2f}]")
                 if not arm:
                     for look in sorted({WITHIN, 8, int(group["rounds"].max())}):  # one audit of each run
                         k = int(group["false_flags"].fillna("").astype(str).str.split().apply(
                             lambda flags, look=look: any(f.split(":")[0] == str(look) for f in flags)).sum())
                         low, high = clopper_pearson(k, n)
-                        print(f"{name}false_flag_in_the_audit_of_round_{look}: {k}/{n} [{low:.2f}, {high:.2f}]")
+                        lines.append(f"{name}false_flag_in_the_audit_of_round_{look}: {k}/{n} [{low:.2f}, {high:.2f}]")
                 continue
-            print(f"{name}flagged_within_{WITHIN}: {int((group[f'{arm}verdict_round'] <= WITHIN).sum())}/{n}")
+            lines.append(f"{name}flagged_within_{WITHIN}: {int((group[f'{arm}verdict_round'] <= WITHIN).sum())}/{n}")
             last = int((group["rounds"] - group["start"]).max()) if "start" in group else int(group["rounds"].max())
-            print(f"{name}flagged_within_{last}: "
+            lines.append(f"{name}flagged_within_{last}: "
                   f"{int(group[f'{arm}verdict_round'].notna().sum())}/{n}")
-            print(f"{name}reading_right_undetermined_wrong: {_reading_cell(_outcomes(group, arm))}")
-            print(f"{name}runs_with_a_false_flag: {int(_has_false_flag(group, arm).sum())}/{n}")
+            lines.append(f"{name}reading_right_undetermined_wrong: {_reading_cell(_outcomes(group, arm))}")
+            lines.append(f"{name}runs_with_a_false_flag: {int(_has_false_flag(group, arm).sum())}/{n}")
         finders = [f"{f} {int((group[f'round_{f}'] <= WITHIN).sum())}/{n}" for f in families
                    if (group[f"round_{f}"] <= WITHIN).sum() > 0]
         if fault != "clean":
-            print(f"{env}/{fault}/families_within_{WITHIN}: {', '.join(finders) or 'none'}")
+            lines.append(f"{env}/{fault}/families_within_{WITHIN}: {', '.join(finders) or 'none'}")
     faulty, clean = runs[runs["fault"] != "clean"], runs[runs["fault"] == "clean"]
     for arm in arms:
         name = f"all/{'per_run_alpha/' if arm else ''}"
         if len(faulty):
             within = faulty[f"{arm}verdict_round"] <= WITHIN
-            print(f"{name}faults/flagged_within_{WITHIN}: {int(within.sum())}/{len(faulty)}")
-            print(f"{name}faults/flagged_within_{int(faulty['rounds'].max())}: "
+            lines.append(f"{name}faults/flagged_within_{WITHIN}: {int(within.sum())}/{len(faulty)}")
+            lines.append(f"{name}faults/flagged_within_{int(faulty['rounds'].max())}: "
                   f"{int(faulty[f'{arm}verdict_round'].notna().sum())}/{len(faulty)}")
             outcomes = _outcomes(faulty, arm)
-            print(f"{name}faults/reading_right_undetermined_wrong: {_reading_cell(outcomes)} of {len(outcomes)}")
+            lines.append(f"{name}faults/reading_right_undetermined_wrong: {_reading_cell(outcomes)} of {len(outcomes)}")
         if len(clean):
             k = int(_has_false_flag(clean, arm).sum())
             low, high = clopper_pearson(k, len(clean))
-            print(f"{name}clean/runs_with_a_false_flag: {k}/{len(clean)} [{low:.2f}, {high:.2f}]")
+            lines.append(f"{name}clean/runs_with_a_false_flag: {k}/{len(clean)} [{low:.2f}, {high:.2f}]")
     if len(faulty):
         gradient = faulty[[f"round_{f}" for f in families if f in GRADIENT_FAMILIES]].min(axis=1)
         other = faulty[[f"round_{f}" for f in families if f not in GRADIENT_FAMILIES]].min(axis=1)
-        print(f"all/faults/found_only_by_gradient_families: {int((gradient.notna() & other.isna()).sum())}/"
+        lines.append(f"all/faults/found_only_by_gradient_families: {int((gradient.notna() & other.isna()).sum())}/"
               f"{int(faulty['verdict_round'].notna().sum())}")
-        print(f"all/faults/gradient_families_first: {int((gradient < other).sum())}, other_families_first: "
+        lines.append(f"all/faults/gradient_families_first: {int((gradient < other).sum())}, other_families_first: "
               f"{int((other < gradient).sum())}, same_round: {int((other == gradient).sum())}")
         flagged = faulty[faulty["verdict_round"].notna()]
-        print(pd.crosstab(flagged["fault"], flagged["reading"]).to_string())
+        lines += pd.crosstab(flagged["fault"], flagged["reading"]).to_string().splitlines()
+    return lines
 
 
 def main() -> None:

@@ -13,12 +13,15 @@ round; ``--check`` recomputes the summary rows from it), ``--collect-run`` one c
 into docs/data/<its name>.csv and <its name>_curves.csv (checked the same way), ``--collect-detection`` and ``--collect-corruption`` those of
 ``corruption_detection.py`` and ``corruption.py``; then every page of TABLES gets its
 tables between their markers (``rlinfluence.experiments.published``), and every table of
-LEARN_TABLES is rebuilt from its per-seed rows (``hidden_faults.learn_table``). Ends with one line per figure: ``<env>/<method>/<stat>: value``.
+LEARN_TABLES is rebuilt from its per-seed rows (``hidden_faults.learn_table``); every figure quoted in prose
+(``figures.py``: README.md, docs/index.md, each results page's short answer) is checked against its data, and a
+disagreement or a number without its source fails. Ends with one line per figure: ``<env>/<method>/<stat>: value``.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from functools import partial
 from pathlib import Path
@@ -42,14 +45,23 @@ from rlinfluence.experiments.published import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hidden_faults import HELD_OUT_DATA, held_out_answer, learn_table, markdown_table, prepared  # noqa: E402
+from explain import slide_lines  # noqa: E402
+from figures import check_pages  # noqa: E402
+from hidden_faults import (  # noqa: E402
+    HELD_OUT_DATA,
+    held_out_answer,
+    learn_table,
+    markdown_table,
+    prepared,
+    summary_lines,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "docs" / "data"
 ENVS = ("FrozenLake-v1", "Acrobot-v1", "MiniGrid-Empty-8x8-v0", "LunarLander-v3")
 # table name -> (its data file, how the table is built from it, the pages that show it)
 TABLES = {
-    "confirmation": ("confirmation.csv", headline_table, ("README.md", "docs/index.md", "docs/results/tuned-ppo.md")),
+    "confirmation": ("confirmation.csv", headline_table, ("docs/results/tuned-ppo.md",)),
     "detection": ("detection.csv", detection_table, ("docs/results/harmful-records.md",)),
     "detection-rounds": ("detection.csv", detection_by_round_table, ("docs/results/harmful-records.md",)),
     **{f"detection-{c}": ("detection.csv", partial(detection_table, condition=c), ("docs/results/harmful-records.md",))
@@ -61,9 +73,10 @@ TABLES = {
 
 # learning tables of hidden_faults.py (``learn_table``): docs/data/<name>.csv -> docs/data/<name>_table.txt
 LEARN_TABLES = ("hidden_faults_learn_tuned", "reward_flip_tuned", "corruption_tuned")
-HELD_OUT_PAGES = ("README.md", "docs/index.md", "docs/results/hidden-faults.md")
+HELD_OUT_PAGES = ("docs/results/hidden-faults.md",)
 """The pages whose held-out answer (``hidden_faults.held_out_answer``, between <!-- table:held-out-answer -->
-markers) is written from the held-out rows in docs/data; each held-out detection table is rebuilt from its rows too."""
+markers) is written from the held-out rows in docs/data; each held-out detection table and summary is rebuilt
+from its rows too."""
 
 
 def held_out(check: bool) -> list[str]:
@@ -77,12 +90,13 @@ def held_out(check: bool) -> list[str]:
     for name, frame in zip(HELD_OUT_DATA, frames, strict=True):
         if frame is None:
             continue
-        table = markdown_table(frame, [c[6:] for c in frame.columns if c.startswith("round_")])
-        path = DATA / f"{name}_table.txt"
-        if not path.is_file() or path.read_text() != table:
-            stale.append(str(path.relative_to(ROOT)))
-            if not check:
-                path.write_text(table)
+        for path, text in ((DATA / f"{name}_table.txt",
+                            markdown_table(frame, [c[6:] for c in frame.columns if c.startswith("round_")])),
+                           (DATA / f"{name}_summary.txt", "\n".join(summary_lines(frame)) + "\n")):
+            if not path.is_file() or path.read_text() != text:
+                stale.append(str(path.relative_to(ROOT)))
+                if not check:
+                    path.write_text(text)
     lines = held_out_answer(*frames)
     for page in HELD_OUT_PAGES:
         path = ROOT / page
@@ -93,6 +107,22 @@ def held_out(check: bool) -> list[str]:
             if not check:
                 path.write_text(new)
     return stale
+
+
+def jobs_table(check: bool) -> list[str]:
+    """docs/index.md's table of jobs: README.md's, its links made relative to docs/."""
+    table = re.search(r"<!-- table:jobs -->\n(.*?)<!-- /table:jobs -->", (ROOT / "README.md").read_text(), re.S)
+    if table is None:
+        raise UserError("README.md has no <!-- table:jobs --> ... <!-- /table:jobs --> markers")
+    lines = table[1].replace("](docs/", "](").splitlines()
+    path = ROOT / "docs" / "index.md"
+    old = path.read_text()
+    new = fill(old, "jobs", lines)
+    if new == old:
+        return []
+    if not check:
+        path.write_text(new)
+    return ["docs/index.md (jobs)"]
 
 
 def main() -> int:
@@ -150,14 +180,24 @@ def main() -> int:
             if not args.check:
                 path.write_text("\n".join(lines) + "\n")
     stale += held_out(args.check)
+    slides = DATA / "explain_slides_summary.txt"  # explain's held-out slides: the summary lines from the rows
+    text = "\n".join(slide_lines(pd.read_csv(DATA / "explain_slides_runs.csv"))) + "\n"
+    if slides.read_text() != text:
+        stale.append(str(slides.relative_to(ROOT)))
+        if not args.check:
+            slides.write_text(text)
     for curves in sorted(DATA.glob("*_curves.csv")):  # a published summary beside its per-seed curves
         name = curves.name.removesuffix("_curves.csv")
         if (DATA / f"{name}.csv").is_file() and not summary_matches_curves(name):
             stale.append(f"docs/data/{name}.csv (not what {curves.name} gives: collect both again)")
+    stale += jobs_table(args.check)
+    figures = check_pages()  # figures quoted in prose: never rewritten, only checked
+    for problem in figures:
+        print(problem, file=sys.stderr)
     if args.check and stale:
         print(f"stale generated tables in {', '.join(stale)}: run python benchmarks/publish_results.py", file=sys.stderr)
         return 1
-    return 0
+    return 1 if figures else 0
 
 
 def summary_matches_curves(name: str) -> bool:

@@ -66,6 +66,19 @@ TINY = ["--total-timesteps", "256", "--n-steps", "128", "--batch-size", "32", "-
 """`rlinfluence train` flags of a 2-round CartPole run of 128-step rounds."""
 
 
+def overriding(base: list[str], extra: list[str]) -> list[str]:
+    """The flags ``base`` gives with those ``extra`` gives replaced, then ``extra`` (the command line
+    refuses a flag given twice)."""
+    given, out, i = {a for a in extra if a.startswith("--")}, [], 0
+    while i < len(base):
+        if base[i] in given:
+            i += 2 if i + 1 < len(base) and not base[i + 1].startswith("--") else 1
+            continue
+        out.append(base[i])
+        i += 1
+    return out + extra
+
+
 def only_run(root):
     (path,) = list(root.iterdir())
     return path

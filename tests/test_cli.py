@@ -1,4 +1,5 @@
-"""The command line, run as a user runs it: a subprocess of the installed console script."""
+"""The command line, run as a user runs it: a subprocess of the installed console script (tests that
+run many commands call it in-process, ``cli``, with the same exit status and output)."""
 
 import json
 import re
@@ -16,6 +17,20 @@ TINY = ["--total-timesteps", "256", "--n-steps", "128", "--batch-size", "32", "-
 def rlinfluence(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "rlinfluence.cli", *map(str, args)],
                           capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+@pytest.fixture
+def cli(capsys):
+    """A command run in-process (``rlinfluence.cli.main``): the exit status and output the console
+    script gives, without an interpreter start-up per call (for the tests that run many commands)."""
+    from rlinfluence.cli import main
+
+    def run(*args):
+        code = main([str(a) for a in args])
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+    return run
 
 
 def _run_dir(root):
@@ -43,22 +58,22 @@ def test_train_writes_a_complete_run_directory(env, tmp_path):
     assert not list(run.rglob(".*.tmp"))
 
 
-def test_resume_from_the_cli(tmp_path):
-    assert rlinfluence("train", *TINY, "--run-root", tmp_path).returncode == 0
+def test_resume_from_the_cli(tmp_path, cli):
+    assert cli("train", *TINY, "--run-root", tmp_path).returncode == 0
     run = _run_dir(tmp_path)
     (run / "checkpoints" / "round_0002.pt").unlink()  # as if killed during round 2
-    out = rlinfluence("train", "--resume", run)
+    out = cli("train", "--resume", run)
     assert out.returncode == 0, out.stderr
     assert len((run / "metrics.csv").read_text().splitlines()) == 3  # header + 2 rounds
-    out = rlinfluence("train", "--resume", run)  # a finished run says so, and how to extend it
+    out = cli("train", "--resume", run)  # a finished run says so, and how to extend it
     assert out.returncode == 0 and "is complete: 2 rounds" in out.stdout and "--total-timesteps N" in out.stdout
     assert len((run / "metrics.csv").read_text().splitlines()) == 3
-    out = rlinfluence("train", "--resume", run, "--total-timesteps", "384")  # rounds of 128 steps
+    out = cli("train", "--resume", run, "--total-timesteps", "384")  # rounds of 128 steps
     assert out.returncode == 0, out.stderr
     assert len((run / "metrics.csv").read_text().splitlines()) == 4  # a third round
     assert json.loads((run / "config.json").read_text())["total_timesteps"] == 384
-    _assert_one_line_error(rlinfluence("train", "--resume", run, "--total-timesteps", "100"), "below the 384 env steps")
-    _assert_one_line_error(rlinfluence("train", "--resume", run, "--n-epochs", "3"), "unexpected flags ['--n-epochs']")
+    _assert_one_line_error(cli("train", "--resume", run, "--total-timesteps", "100"), "below the 384 env steps")
+    _assert_one_line_error(cli("train", "--resume", run, "--n-epochs", "3"), "unexpected flags ['--n-epochs']")
 
 
 def test_a_run_prints_its_directory_when_it_starts_and_ctrl_c_says_how_to_resume(tmp_path):
@@ -121,15 +136,15 @@ def test_unwritable_run_root(tmp_path):
     _assert_one_line_error(out, "cannot create run directory", str(blocker))
 
 
-def test_resume_with_corrupt_or_mismatched_checkpoint(tmp_path):
-    assert rlinfluence("train", *TINY, "--run-root", tmp_path / "runs").returncode == 0
+def test_resume_with_corrupt_or_mismatched_checkpoint(tmp_path, cli):
+    assert cli("train", *TINY, "--run-root", tmp_path / "runs").returncode == 0
     run = _run_dir(tmp_path / "runs")
     before = (run / "metrics.csv").read_text()
 
     corrupt = tmp_path / "corrupt"  # the newest checkpoint is skipped for the next older one
     shutil.copytree(run, corrupt)
     (corrupt / "checkpoints" / "round_0002.pt").write_bytes(b"\x00garbage")
-    out = rlinfluence("train", "--resume", corrupt)
+    out = cli("train", "--resume", corrupt)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
     assert "cannot load checkpoint" in out.stderr and "resuming from round_0001.pt" in out.stderr
     assert "weights_only" not in out.stderr
@@ -140,11 +155,12 @@ def test_resume_with_corrupt_or_mismatched_checkpoint(tmp_path):
     config = json.loads((mismatched / "config.json").read_text())
     config["hidden_sizes"] = [32]
     (mismatched / "config.json").write_text(json.dumps(config))
-    _assert_one_line_error(rlinfluence("train", "--resume", mismatched), "does not match", "round_0002.pt")
+    _assert_one_line_error(cli("train", "--resume", mismatched), "edited after the run",
+                           "hidden_sizes [64, 64] -> [32]")  # the run's identity holds the config it was made with
     assert (mismatched / "metrics.csv").read_text() == before
 
-    _assert_one_line_error(rlinfluence("train", "--resume", tmp_path), "not a run directory")
-    _assert_one_line_error(rlinfluence("train", "--resume", run, "--seed", "3"), "--resume")
+    _assert_one_line_error(cli("train", "--resume", tmp_path), "not a run directory")
+    _assert_one_line_error(cli("train", "--resume", run, "--seed", "3"), "--resume")
 
 
 def test_unknown_command():
@@ -160,27 +176,27 @@ def test_a_command_line_tyro_rejects_is_one_error_line(args, fragments):
     _assert_one_line_error(rlinfluence(*args), *fragments)  # before RUN is even looked at
 
 
-def test_attribute_a_saved_round(tmp_path):
+def test_attribute_a_saved_round(tmp_path, cli):
     import pandas as pd
 
-    assert rlinfluence("train", *TINY, "--save-buffers", "--run-root", tmp_path).returncode == 0
+    assert cli("train", *TINY, "--save-buffers", "--run-root", tmp_path).returncode == 0
     run = _run_dir(tmp_path)
-    out = rlinfluence("attribute", run, "--round", "1", "--top", "3")
+    out = cli("attribute", run, "--round", "1", "--top", "3")
     assert out.returncode == 0, out.stderr
     assert "most harmful" in out.stdout
     table = pd.read_parquet(run / "attribution_round_1_return_snapshot_chunk.parquet")
     assert len(table) == 128 and sorted(table["rank"]) == list(range(1, 129))
     assert list(table.columns) == ["round", "env", "step", "episode", "obs_summary", "obs", "action", "reward",
                                    "advantage", "return", "corrupted", "score", "rank", "kept"]  # as the README lists them
-    out = rlinfluence("attribute", run, "--round", "0", "--mode", "full", "--target", "action",
+    out = cli("attribute", run, "--round", "0", "--mode", "full", "--target", "action",
                       "--state-index", "3", "--out", tmp_path / "full.parquet")
     assert out.returncode == 0, out.stderr
     assert pd.read_parquet(tmp_path / "full.parquet")["score"].abs().sum() > 0
-    _assert_one_line_error(rlinfluence("attribute", run, "--round", "9"), "no saved buffer for round 9", "0..1")
-    _assert_one_line_error(rlinfluence("attribute", run, "--round", "1", "--target", "action"), "--state-index")
+    _assert_one_line_error(cli("attribute", run, "--round", "9"), "no saved buffer for round 9", "saved rounds: 0, 1)")
+    _assert_one_line_error(cli("attribute", run, "--round", "1", "--target", "action"), "--state-index")
 
 
-def test_a_filtered_runs_saved_rounds_keep_the_scores_it_dropped_by(tmp_path):
+def test_a_filtered_runs_saved_rounds_keep_the_scores_it_dropped_by(tmp_path, cli):
     """IIF drops the lowest of its own scores (its chunk permutation, from its generator): the saved
     round carries them, every dropped record scores at most every kept negative one, and attribute's
     table has them beside its re-scoring."""
@@ -188,14 +204,14 @@ def test_a_filtered_runs_saved_rounds_keep_the_scores_it_dropped_by(tmp_path):
 
     from rlinfluence.checkpoint import load_round
 
-    assert rlinfluence("train", *TINY, "--save-buffers", "--filter", "iif", "--drop-pct", "20",
+    assert cli("train", *TINY, "--save-buffers", "--filter", "iif", "--drop-pct", "20",
                        "--run-root", tmp_path).returncode == 0
     run = _run_dir(tmp_path)
     saved = load_round(run, 1)
     scores, keep = saved.filter_scores, saved.keep
     assert scores is not None and scores.shape == keep.shape and (~keep).sum() > 0
     assert scores[~keep].max() <= scores[keep & (scores < 0)].min()
-    assert rlinfluence("attribute", run, "--round", "1").returncode == 0
+    assert cli("attribute", run, "--round", "1").returncode == 0
     table = pd.read_parquet(run / "attribution_round_1_return_snapshot_chunk.parquet")
     assert table["filter_score"].tolist() == scores.tolist() and table["kept"].tolist() == keep.tolist()
 
@@ -225,7 +241,7 @@ def test_train_says_what_it_chose_and_its_help_names_every_corruption(monkeypatc
     from rlinfluence.corruptions import KINDS
 
     assert cli.main(["train", "--env", "CartPole-v1", "--n-envs", "4", "--n-steps", "16", "--batch-size", "16",
-                     "--total-timesteps", "64", "--eval-episodes", "0", "--device", "auto", "--corrupt",
+                     "--total-timesteps", "128", "--eval-episodes", "0", "--device", "auto", "--corrupt",
                      "action-mismatch:envs=2,mode=actuator,from=1", "--run-root", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "device: cpu (--device auto)" in out

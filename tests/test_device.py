@@ -60,6 +60,8 @@ def test_a_saved_run_is_read_on_the_cpu_whatever_device_it_trained_on(run_root, 
     config = json.loads(config_path.read_text())
     config["device"] = "cuda:0"  # as a run trained on a GPU machine says
     config_path.write_text(json.dumps(config))
+    identity = json.loads((trainer.run.path / "run.json").read_text())
+    (trainer.run.path / "run.json").write_text(json.dumps({**identity, "config": config}))
     saved = load_round(trainer.run.path, 1)
     assert saved.trainer.device == torch.device("cpu") and saved.trainer.config.device == "cpu"
     assert next(saved.trainer.policy.parameters()).device.type == "cpu"

@@ -558,7 +558,8 @@ def test_quarantine_drops_exactly_the_flagged_sources_and_nothing_on_a_clean_run
     ("obs-bug:envs=1,mode=swap", "has a Discrete (one-hot) observation"),
     ("done-flag:envs=4,mode=truncation-as-termination", "envs must be < the 4 envs"),
     ("reward-delay:envs=1,lag=0", "lag must be >= 1"),
-    ("logp-mismatch:envs=1,temperature=1", "temperature must be > 0 and not 1"),
+    ("logp-mismatch:envs=1,temperature=1", "temperature must be in [0.01, 100] and not 1"),
+    ("logp-mismatch:envs=1,temperature=1e-300", "temperature must be in [0.01, 100] and not 1"),
     ("obs-bug:envs=1,mode=scale,mode=lag", "mode is given twice"),
     ("trigger:frac=0.5,bonus=0", "bonus must be finite and not 0"),
 ])
@@ -761,10 +762,12 @@ def test_the_held_out_answer_is_written_from_its_rows_and_an_edited_figure_fails
                          "verdict_version": 2, "verdict_round": 3.0 if flagged else np.nan,
                          "seq_verdict_round": 6.0 if flagged else np.nan, "reading": truth if flagged else "",
                          "candidates": truth if flagged else "", "reading_outcome": "right" if flagged else "",
+                         "seq_reading_outcome": "right" if flagged else "",
                          "false_flags": "", "seq_false_flags": "", "round_dynamics": np.nan})
         rows.append({"env": "CartPole-v1", "fault": "clean", "seed": seed, "rounds": 20, "start": 0, "verdict_version": 2,
                      "verdict_round": np.nan, "seq_verdict_round": np.nan, "reading": "", "candidates": "",
-                     "reading_outcome": "", "false_flags": "4:3 " if seed == 201 else "", "seq_false_flags": "",
+                     "reading_outcome": "", "seq_reading_outcome": "", "false_flags": "4:3 " if seed == 201 else "",
+                     "seq_false_flags": "",
                      "round_dynamics": np.nan})
     pd.DataFrame(rows).to_csv(data / "hidden_faults_held_out_runs.csv", index=False)
     for page in publish.HELD_OUT_PAGES:
@@ -773,11 +776,16 @@ def test_the_held_out_answer_is_written_from_its_rows_and_an_edited_figure_fails
     monkeypatch.setattr(publish, "ROOT", tmp_path)
     monkeypatch.setattr(publish, "DATA", data)
     assert publish.held_out(check=False)  # written the first time
-    readme = (tmp_path / "README.md").read_text()
-    assert "CartPole 12/20 runs" in readme and "1 of 10 have a false flag" in readme
-    assert "12 right, 0 undetermined (the truth among the candidates), 0 wrong" in readme
+    page = tmp_path / "docs/results/hidden-faults.md"
+    answer = page.read_text()
+    assert "CartPole 12/20 runs" in answer and "1 of 10 have a false flag" in answer
+    assert "12 right, 0 undetermined (the truth among the candidates), 0 wrong" in answer
+    assert "all/faults/flagged_within_5: 12/20" in (data / "hidden_faults_held_out_summary.txt").read_text()
     assert publish.held_out(check=True) == []  # and then in step with its rows
-    (tmp_path / "README.md").write_text(readme.replace("12 right", "13 right"))
-    assert publish.held_out(check=True) == ["README.md (held-out-answer)"]
+    page.write_text(answer.replace("12 right", "13 right"))
+    summary = data / "hidden_faults_held_out_summary.txt"
+    summary.write_text(summary.read_text().replace("12/20", "13/20"))
+    assert publish.held_out(check=True) == ["docs/data/hidden_faults_held_out_summary.txt",
+                                            "docs/results/hidden-faults.md (held-out-answer)"]
     assert hidden_faults.prepared(pd.read_csv(data / "hidden_faults_held_out_runs.csv")).equals(
         hidden_faults.prepared(hidden_faults.prepared(pd.read_csv(data / "hidden_faults_held_out_runs.csv"))))

@@ -48,7 +48,7 @@ def run_copy(saved_run, tmp_path):
 
 # -- logs ---------------------------------------------------------------------------------------
 def test_a_batch_job_prints_one_line_per_round_as_each_round_ends(tmp_path):
-    command = [sys.executable, "-m", "rlinfluence.cli", "train", *TINY, "--total-timesteps", "512",
+    command = [sys.executable, "-m", "rlinfluence.cli", "train", "--total-timesteps", "512", *TINY[2:],
                "--run-root", str(tmp_path)]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines, running = [], []

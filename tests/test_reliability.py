@@ -24,13 +24,13 @@ import numpy as np
 import pytest
 import torch
 
-from rlinfluence import rundir
+from rlinfluence import atomic
 from rlinfluence.cli import main
 from rlinfluence.errors import UserError
 from rlinfluence.ppo import PPO
 from rlinfluence.rundir import load_checkpoint
 
-from .conftest import TINY, only_run, tiny_config
+from .conftest import TINY, only_run, overriding, tiny_config
 
 
 class DictObservation(gym.Env):
@@ -104,7 +104,7 @@ def assert_refused(capsys, args, *fragments) -> str:
     (["--eval-seed", "-1"], ["eval_seed", "-1"]),
     (["--hidden-sizes", "0"], ["hidden_sizes", "[0]"]),
     (["--vf-coef", "-1"], ["vf_coef", "-1"]),
-    (["--ent-coef", "nan"], ["ent_coef", "nan"]),
+    (["--ent-coef", "nan"], ["--ent-coef", "nan", "not a number"]),
     (["--learning-rate", "inf"], ["learning_rate", "inf"]),
     (["--method", "../../x"], ["method", "../../x"]),
     (["--method", ".."], ["method", ".."]),
@@ -116,7 +116,7 @@ def assert_refused(capsys, args, *fragments) -> str:
 ])
 def test_train_refuses_and_leaves_no_directory(capsys, tmp_path, args, fragments):
     root = tmp_path / "runs"
-    assert_refused(capsys, ["train", *TINY, *args, "--run-root", root], *fragments)
+    assert_refused(capsys, ["train", *overriding(TINY, args), "--run-root", root], *fragments)
     assert not root.exists() or not list(root.iterdir())
 
 
@@ -202,6 +202,9 @@ def test_resume_with_no_loadable_checkpoint(capsys, run_copy):
 
 
 def _set_config(run_dir: Path, **values) -> None:
+    """config.json edited in a run from before run ids (no run.json, which would refuse any edit:
+    tests/test_run_identity.py): the config's own checks must catch the values."""
+    (run_dir / "run.json").unlink()
     config = json.loads((run_dir / "config.json").read_text())
     (run_dir / "config.json").write_text(json.dumps({**config, **values}))
 
@@ -235,30 +238,33 @@ def test_resume_into_a_read_only_run_directory(capsys, run_copy):
 
 
 def test_full_disk_names_the_file_and_the_run_resumes_afterwards(capsys, tmp_path, monkeypatch):
-    fsync = rundir._fsync
+    fsync = atomic._fsync
 
     def full_at_round_2(path):
         if path.name.startswith(".round_0002.pt.") and path.name.endswith(".tmp"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         fsync(path)
 
-    monkeypatch.setattr(rundir, "_fsync", full_at_round_2)
+    monkeypatch.setattr(atomic, "_fsync", full_at_round_2)
     root = tmp_path / "runs"
     line = assert_refused(capsys, ["train", *TINY, "--run-root", root],
                           "cannot write", "round_0002.pt", "No space left on device", "--resume")
     run_dir = only_run(root)
     assert str(run_dir) in line and not list(run_dir.rglob(".*.tmp"))
-    monkeypatch.setattr(rundir, "_fsync", fsync)
+    monkeypatch.setattr(atomic, "_fsync", fsync)
     assert run(capsys, "train", "--resume", run_dir)[0] == 0
     assert (run_dir / "checkpoints" / "round_0002.pt").is_file()
 
 
 def _damage_buffer(path: Path, edit) -> None:
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
+    with safe_open(str(path), framework="pt") as file:
+        metadata = file.metadata()  # the run's id: a damaged file of this run, not a foreign one
     tensors = load_file(str(path))
     edit(tensors)
-    save_file(tensors, str(path))
+    save_file(tensors, str(path), metadata=metadata)
 
 
 @pytest.mark.parametrize("damage, fragments", [
@@ -296,7 +302,7 @@ def test_report_refuses_damaged_metrics(capsys, run_copy, damage, fragments):
     (["attribute", "{run}", "--round", "1", "--out", "{file}/x.parquet"], ["is a file", "not a directory"]),
     (["report", "{run}", "--out", "{tmp}"], ["--out", "is a directory"]),
     (["report", "{run}", "--out", "{file}/sub/r.html"], ["is a file", "not a directory"]),
-    (["timeline", "{run}", "--state", "nan", "0", "0", "0"], ["--state", "finite", "nan"]),
+    (["timeline", "{run}", "--state", "nan", "0", "0", "0"], ["--state", "nan", "not a number"]),
     (["timeline", "{run}", "--state-index", "3", "--top", "0"], ["--top", "0"]),
     (["intervene"], ["at least one RUN_DIR"]),
     (["intervene", "{run}", "--eval-episodes", "0"], ["--eval-episodes", "0"]),
@@ -317,7 +323,7 @@ PARENT = textwrap.dedent("""
     from tests.conftest import tiny_config
 
     root = sys.argv[1]
-    jobs = [(tiny_config(seed=s, total_timesteps=10**8).to_dict(), f"{root}/pair{s}") for s in (1, 2)]
+    jobs = [(tiny_config(seed=s, total_timesteps=10**8, save_checkpoints=False).to_dict(), f"{root}/pair{s}") for s in (1, 2)]
     run_jobs(jobs, workers=2, ray_address=None, on_done=print)
 """)
 

@@ -96,11 +96,20 @@ def test_a_saved_round_replaced_by_another_rounds_file_is_refused(capsys, traine
     ("n_steps", 64, "has 128 steps x 1 envs, but the run's config.json says n_steps=64"),
     ("batch_size", 64, "minibatches of 32, but the run's config.json says batch_size=64"),
 ])
-def test_a_config_edited_after_training_is_refused_by_every_reader(capsys, run_copy, key, value, fragment):
+@pytest.mark.parametrize("identity", [True, False])
+def test_a_config_edited_after_training_is_refused_by_every_reader(capsys, run_copy, key, value, fragment, identity):
+    """By the run's identity (run.json names the edit), and in a run from before run ids by the saved
+    buffer's own shape and schedule."""
+    if not identity:
+        (run_copy / "run.json").unlink()
     config = json.loads((run_copy / "config.json").read_text())
-    config[key] = value
+    old, config[key] = config[key], value
     (run_copy / "config.json").write_text(json.dumps(config))
-    assert_refused(capsys, ["attribute", run_copy, "--round", "1"], fragment, "was config.json edited?")
+    for command in (["attribute", run_copy, "--round", "1"], ["audit", run_copy], ["validate", run_copy, "--round", "1"]):
+        if identity:
+            assert_refused(capsys, command, "edited after the run", f"{key} {old} -> {value}")
+        else:
+            assert_refused(capsys, command, fragment, "was config.json edited?")
 
 
 def test_a_filter_edited_into_the_config_before_resume_is_refused(capsys, run_copy):
@@ -108,6 +117,8 @@ def test_a_filter_edited_into_the_config_before_resume_is_refused(capsys, run_co
     config = json.loads((run_copy / "config.json").read_text())
     config["filter"] = "iif"
     (run_copy / "config.json").write_text(json.dumps(config))
+    assert_refused(capsys, ["train", "--resume", run_copy], 'edited after the run (filter "none" -> "iif")')
+    (run_copy / "run.json").unlink()  # a run from before run ids: the checkpoint's filter still tells
     assert_refused(capsys, ["train", "--resume", run_copy], "was trained with the filter", "KeepAll")
 
 
@@ -225,8 +236,8 @@ def test_train_refuses_with_what_is_missing(capsys, tmp_path, args, fragments):
 @pytest.mark.parametrize("args, fragment", [
     (["--seed", "-1"], "seed must be in [0, 2**32)"),
     (["--seed", str(2**40)], "seed must be in [0, 2**32)"),
-    (["--vf-coef", "nan"], "vf_coef must be a finite number"),
-    (["--init-kl-coef", "nan"], "init_kl_coef must be a finite number"),
+    (["--vf-coef", "nan"], "--vf-coef nan: not a number"),
+    (["--init-kl-coef", "nan"], "--init-kl-coef nan: not a number"),
     (["--temperature", "inf"], "temperature must be a finite number"),
     (["--kl-horizon", "inf"], "kl_horizon must be a finite number"),
 ])
@@ -379,7 +390,7 @@ def test_a_stray_copy_in_buffers_is_not_a_round(capsys, run_copy):
     shutil.copy(buffers / "round_0001.safetensors", buffers / "round_0001 (copy).safetensors")
     assert RunDirectory.open_existing(run_copy, tensorboard=False).saved_buffer_rounds() == [0, 1]
     assert cli.main(["attribute", str(run_copy), "--round", "9"]) == 2
-    assert "saved rounds: 0..1" in capsys.readouterr().err
+    assert "saved rounds: 0, 1)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("folder", ["audit", "analyses"])
@@ -614,8 +625,8 @@ def test_files_written_together_are_all_or_none(tmp_path):
     """A full disk on the second of a table and its section: neither is replaced, no temporary left."""
     import errno
 
+    from rlinfluence.atomic import atomic_write_all
     from rlinfluence.errors import UserError
-    from rlinfluence.rundir import atomic_write_all
 
     (tmp_path / "table.parquet").write_text("old table")
 

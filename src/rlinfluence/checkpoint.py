@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
 import torch
 
 from rlinfluence.buffer import MinibatchStep, RolloutBuffer
 from rlinfluence.config import PPOConfig
 from rlinfluence.errors import UserError
 from rlinfluence.ppo import PPO
-from rlinfluence.rundir import RunDirectory, load_checkpoint
+from rlinfluence.rundir import RunDirectory
 
 load = PPO.load
 """A trainer restored from ``PPO.save`` (``rlinfluence.restore.load``)."""
@@ -85,7 +86,7 @@ def load_round(run_dir: str | Path, round_index: int) -> SavedRound:
         raise UserError(f"no checkpoint for theta({round_index}) ({str(checkpoint)!r})")
     trainer = PPO(config, run_dir=False)
     _check_buffer_fits(tensors, trainer, run.buffer_path(round_index))
-    state = load_checkpoint(checkpoint)
+    state = run.read_checkpoint(checkpoint)
     trainer.load_state_dict(state, source=repr(str(checkpoint)))
     if state["round"] != round_index:
         raise UserError(f"checkpoint {str(checkpoint)!r} holds theta({state['round']}), not theta({round_index}) "
@@ -112,6 +113,7 @@ def _check_buffer_fits(tensors: dict[str, torch.Tensor], trainer: PPO, path: Pat
             tensors["schedule_indices"].shape[-1] != cfg.batch_size:
         raise UserError(f"buffer {str(path)!r} was trained in minibatches of {tensors['schedule_indices'].shape[-1]}, "
                         f"but the run's config.json says batch_size={cfg.batch_size} (was config.json edited?)")
+    _check_values(tensors, trainer, path)
     space, continuous = trainer.env.single_observation_space, trainer.policy.continuous
     action_shape = tuple(trainer.env.single_action_space.shape) if continuous else ()
     for name, expected in (("obs", tuple(space.shape)), ("actions", action_shape)):
@@ -121,3 +123,36 @@ def _check_buffer_fits(tensors: dict[str, torch.Tensor], trainer: PPO, path: Pat
                             f"shape {found} per record, expected {expected} (a buffer of another run?)")
 
 
+def _check_values(tensors: dict[str, torch.Tensor], trainer: PPO, path: Path) -> None:
+    """``UserError`` naming the record if a saved value cannot be what the run recorded: a value that
+    is not finite, an action outside the env's action space, or an advantage beyond what the round's
+    rewards and values allow. GAE sums (gamma lambda)^l delta_(t+l), and every |delta| <= r + (1 + gamma) v
+    (r, v the largest |reward| and |value| of the round), so |A| <= (r + (1 + gamma) v) / (1 - gamma lambda)."""
+    for name in ("obs", "actions", "rewards", "logp", "values", "final_values", "last_values", "advantages"):
+        values = tensors[name]
+        if values.is_floating_point() and not torch.isfinite(values).all():
+            _refuse_record(path, name, values, ~torch.isfinite(values), "not finite")
+    actions, space = tensors["actions"], trainer.env.single_action_space
+    if isinstance(space, gym.spaces.Discrete):
+        outside = (actions != actions.round()) | (actions < space.start) | (actions >= space.start + space.n)
+        if outside.any():
+            _refuse_record(path, "actions", actions, outside, f"outside the action space {space}")
+    elif isinstance(space, gym.spaces.MultiDiscrete):
+        outside = (actions < 0) | (actions >= torch.as_tensor(space.nvec).reshape(1, -1))
+        if outside.any():
+            _refuse_record(path, "actions", actions, outside, f"outside the action space {space}")
+    cfg = trainer.config
+    largest = max(float(tensors[k].abs().max()) for k in ("values", "final_values", "last_values"))
+    bound = (float(tensors["rewards"].abs().max()) + (1 + cfg.gamma) * largest) / max(1 - cfg.gamma * cfg.gae_lambda, 1e-12)
+    beyond = tensors["advantages"].abs() > bound * 1.001 + 1e-6
+    if beyond.any():
+        _refuse_record(path, "advantages", tensors["advantages"], beyond,
+                       f"beyond what the round's rewards and values allow (|A| <= {bound:.4g})")
+
+
+def _refuse_record(path: Path, name: str, values: torch.Tensor, bad: torch.Tensor, why: str) -> None:
+    flat = bad.reshape(len(bad), -1).any(dim=1)
+    i = int(flat.nonzero()[0])
+    shown = values[i].tolist()
+    raise UserError(f"buffer {str(path)!r}: {name} of record {i} is {shown} ({why}; "
+                    f"{int(flat.sum())} of {len(flat)} records): not what the run recorded")

@@ -41,7 +41,7 @@ from rlinfluence.cli_faults import AuditArgs, ExplainArgs, audit, explain
 from rlinfluence.config import ROBUST_IIF, PPOConfig
 from rlinfluence.errors import UserError
 from rlinfluence.experiments.specs import CompareConfig, check_bootstrap_reps
-from rlinfluence.helptext import StatedDefault
+from rlinfluence.helptext import StatedDefault, shown_as
 from rlinfluence.rlhf.config import RLHFArgs
 from rlinfluence.rundir import check_output_dir, run_lock
 
@@ -57,7 +57,7 @@ class TrainArgs:
     environments). Add --resume RUN_DIR to continue a run (with --total-timesteps N: extend it)."""
 
     config: Annotated[PPOConfig, tyro.conf.arg(name="")]
-    resume: str | None = None
+    resume: Annotated[str | None, shown_as("RUN")] = None
     """continue RUN_DIR from its newest checkpoint with its saved config (no other flag but
     --total-timesteps, which extends the run to N env steps)"""
 
@@ -251,7 +251,7 @@ def _parse(args: list[str]) -> Any:
     if args and not args[0].startswith("-") and args[0] not in COMMANDS:
         raise UserError(f"unknown command {args[0]!r} (commands: {', '.join(COMMANDS)})")
     if args[:1] and args[0] in COMMANDS:
-        _refuse_repeated_lists(args[1:], COMMANDS[args[0]][0])
+        _refuse_unclear_arguments(args[1:], COMMANDS[args[0]][0])
     env = _flag_value(args[1:], "--env") or PPOConfig.env  # the one value the other flags' defaults depend on
     if args[:1] == ["train"] and _flag_value(args, "--filter") == "iif-robust":
         given = [f"--{key.replace('_', '-')}" for key in ROBUST_IIF
@@ -267,29 +267,41 @@ def _parse(args: list[str]) -> Any:
         return tyro.cli(commands, args=args, prog="rlinfluence", description=DESCRIPTION)
 
 
-def _list_flags(kind: type) -> set[str]:
-    """The flags of the dataclass ``kind`` (and of the dataclasses flattened into it) that take a
-    list of values (``--corrupt A B``)."""
-    flags: set[str] = set()
+def _flags(kind: type) -> dict[str, str]:
+    """Every flag of the dataclass ``kind`` (and of the dataclasses flattened into it) -> how it is given
+    (``--seed``; a list flag ``--corrupt A B``; ``--no-progress`` sets what ``--progress`` does)."""
+    flags: dict[str, str] = {}
     for name, tp in typing.get_type_hints(kind).items():
         if dataclasses.is_dataclass(tp):
-            flags |= _list_flags(tp)
+            flags |= _flags(tp)
             continue
+        flag = f"--{name.replace('_', '-')}"
         options = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
-        if any(typing.get_origin(option) is tuple for option in options):
-            flags.add(f"--{name.replace('_', '-')}")
+        flags[flag] = f"{flag} A B" if any(typing.get_origin(option) is tuple for option in options) else flag
+        if tp is bool:
+            flags[f"--no-{name.replace('_', '-')}"] = flag
     return flags
 
 
-def _refuse_repeated_lists(args: list[str], kind: type) -> None:
-    """``UserError`` for a list flag given twice: the parser keeps the last one's values only, so
-    ``--corrupt A --corrupt B`` would silently run with B alone."""
-    flags = _list_flags(kind)
-    given = [a.partition("=")[0] for a in args if a.partition("=")[0] in flags]
+def _refuse_unclear_arguments(args: list[str], kind: type) -> None:
+    """``UserError`` for a command line whose meaning the parser would settle silently: a flag given
+    twice (the parser keeps the last: ``--env A --env B`` would train B), a value holding a control
+    character (a name with a newline makes a folder whose printed path breaks), a value ``nan``."""
+    flags = _flags(kind)
+    given = [flags[a.partition("=")[0]] for a in args if a.partition("=")[0] in flags]
     repeated = next((flag for flag in given if given.count(flag) > 1), None)
     if repeated:
-        raise UserError(f"{repeated} is given {given.count(repeated)} times: only the last would count; give all its "
-                        f"values after one {repeated} (e.g. {repeated} A B)")
+        name, _, values = repeated.partition(" ")
+        raise UserError(f"{name} is given {given.count(repeated)} times: give it once"
+                        + (f" with all its values ({repeated})" if values else ""))
+    flag = args[0] if args else ""
+    for arg in args:
+        flag = arg.partition("=")[0] if arg.startswith("--") else flag
+        value = arg.partition("=")[2] if arg.startswith("--") else arg
+        if any(ord(c) < 32 or ord(c) == 127 for c in arg):
+            raise UserError(f"{flag} {arg!r} holds a control character: names and paths are printed on one line")
+        if value.strip().lower().lstrip("+-") == "nan":
+            raise UserError(f"{flag} {value}: not a number")
 
 
 @contextlib.contextmanager
@@ -330,6 +342,19 @@ def _tyro_message(text: str) -> str:
     return re.sub(r"^Error parsing (\S+): (?=\1 )", "", message)
 
 
+def _check_run_argument(run: str | None) -> None:
+    """``UserError`` for a RUN argument that cannot be a run directory (empty, missing, a file), before
+    a command reads it as one (``''`` would read the current folder)."""
+    if run is None:
+        return
+    if not run.strip():
+        raise UserError("RUN is empty: give a run directory (the folder `rlinfluence train` printed)")
+    if not Path(run).exists():
+        raise UserError(f"{run!r} does not exist: not a run directory")
+    if not Path(run).is_dir():
+        raise UserError(f"{run!r} is a file, not a run directory")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``rlinfluence <command> [flags]``: run the command; exit status 0, or 2 on bad input."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -342,6 +367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _parse(["--help"])
             return 2
         a = _parse(args)
+        for run in [getattr(a, "run_dir", None), *getattr(a, "run_dirs", ())]:
+            _check_run_argument(run)
         return RUNNERS[type(a)](a)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

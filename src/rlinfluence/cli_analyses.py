@@ -18,7 +18,7 @@ import tyro
 
 from rlinfluence.config import DEFAULT_ADVANTAGE_NORM
 from rlinfluence.errors import UserError
-from rlinfluence.helptext import EmptyMeansNone, RunName, RunNames, StatedDefault
+from rlinfluence.helptext import EmptyMeansNone, RunName, RunNames, StatedDefault, shown_as
 from rlinfluence.rundir import atomic_write, check_output_dir, check_output_file
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class AttributeArgs:
     """round k to attribute (its buffer and theta(k) are loaded)"""
     target: Literal["return", "action"] = "return"
     """return: mean A log pi over the buffer; action: log pi(a|s) of the record --state-index"""
-    state_index: int | None = None
+    state_index: Annotated[int | None, shown_as("INT")] = None
     """flat buffer index of the (state, action) of the action target"""
     mode: Literal["snapshot", "full"] = "snapshot"
     """snapshot: at theta(k) (ghost dot products); full: TracIn over the round's optimiser steps"""
@@ -68,7 +68,7 @@ class AttributeArgs:
     seeded random permutation), the whole buffer (batch), raw (none)"""
     top: int = 10
     """records shown from each end"""
-    out: Annotated[str | None, StatedDefault] = None
+    out: Annotated[str | None, StatedDefault, shown_as("PATH")] = None
     """Parquet file (default RUN_DIR/attribution_round_K_<target>_<mode>[_<norm>].parquet, see
     attribution_file_name)"""
     html: bool = False
@@ -236,13 +236,13 @@ class TimelineArgs:
 
     run_dir: tyro.conf.Positional[Annotated[str, RunName]]
     """run directory trained with --save-buffers"""
-    state_index: int | None = None
+    state_index: Annotated[int | None, shown_as("INT")] = None
     """s* = this record of --state-round's buffer (flat index)"""
-    state_round: Annotated[int | None, StatedDefault] = None
+    state_round: Annotated[int | None, StatedDefault, shown_as("INT")] = None
     """round whose buffer holds --state-index (default: the last saved round)"""
-    state: tuple[float, ...] | None = None
+    state: Annotated[tuple[float, ...] | None, shown_as("FLOAT [FLOAT ...]")] = None
     """s* given explicitly: its observation values, flattened (instead of --state-index)"""
-    action: tuple[float, ...] | None = None
+    action: Annotated[tuple[float, ...] | None, shown_as("FLOAT [FLOAT ...]")] = None
     """a* (one integer, or the values of a continuous action); default: the final policy's
     preferred action at s*"""
     rounds: Annotated[Rounds, StatedDefault] = ()
@@ -303,7 +303,7 @@ class InterveneArgs:
     """evaluation episodes per variant (the same seeds for a, b, c)"""
     advantage_norm: AdvantageNorm = DEFAULT_ADVANTAGE_NORM
     """IIF scorer's training-side advantages (chunk = IIF's default)"""
-    out: Annotated[str | None, StatedDefault] = None
+    out: Annotated[str | None, StatedDefault, shown_as("PATH")] = None
     """folder for the results across runs (default: RUN_DIR/analyses for one run, else
     <parent of the first run>/intervention)"""
     html: bool = False
@@ -355,7 +355,7 @@ class ReportArgs:
 
     run_dir: tyro.conf.Positional[Annotated[str, RunName]]
     """run directory"""
-    out: Annotated[str | None, StatedDefault] = None
+    out: Annotated[str | None, StatedDefault, shown_as("PATH")] = None
     """HTML file (default RUN_DIR/report.html)"""
     score_rounds: int = 6
     """saved rounds scored for the influence histograms (0 = none)"""
@@ -401,7 +401,7 @@ class ValidateArgs:
     """fraction of the records kept in each subset, in (0, 1)"""
     target: Literal["return", "action"] = "return"
     """return: mean A log pi over the buffer; action: log pi(a|s) of the record --state-index"""
-    state_index: int | None = None
+    state_index: Annotated[int | None, shown_as("INT")] = None
     """flat buffer index of the (state, action) of the action target"""
     mode: tuple[Literal["snapshot", "full"], ...] = ("snapshot",)
     """scorers: snapshot (at theta(k)) and/or full (TracIn over the round's optimiser steps)"""
@@ -414,7 +414,7 @@ class ValidateArgs:
     """seed of the subsets, random drops, chunking and bootstrap"""
     workers: int = 1
     """local worker processes, each validating one round at a time (the same tables as 1)"""
-    ray_address: str | None = None
+    ray_address: Annotated[str | None, shown_as("ADDRESS")] = None
     """validate the rounds as Ray tasks on this cluster (auto or HOST:PORT) instead"""
     html: bool = False
     """also write RUN_DIR/analyses/validation.html"""

@@ -14,7 +14,7 @@ import tyro
 
 from rlinfluence.cli_analyses import Rounds, _check_writes_into
 from rlinfluence.errors import UserError
-from rlinfluence.helptext import RunName, StatedDefault
+from rlinfluence.helptext import RunName, StatedDefault, shown_as
 from rlinfluence.rundir import atomic_write
 
 
@@ -37,7 +37,7 @@ class AuditArgs:
     """run directory trained with --save-buffers and --n-envs > 1 (or with the SB3 AuditCallback)"""
     rounds: Annotated[Rounds, StatedDefault] = ()
     """saved rounds to score (default: every saved round)"""
-    scorer: str | None = None
+    scorer: Annotated[str | None, shown_as("FAMILY")] = None
     """test one scorer alone instead of the verdict over every family: influence, influence-chunk,
     influence-trusted (with --trusted-envs), tracin, dtv, negative-advantage, abs-advantage, td-error,
     reward-extremes, random, or a check: logp-gap, value-gap, action-surprise, action-calibration,
@@ -52,7 +52,7 @@ class AuditArgs:
     """seed of the --scorer test's permutations and bootstrap intervals"""
     workers: int = 1
     """local worker processes, each scoring one saved round at a time (the same tables as 1)"""
-    ray_address: str | None = None
+    ray_address: Annotated[str | None, shown_as("ADDRESS")] = None
     """score the saved rounds as Ray tasks on this cluster (auto or HOST:PORT) instead"""
     progress: bool = True
     """show the scoring's progress on stderr (a line per round when not on a terminal)"""
@@ -124,7 +124,7 @@ class ExplainArgs:
 
     run_dir: tyro.conf.Positional[Annotated[str, RunName]]
     """run directory trained with --save-buffers and --eval-episodes > 0"""
-    round: int | None = None
+    round: Annotated[int | None, shown_as("INT")] = None
     """explain this update (theta(k) -> theta(k+1)) instead of the largest drop"""
     threshold: float = 0.0
     """a drop must also exceed this much evaluation return (beside its noise across the run's updates)"""

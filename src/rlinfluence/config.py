@@ -23,7 +23,7 @@ import numpy as np
 
 from rlinfluence.corruptions import check_corruptions
 from rlinfluence.errors import UserError
-from rlinfluence.helptext import EmptyMeansNone, StatedDefault
+from rlinfluence.helptext import EmptyMeansNone, StatedDefault, shown_as
 from rlinfluence.presets import PRESETS
 
 DEFAULT_ADVANTAGE_NORM: Final = "chunk"  # Final: typed Literal["chunk"], a default for Literal fields
@@ -97,7 +97,7 @@ class PPOConfig:
     """GAE lambda"""
     clip_range: float = 0.2
     """PPO ratio clip epsilon"""
-    clip_range_vf: float | None = None
+    clip_range_vf: Annotated[float | None, shown_as("FLOAT")] = None
     """value clip around the old value; None = no value clipping"""
     normalize_advantage: bool = True
     """normalise advantages within each minibatch"""
@@ -105,11 +105,11 @@ class PPOConfig:
     """entropy bonus coefficient"""
     vf_coef: float = 0.5
     """value loss coefficient"""
-    max_grad_norm: float | None = 0.5
+    max_grad_norm: Annotated[float | None, shown_as("FLOAT")] = 0.5
     """global gradient-norm clip; None = no clipping (as the paper's code ran)"""
-    target_kl: float | None = None
+    target_kl: Annotated[float | None, shown_as("FLOAT")] = None
     """stop the round's update once approx_kl > 1.5 * target_kl (SB3); None = never"""
-    adaptive_kl: float | None = None
+    adaptive_kl: Annotated[float | None, shown_as("FLOAT")] = None
     """KL-adaptive learning rate (RSL-RL's adaptive schedule): before each optimiser step the rate
     is divided by 1.5 when the minibatch's approx_kl > 2 * adaptive_kl and multiplied by 1.5 when
     0 < approx_kl < adaptive_kl / 2, kept within [learning_rate / 100, 10 * learning_rate] and
@@ -195,7 +195,7 @@ class PPOConfig:
     saved run read it on the CPU"""
     run_root: str = "runs"
     """parent folder of run directories"""
-    method: Annotated[str | None, StatedDefault] = None
+    method: Annotated[str | None, StatedDefault, shown_as("NAME")] = None
     """method label in the run directory name (default: ppo, or the filter's name)"""
     save_checkpoints: bool = True
     """write checkpoints/round_XXXX.pt after every round (needed for --resume)"""
@@ -226,7 +226,7 @@ class PPOConfig:
     logs locally, to WANDB_DIR)"""
     wandb_project: str = "rlinfluence"
     """the W&B project of --wandb"""
-    wandb_group: Annotated[str | None, StatedDefault] = None
+    wandb_group: Annotated[str | None, StatedDefault, shown_as("NAME")] = None
     """the W&B group of --wandb (compare --wandb: the comparison's folder name; default: none)"""
     wandb_tags: Annotated[tuple[str, ...], EmptyMeansNone] = ()
     """W&B tags of --wandb (compare --wandb: the method and the env)"""
@@ -347,7 +347,7 @@ class PPOConfig:
                             f"got {self.optimizer}")
         if not -1 <= self.gate_threshold <= 1:
             raise UserError(f"gate_threshold must be in [-1, 1] (a cosine), got {self.gate_threshold}")
-        check_corruptions(self.corrupt, self.n_envs, self.trusted_envs)
+        check_corruptions(self.corrupt, self.n_envs, self.trusted_envs, n_rounds=self.rounds)
         if self.filter == "oracle" and not self.corrupt:
             raise UserError("the oracle filter drops the records a corruption changed: it needs --corrupt")
         if self.quarantine_window < 1:

@@ -95,8 +95,9 @@ _PARAMETERS: dict[str, dict[str, tuple[type, Callable[[Any], bool], str]]] = {
     "reward-delay": {"envs": _ENVS, "lag": (int, lambda k: k >= 1, ">= 1")},
     "done-flag": {"envs": _ENVS, "mode": _one_of(DONE_MODES)},
     "obs-bug": {"envs": _ENVS, "mode": _one_of(OBS_MODES)},
-    "logp-mismatch": {"envs": _ENVS, "temperature": (float, lambda t: math.isfinite(t) and t > 0 and t != 1,
-                                                     "> 0 and not 1")},
+    # logits / T: below 0.01 or above 100 the sampling distribution is one-hot or uniform to float precision
+    "logp-mismatch": {"envs": _ENVS, "temperature": (float, lambda t: 0.01 <= t <= 100 and t != 1,
+                                                     "in [0.01, 100] and not 1")},
 }
 SOURCE_KINDS = ("reward-flip", "action-mismatch", "reward-delay", "done-flag", "obs-bug", "logp-mismatch")
 """Kinds that break whole envs (``envs=K``): every record of a broken env is corrupted."""
@@ -175,10 +176,16 @@ def parse_corruption(text: str) -> CorruptionSpec:
 
 
 def check_corruptions(texts: Sequence[str], n_envs: int, trusted_envs: int = 0, env_id: str | None = None,
-                      discrete_obs: bool | None = None, obs_features: int | None = None) -> list[CorruptionSpec]:
+                      discrete_obs: bool | None = None, obs_features: int | None = None,
+                      n_rounds: int | None = None) -> list[CorruptionSpec]:
     """Parse every spec and check it against the run (``UserError`` otherwise). ``obs_features``:
-    the length of the observation's last axis, where known (``obs-bug:swap`` needs two)."""
+    the length of the observation's last axis, where known (``obs-bug:swap`` needs two); ``n_rounds``:
+    the run's rounds, where known (a spec that breaks its envs from a later round would break nothing)."""
     specs = [parse_corruption(t) for t in texts]
+    late = next((spec for spec in specs if n_rounds is not None and spec.start >= n_rounds), None)
+    if late is not None:
+        raise UserError(f"--corrupt {late}: from={late.start} is past the run's last round ({n_rounds - 1}): "
+                        "nothing would be corrupted")
     if not 0 <= trusted_envs < n_envs:
         raise UserError(f"trusted_envs must be in [0, n_envs - 1] = [0, {n_envs - 1}], got {trusted_envs}")
     kinds = [spec.kind for spec in specs]

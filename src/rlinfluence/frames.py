@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 MAX_SIDE = 96
 """long side, in pixels, of a stored frame"""
 FRAMES_DIR = "frames"
-HOW_TO_SAVE = "train with `rlinfluence train ... --save-buffers --save-frames` to see the records' frames"
+HOW_TO_SAVE = ("frames are saved by `rlinfluence train ... --save-buffers --save-frames` (a run written by another "
+               "trainer, such as SB3's RunDirectoryCallback, has none)")
 
 
 def downscale(frame: np.ndarray, max_side: int = MAX_SIDE) -> np.ndarray:

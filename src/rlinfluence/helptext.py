@@ -18,3 +18,9 @@ RunName = tyro.conf.arg(metavar="RUN")
 """a positional run directory is shown as ``RUN`` (tyro would write its type, ``STR``)"""
 RunNames = tyro.conf.arg(metavar="RUN ...")
 """positional run directories, ``RUN ...``"""
+
+
+def shown_as(metavar: str) -> object:
+    """An optional flag's value shown as ``metavar`` in the help (tyro would write ``{None}|FLOAT``);
+    left out, the flag is None, as its ``(default: None)`` says."""
+    return tyro.conf.arg(metavar=metavar)

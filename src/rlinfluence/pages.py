@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from rlinfluence.atomic import atomic_write, atomic_write_all
 from rlinfluence.errors import UserError
-from rlinfluence.rundir import atomic_write, atomic_write_all
 from rlinfluence.sections import FrameCard, Gallery, Section, Table
 
 ANALYSES_DIR = "analyses"

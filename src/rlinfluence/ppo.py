@@ -170,6 +170,8 @@ class PPO:
         """
         cfg = self.config
         n_rounds = self.rounds_planned = math.ceil((total_timesteps or cfg.total_timesteps) / cfg.rollout_size)
+        if self.run is not None:
+            self.run.check_room(n_rounds - self.round, self._bytes_per_round())
         if self.run is not None and cfg.save_checkpoints and self.round == 0:
             self.run.save_checkpoint(0, self.state_dict())  # theta(0): attribution of round 0 needs it
         try:
@@ -569,6 +571,16 @@ class PPO:
             tensors["schedule_epochs"] = torch.tensor([s.epoch for s in self.schedule])
             tensors["schedule_lr"] = torch.tensor([s.lr for s in self.schedule], dtype=torch.float64)
         return tensors
+
+    def _bytes_per_round(self) -> dict[str, int]:
+        """What a round writes, estimated: its checkpoint (float32 parameters, twice more for Adam's
+        moments), its buffer (observations and ~12 per-record fields, the minibatch schedule), its frames."""
+        cfg, n = self.config, self.config.rollout_size
+        params = sum(p.numel() for p in self.policy.parameters())
+        obs = int(np.prod(self.env.single_observation_space.shape or (1,)))
+        return {"checkpoints": (4 * params * (3 if cfg.optimizer == "adam" else 2) + 65536) * cfg.save_checkpoints,
+                "buffers": n * (4 * obs + 12 * 8 + 8 * cfg.n_epochs) * cfg.save_buffers,
+                "frames": 1024 * n * cfg.save_frames}  # compressed 96-px frames: 0.25-0.5 KB a record measured
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue training; loadable with ``torch.load(weights_only=True)``."""

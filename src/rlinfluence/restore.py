@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlinfluence import identity
 from rlinfluence.config import PPOConfig
 from rlinfluence.errors import UserError
 from rlinfluence.rundir import CheckpointError, RunDirectory, load_checkpoint
@@ -71,6 +72,9 @@ def resume(trainer_class: type[PPO], run_dir: str | Path, filter: Filter | None 
     """
     run = RunDirectory.open_existing(run_dir)
     run.check_writable()
+    if run.identity is not None and run.identity.get("written_by") != identity.TRAIN:
+        raise UserError(f"{str(run.path)!r} was written by {run.identity.get('written_by')}, not rlinfluence's trainer: "
+                        "continue it with the trainer that wrote it")
     config = PPOConfig.from_dict(run.read_config(), source=repr(str(run.path / "config.json")))
     checkpoints = run.checkpoints()
     trainer = trainer_class(config, filter=filter, run_dir=run)
@@ -78,6 +82,8 @@ def resume(trainer_class: type[PPO], run_dir: str | Path, filter: Filter | None 
     for checkpoint in checkpoints:
         try:
             state = load_checkpoint(checkpoint)
+            check_state(state, repr(str(checkpoint)))  # a file that is no checkpoint says so before whose it is
+            identity.check_file(run.identity, state.get("run_id"), checkpoint, "checkpoint", CheckpointError)
             trainer.load_state_dict(state, source=repr(str(checkpoint)))
             break
         except CheckpointError as exc:

@@ -23,20 +23,25 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import io
 import json
 import os
 import re
 import secrets
-import tempfile
+import shutil
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+import warnings
+import zipfile
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
+from rlinfluence import identity
+from rlinfluence.atomic import atomic_write, atomic_write_all
 from rlinfluence.errors import UserError
 
 _LOSS_KEYS = frozenset({"policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction",
@@ -104,79 +109,6 @@ def run_lock(path: Path, what: str) -> Iterator[None]:
         os.close(fd)
 
 
-def _process_umask() -> int:
-    """The process's umask (read by setting it and setting it back: there is no getter)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _process_umask()
-
-
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` on a temporary sibling of ``path``, fsync it, then rename it onto
-    ``path``; an ``OSError`` (full disk, read-only folder) is a ``UserError`` naming ``path``.
-
-    The temporary file is created exclusively under an unpredictable name (``mkstemp``), so a
-    link planted at a predictable name cannot redirect the write, and the rename replaces a link
-    at ``path`` rather than writing through it; a folder that is a link (``audit/`` planted to
-    point elsewhere) is refused. The file ends with the permissions an ordinary write would give it
-    (0666 less the umask), not ``mkstemp``'s owner-only 0600, so that a shared run folder stays
-    readable."""
-    atomic_write_all([(path, write)])
-
-
-def atomic_write_all(items: Sequence[tuple[Path, Callable[[Path], None]]]) -> None:
-    """``atomic_write`` of several files that belong together (a table and the section that
-    describes it): every temporary file is written first, and only once all are written are they
-    renamed into place, so a full disk leaves none of them (and the previous versions) in place,
-    never one without the other."""
-    written: list[tuple[Path, Path]] = []
-    try:
-        for path, write in items:
-            written.append((Path(path), _temporary(Path(path))))
-            try:
-                write(written[-1][1])
-                _fsync(written[-1][1])
-                os.chmod(written[-1][1], 0o666 & ~_UMASK)
-            except OSError as exc:
-                raise UserError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
-        for path, tmp in written:
-            try:
-                os.replace(tmp, path)
-                if os.name == "posix":  # the rename itself (Windows cannot open a folder to fsync it)
-                    _fsync(path.parent)
-            except OSError as exc:
-                raise UserError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
-    finally:
-        for _, tmp in written:
-            with contextlib.suppress(OSError):  # a read-only folder: nothing was written
-                tmp.unlink(missing_ok=True)
-
-
-def _temporary(path: Path) -> Path:
-    """An exclusively created, unpredictably named empty file beside ``path`` (``UserError`` if
-    ``path``'s folder is a link or cannot take it)."""
-    if path.parent.is_symlink():
-        raise UserError(f"cannot write {str(path)!r}: its folder is a link ({str(path.parent)!r} -> "
-                        f"{os.readlink(path.parent)!r}); outputs go into real folders only")
-    try:
-        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-    except OSError as exc:
-        raise UserError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
-    return Path(name)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _check_nearest_folder(path: Path, folders: Sequence[Path], flag: str) -> None:
     """``UserError`` unless the first existing one of ``folders`` is a writable directory."""
     for folder in folders:
@@ -234,6 +166,7 @@ class RunDirectory:
         self._writer = None
         self._wandb_settings: dict[str, Any] | None = None
         self._wandb_run: Any = None
+        self._identity: dict[str, Any] | None = None
 
     def log_to_wandb(self, project: str, config: dict[str, Any]) -> None:
         """Also log every round to Weights & Biases: a W&B run named after this folder, in
@@ -299,9 +232,27 @@ class RunDirectory:
                 raise UserError(f"run directory {str(folder)!r} is not writable: cannot resume")
 
     # -- config -----------------------------------------------------------------------
-    def write_config(self, config: dict[str, Any]) -> None:
+    def write_config(self, config: dict[str, Any], written_by: str = identity.TRAIN) -> None:
+        """Write ``config.json`` and the run's identity (``rlinfluence.identity``: a new run gets its
+        id, which every checkpoint and buffer it writes will carry)."""
         text = json.dumps(config, indent=2, sort_keys=True)
-        atomic_write(self.path / "config.json", lambda p: p.write_text(text))
+        if (self.path / "config.json").is_file() and self.identity is None:  # a run from before run ids stays one
+            atomic_write(self.path / "config.json", lambda p: p.write_text(text))
+            return
+        self._identity = identity.written(self.path, config, written_by)
+        atomic_write_all([(self.path / "config.json", lambda p: p.write_text(text)),
+                          (self.path / identity.RUN_FILE, lambda p: p.write_text(identity.text(self._identity)))])
+
+    @property
+    def identity(self) -> dict[str, Any] | None:
+        """``run.json``: the run id, what wrote the run, its config (None for a run from before run ids)."""
+        if self._identity is None:
+            self._identity = identity.read(self.path)
+        return self._identity
+
+    @property
+    def run_id(self) -> str | None:
+        return None if self.identity is None else self.identity["run_id"]
 
     def read_config(self) -> dict[str, Any]:
         try:
@@ -312,6 +263,7 @@ class RunDirectory:
             raise UserError(f"cannot read {str(self.path / 'config.json')!r}: nested too deeply") from None
         if not isinstance(config, dict):
             raise UserError(f"{str(self.path / 'config.json')!r} is not a JSON object of config keys")
+        identity.check_config(self.path, config, self.identity)
         return config
 
     # -- metrics ----------------------------------------------------------------------
@@ -393,6 +345,17 @@ class RunDirectory:
             self._wandb_run.finish()
             self._wandb_run = None
 
+    def check_room(self, rounds: int, bytes_per_round: dict[str, int]) -> None:
+        """``UserError`` if ``rounds`` more rounds, each writing about ``bytes_per_round`` (what ->
+        bytes), would not fit in the free space of the run's disk, said with the estimate."""
+        per_round = sum(bytes_per_round.values())
+        free = shutil.disk_usage(self.path).free
+        if rounds * per_round > free:
+            what = ", ".join(k for k, v in bytes_per_round.items() if v)
+            raise UserError(f"this run would write about {_size(rounds * per_round)} ({rounds} rounds x "
+                            f"{_size(per_round)} of {what}), but {str(self.path)!r} has {_size(free)} free: "
+                            "lower --total-timesteps (or save fewer files)")
+
     # -- checkpoints ------------------------------------------------------------------
     def checkpoint_path(self, n_rounds: int) -> Path:
         return self.path / "checkpoints" / f"{round_name(n_rounds)}.pt"
@@ -400,6 +363,8 @@ class RunDirectory:
     def save_checkpoint(self, n_rounds: int, state: dict[str, Any]) -> Path:
         """State after ``n_rounds`` completed rounds; loadable with ``weights_only=True``."""
         path = self.checkpoint_path(n_rounds)
+        if self.run_id is not None:
+            state = {**state, "run_id": self.run_id}
 
         import torch  # here, not at import: the command line reads run folders without torch
 
@@ -431,8 +396,15 @@ class RunDirectory:
 
         path = self.buffer_path(round_index)
         path.parent.mkdir(exist_ok=True)
-        atomic_write(path, lambda p: save_file(tensors, str(p)))
+        metadata = None if self.run_id is None else {"run_id": self.run_id}
+        atomic_write(path, lambda p: save_file(tensors, str(p), metadata=metadata))
         return path
+
+    def read_checkpoint(self, path: Path) -> dict[str, Any]:
+        """A checkpoint of this run (``load_checkpoint``), refused if it carries another run's id."""
+        state = load_checkpoint(path)
+        identity.check_file(self.identity, state.get("run_id"), path, "checkpoint", CheckpointError)
+        return state
 
     def saved_buffer_rounds(self) -> list[int]:
         """The rounds whose buffer is saved (``buffers/round_NNNN.safetensors``), in order; a file
@@ -440,18 +412,21 @@ class RunDirectory:
         return saved_round_numbers(self.path / "buffers", ".safetensors")
 
     def load_buffer(self, round_index: int) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
         path = self.buffer_path(round_index)
         if not path.is_file():
             saved = self.saved_buffer_rounds()
-            hint = f"saved rounds: {saved[0]}..{saved[-1]}" if saved else "train with --save-buffers"
+            hint = f"saved rounds: {_ranges(saved)}" if saved else "train with --save-buffers"
             raise UserError(f"no saved buffer for round {round_index} in {str(self.path)!r} ({hint})")
         try:
-            tensors = load_file(str(path))
+            with safe_open(str(path), framework="pt") as file:
+                tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (not a dict)
+                run_id = (file.metadata() or {}).get("run_id")
         except Exception as exc:  # safetensors' own error type: corrupt header, truncated data
             raise UserError(f"cannot read buffer {str(path)!r}: {_first_line(exc)}") from None
         _check_buffer(tensors, round_index, path)
+        identity.check_file(self.identity, run_id, path, "buffer")
         return tensors
 
 
@@ -460,16 +435,19 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     import torch
 
     try:
-        state = torch.load(path, weights_only=True, map_location="cpu")
+        with warnings.catch_warnings():  # torch's warning about a foreign pickle protocol: the refusal says it
+            warnings.simplefilter("ignore")
+            state = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # corrupt zip, truncated or empty file, unpickling refused...
         # torch's own messages suggest weights_only=False, which would run arbitrary code
         text = str(exc)
-        if "Unsupported global" in text:
-            reason = "it holds objects a weights-only load refuses (not written by rlinfluence)"
+        if ("Unsupported global" in text or "Unsupported operand" in text) and _holds_pickle(Path(path)):
+            reason = ("the weights-only load refused it: it holds a pickle of objects or code, not tensors "
+                      "(not written by rlinfluence; nothing in it was run)")
         elif isinstance(exc, EOFError) or not Path(path).stat().st_size:
             reason = "the file is empty"
-        elif "zip archive" in text or "weights_only" in text or "Weights only" in text:
-            reason = "the file is corrupt or truncated"
+        elif "zip archive" in text or "weights_only" in text or isinstance(exc, OSError) and exc.errno == errno.EINVAL:
+            reason = "the file is corrupt or truncated"  # a cut zip reads as an invalid seek (EINVAL)
         else:
             reason = _first_line(exc)
         raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {reason}") from None
@@ -556,3 +534,31 @@ def _spans(values: list[int]) -> str:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _size(n: float) -> str:
+    """``n`` bytes as a person reads it: 512 B, 3.1 MB, 4.7e+06 TB."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n:.3g} TB"
+
+
+def _ranges(numbers: Sequence[int]) -> str:
+    """Sorted round numbers as runs: ``0..2, 4, 6..9`` (a gap shows where a file is missing)."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(f"{a}..{b}" if b > a + 1 else f"{a}, {b}" if b == a + 1 else f"{a}" for a, b in runs)
+
+
+def _holds_pickle(path: Path) -> bool:
+    """Whether ``path`` is a whole pickle: torch's zip format, or a bare pickle (protocol 2 or later
+    starts with 0x80). A cut zip or other bytes also trip the weights-only unpickler, but hold no payload."""
+    with path.open("rb") as file:
+        head = file.read(1)
+    return head == b"\x80" or zipfile.is_zipfile(path)

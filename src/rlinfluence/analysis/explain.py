@@ -84,7 +84,7 @@ import torch
 
 from rlinfluence.errors import UserError
 from rlinfluence.influence import ReturnTarget
-from rlinfluence.rundir import RunDirectory, load_checkpoint
+from rlinfluence.rundir import RunDirectory
 from rlinfluence.statistics import ci95
 
 if TYPE_CHECKING:
@@ -483,7 +483,7 @@ def explain_window(run_dir: str | Path, first: int, updates: int, pct: float = 1
         returns.append(judge.evaluate(episodes))
         kls.append(kl)
     judge.load_state_dict(copy.deepcopy(rounds[0].start))
-    judge.policy.load_state_dict(load_checkpoint(run.checkpoint_path(first + updates))["policy"])
+    judge.policy.load_state_dict(run.read_checkpoint(run.checkpoint_path(first + updates))["policy"])
     recorded = judge.evaluate(episodes)  # the run's own theta(first + updates)
     table = _judged(pd.DataFrame(run.rows), list(range(first, first + updates)), chosen, returns, kls, before, recorded,
                     [c.lr_scale for c in chosen], judge.config.n_epochs)

@@ -35,7 +35,7 @@ from rlinfluence.analysis.report import ROUND_LABEL, Section, Table, figure_png,
 from rlinfluence.errors import UserError
 from rlinfluence.filters import FilterContext, IIFFilter, drop_lowest
 from rlinfluence.influence import DEFAULT_ADVANTAGE_NORM
-from rlinfluence.rundir import RunDirectory, load_checkpoint
+from rlinfluence.rundir import RunDirectory
 
 if TYPE_CHECKING:
     from rlinfluence.checkpoint import SavedRound
@@ -160,10 +160,10 @@ def _paired_se(x: np.ndarray, y: np.ndarray) -> float:
 
 def matches_checkpoint(trainer, run_dir: str | Path, n_rounds: int) -> bool | None:
     """Whether the trainer's policy equals the run's saved theta(n_rounds) (None if not saved)."""
-    path = RunDirectory.open_existing(run_dir, tensorboard=False).checkpoint_path(n_rounds)
-    if not path.is_file():
+    run = RunDirectory.open_existing(run_dir, tensorboard=False)
+    if not run.checkpoint_path(n_rounds).is_file():
         return None
-    saved = load_checkpoint(path)["policy"]
+    saved = run.read_checkpoint(run.checkpoint_path(n_rounds))["policy"]
     return all(torch.equal(v, saved[k]) for k, v in trainer.policy.state_dict().items())
 
 

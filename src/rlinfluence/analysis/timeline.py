@@ -48,7 +48,7 @@ from rlinfluence.analysis.tables import FRAME_RECORDS, attribution_table, record
 from rlinfluence.errors import UserError
 from rlinfluence.frames import HOW_TO_SAVE, load_frames
 from rlinfluence.influence import DEFAULT_ADVANTAGE_NORM, ActionTarget, score_buffer, top_records
-from rlinfluence.rundir import RunDirectory, load_checkpoint
+from rlinfluence.rundir import RunDirectory
 
 GALLERY_ROUNDS = 6
 """rounds whose top records are shown with their frames (evenly spaced over the timeline)"""
@@ -111,7 +111,7 @@ def load_final(run_dir: str | Path):
     config = dataclasses.replace(PPOConfig.from_dict(run.read_config()), progress=False)
     path = run.latest_checkpoint()
     trainer = PPO(config, run_dir=False)
-    trainer.load_state_dict(load_checkpoint(path), source=repr(str(path)))
+    trainer.load_state_dict(run.read_checkpoint(path), source=repr(str(path)))
     return trainer, trainer.round
 
 

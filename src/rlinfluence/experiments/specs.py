@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 
 from rlinfluence.config import FIELD_TYPES, FILTER_NAMES, ROBUST_IIF, PPOConfig, coerce
 from rlinfluence.errors import UserError
-from rlinfluence.helptext import EmptyMeansNone, StatedDefault
+from rlinfluence.helptext import EmptyMeansNone, StatedDefault, shown_as
 from rlinfluence.statistics import DEFAULT_REPS, MAX_REPS  # noqa: F401  (importable from here)
 
 Clock = Literal["wall", "cpu"]
@@ -257,11 +257,11 @@ class CompareConfig:
     """number of evaluation seeds (first_seed, first_seed + 1, ...)"""
     first_seed: int = 1
     """the first evaluation seed"""
-    rounds: Annotated[int | None, StatedDefault] = None
+    rounds: Annotated[int | None, StatedDefault, shown_as("INT")] = None
     """rounds per run (default: the preset's standard-PPO round count)"""
-    drop_pct: Annotated[float | None, StatedDefault] = None
+    drop_pct: Annotated[float | None, StatedDefault, shown_as("FLOAT")] = None
     """p for iif and the baselines (default: the preset's)"""
-    eval_episodes: Annotated[int | None, StatedDefault] = None
+    eval_episodes: Annotated[int | None, StatedDefault, shown_as("INT")] = None
     """evaluation episodes per round (default: the preset's)"""
     set: Annotated[tuple[str, ...], EmptyMeansNone] = ()
     """further PPOConfig overrides for every run, as key=value (e.g. optimizer=adam)"""
@@ -281,11 +281,11 @@ class CompareConfig:
     """the first tuning seed"""
     tune_metric: TuneMetric = "auc"
     """tuning score: auc (normalised area under the eval curve), final (plateau), rounds80"""
-    out: Annotated[str | None, StatedDefault] = None
+    out: Annotated[str | None, StatedDefault, shown_as("PATH")] = None
     """output folder (default runs/compare__<env>__<time>); re-run with it to resume"""
     workers: int = os.cpu_count() or 1
     """local worker processes"""
-    ray_address: str | None = None
+    ray_address: Annotated[str | None, shown_as("ADDRESS")] = None
     """run the pairs as Ray tasks on this cluster (auto or HOST:PORT) instead"""
     smooth: int = 1
     """moving-average window (rounds) applied to every curve before the metrics"""
@@ -300,7 +300,7 @@ class CompareConfig:
     wandb: bool = False
     """log every pair to Weights & Biases, as CleanRL's --track: one W&B run per pair, grouped by
     this comparison's folder name, tagged with its method and env"""
-    confirm: str | None = None
+    confirm: Annotated[str | None, shown_as("PATH")] = None
     """confirm an earlier study: its compare.json (or folder); its env, methods, settings and
     chosen values are rerun without tuning on --first-seed/--seeds, which must be seeds (and so
     evaluation episodes) that study never used for tuning or evaluation"""

@@ -55,6 +55,9 @@ from rlinfluence.integrations.sb3 import TimeLimitEnds, as_rollout_buffer
 from rlinfluence.ppo import PPO
 from rlinfluence.rundir import RunDirectory
 
+WRITTEN_BY = "stable-baselines3 (RunDirectoryCallback)"
+"""``written_by`` of the run's identity (``rlinfluence.identity``): analyses read it, ``train --resume`` refuses it."""
+
 _NAMES = ((re.compile(r"^mlp_extractor\.policy_net\.(.*)"), r"actor.\1"),
           (re.compile(r"^mlp_extractor\.value_net\.(.*)"), r"critic.\1"),
           (re.compile(r"^action_net\.(.*)"), r"action_head.\1"),
@@ -164,7 +167,7 @@ class RunDirectoryCallback(BaseCallback):
             raise UserError(f"RunDirectoryCallback: the policy's parameters {sorted(map(str, theirs))} do not map onto "
                             f"rlinfluence's {sorted(ours)}")
         self.run = RunDirectory.at(self.path, tensorboard=False)
-        self.run.write_config(config.to_dict())
+        self.run.write_config(config.to_dict(), written_by=WRITTEN_BY)
 
     def _sync(self) -> None:
         """The trainer set to the model as it is now, at round ``self.round``: the policy, and SB3's

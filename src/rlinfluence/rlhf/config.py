@@ -16,7 +16,7 @@ import tyro
 
 from rlinfluence.config import check_drop_pct, check_field_types, check_plain_name, literal_choices
 from rlinfluence.errors import UserError
-from rlinfluence.helptext import StatedDefault
+from rlinfluence.helptext import StatedDefault, shown_as
 from rlinfluence.rlhf.data import GOLD_TASKS
 
 RLHF_LIMITS = {"response_length": 2048, "prompts_per_round": 4096, "group_size": 256, "torch_threads": 512}
@@ -114,7 +114,7 @@ class RLHFConfig:
     the test prompts"""
     eval_every: int = 5
     """evaluate on the test prompts before round 0, every eval_every rounds and after the last (0 = only before/after)"""
-    prompts_file: Annotated[str | None, StatedDefault] = None
+    prompts_file: Annotated[str | None, StatedDefault, shown_as("PATH")] = None
     """JSONL prompt set ({"split": train|val|test, "prompt": ...} per line); default: the task's shipped set"""
     prompt_format: Literal["auto", "chat", "plain"] = "auto"
     """chat = each prompt as the user turn of the tokenizer's chat template; plain = the prompt text as is;
@@ -127,7 +127,7 @@ class RLHFConfig:
     """Adam learning rate"""
     adam_eps: float = 1e-8
     """Adam epsilon"""
-    max_grad_norm: float | None = None
+    max_grad_norm: Annotated[float | None, shown_as("FLOAT")] = None
     """global gradient-norm clip; None = none (as the paper's code)"""
     clip_range: float = 0.2
     """policy ratio clip"""
@@ -141,7 +141,7 @@ class RLHFConfig:
     """GAE lambda"""
     init_kl_coef: float = 0.04
     """initial KL coefficient beta (PPO: per-token reward penalty; GRPO: k3 loss weight)"""
-    kl_target: float | None = 0.1
+    kl_target: Annotated[float | None, shown_as("FLOAT")] = 0.1
     """adaptive KL target (mean summed KL per sequence); None = fixed beta"""
     kl_horizon: float = 10_000
     """adaptive KL horizon"""
@@ -165,7 +165,7 @@ class RLHFConfig:
     """clock of the stage and train seconds: wall time, or this process's CPU time (steadier on a shared machine)"""
     run_root: str = "runs"
     """parent folder of run directories"""
-    method: Annotated[str | None, StatedDefault] = None
+    method: Annotated[str | None, StatedDefault, shown_as("NAME")] = None
     """method label in the run directory name (default: algo, or algo-FILTER, algo-iif-gold)"""
     checkpoint_every: int = 0
     """write checkpoints/round_XXXX.pt (LoRA + value head + optimiser, what --resume continues from)
@@ -243,6 +243,10 @@ class RLHFConfig:
         sequences = self.prompts_per_round * self.responses_per_prompt
         if self.reward_workers > sequences:
             raise UserError(f"reward_workers {self.reward_workers} exceeds the {sequences} sequences of a round")
+        repeated = next((w for w in self.broken_reward_workers if self.broken_reward_workers.count(w) > 1), None)
+        if repeated is not None:
+            raise UserError(f"broken reward worker {repeated} is named {self.broken_reward_workers.count(repeated)} times "
+                            f"in --broken-reward-workers {' '.join(map(str, self.broken_reward_workers))}: name each once")
         outside = [w for w in self.broken_reward_workers if not 0 <= w < self.reward_workers]
         if outside:
             raise UserError(f"broken reward worker {outside[0]} is not one of the {self.reward_workers} reward workers")
@@ -301,7 +305,7 @@ class RLHFArgs:
     one round)."""
 
     config: Annotated[RLHFConfig, tyro.conf.arg(name="")]
-    resume: str | None = None
+    resume: Annotated[str | None, shown_as("RUN")] = None
     """continue RUN_DIR from its newest checkpoint with its saved config (no other flag)"""
 
 

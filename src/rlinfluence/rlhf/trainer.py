@@ -146,7 +146,7 @@ class RLHFTrainer:
                 else RunDirectory.create(cfg.run_root, f"rlhf-{name}", cfg.method_label, cfg.seed, cfg.tensorboard)
                 if run_dir is None else RunDirectory.at(run_dir, cfg.tensorboard)
             )
-            self.run.write_config(cfg.to_dict())
+            self.run.write_config(cfg.to_dict(), written_by="rlinfluence rlhf")
 
     def _check_context(self) -> None:
         """``UserError`` naming the first prompt that, with ``response_length`` new tokens, does not
