@@ -1,6 +1,6 @@
 """rlinfluence installed into a user's existing environment: a fresh venv that already holds torch,
-Stable-Baselines3 and TRL, then ``pip install`` of this checkout (no extras). Checks that pip
-leaves the user's torch, SB3 and TRL as they were, then runs a short quickstart (``rlinfluence
+Stable-Baselines3, TRL and the newest pandas and numpy, then ``pip install`` of this checkout (no
+extras). Checks that pip leaves the user's packages as they were and that ``pip check`` is clean, then runs a short quickstart (``rlinfluence
 train`` + ``audit``), trains an SB3 PPO run with ``RunDirectoryCallback`` and runs every analysis
 command on it. Downloads from PyPI (not part of CI).
 
@@ -8,7 +8,7 @@ command on it. Downloads from PyPI (not part of CI).
 
 ``--torch``: the torch the "user" had (any release in the package's range; on this machine only
 2.13.0 is a CPU wheel on disk, others download a CUDA build of several GB). Prints each step as
-it passes and the summary lines ``kept_versions``, ``commands_ok``.
+it passes and the summary lines ``kept_versions``, ``pip_check``, ``commands_ok``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 def versions(python: Path) -> dict[str, str]:
     out = run([str(python), "-c", "import importlib.metadata as m, json; print(json.dumps({p: m.version(p) for p in "
-               "('torch', 'stable-baselines3', 'trl', 'transformers')}))"])
+               "('torch', 'stable-baselines3', 'trl', 'transformers', 'pandas', 'numpy')}))"])
     return json.loads(out.stdout)
 
 
@@ -56,7 +56,7 @@ def main() -> None:
     python, bin_dir = venv / "bin" / "python", venv / "bin"
     start = time.time()
     pip = [str(python), "-m", "pip", "install", "--quiet"]
-    for step in ([f"torch=={args.torch}"], ["stable-baselines3", "trl"]):
+    for step in ([f"torch=={args.torch}"], ["stable-baselines3", "trl", "pandas", "numpy"]):
         result = run(pip + step)
         if result.returncode:
             sys.exit(f"the user's environment could not be set up ({' '.join(step)}): {result.stderr[-800:]}")
@@ -68,6 +68,7 @@ def main() -> None:
     after = versions(python)
     kept = before == after
     print(f"after pip install rlinfluence: {after} ({'unchanged' if kept else 'CHANGED'})", flush=True)
+    check = run([str(python), "-m", "pip", "check"])
     work = venv / "work"
     work.mkdir()
     cli = str(bin_dir / "rlinfluence")
@@ -102,6 +103,7 @@ def main() -> None:
     if not args.keep:
         shutil.rmtree(venv, ignore_errors=True)
     print(f"kept_versions: {'yes' if kept else 'no'} ({', '.join(f'{k} {v}' for k, v in before.items())})")
+    print(f"pip_check: {'clean' if check.returncode == 0 else check.stdout.strip().splitlines()[0]}")
     print(f"commands_ok: {ok}/{total}")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.resources
 import importlib.util
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -111,3 +112,22 @@ def test_the_quickstart_example_runs(tmp_path: Path, monkeypatch) -> None:
     exec(compile(code, "docs/index.md (Quickstart)", "exec"), namespace)  # noqa: S102 - the docs' own example
     scores = namespace["scores"]
     assert scores.shape == (2048,) and bool((scores < 0).any()) and bool((scores > 0).any())
+
+
+def test_the_readmes_first_session_runs(tmp_path: Path, monkeypatch, capsys) -> None:
+    """README.md's first session, every command as written (in-process), on 2 rounds instead of 8."""
+    from rlinfluence.cli import main
+
+    text = (ROOT / "README.md").read_text().split("## A first session", 1)[1]
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    commands = [shlex.split(line.split("#", 1)[0]) for line in block.splitlines() if line.strip()]
+    assert [c[:2] for c in commands] == [["rlinfluence", "train"], ["rlinfluence", "audit"], ["rlinfluence", "explain"],
+                                         ["rlinfluence", "attribute"], ["rlinfluence", "report"]]
+    monkeypatch.chdir(tmp_path)
+    train = [a if a != "16384" else "4096" for a in commands[0][1:]]
+    assert main([*train, "--no-progress"]) == 0
+    run = capsys.readouterr().out.split("run directory: ")[1].split()[0]
+    for command in commands[1:]:
+        args = [run if a == "RUN" else a for a in command[1:]]
+        args = [a if a != "3" else "1" for a in args]  # --round 3 of 8 -> round 1 of 2
+        assert main(args) == 0, capsys.readouterr().err

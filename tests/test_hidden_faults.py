@@ -583,7 +583,8 @@ def test_the_sb3_quarantine_callback_drops_exactly_the_flagged_env_and_nothing_o
     sb3 = pytest.importorskip("stable_baselines3")
     from stable_baselines3.common.vec_env import DummyVecEnv
 
-    from rlinfluence.integrations.sb3 import FilteredRolloutBuffer, QuarantineCallback
+    from rlinfluence.integrations.sb3 import FilteredRolloutBuffer
+    from rlinfluence.integrations.sb3_audit import QuarantineCallback
 
     class Scaled(gym.ObservationWrapper):  # an observation bug in one worker: the cart position x10
         def observation(self, observation):

@@ -436,7 +436,7 @@ def test_the_python_api_names_the_bad_argument(trained):
     from rlinfluence.checkpoint import load_round
     from rlinfluence.errors import UserError
     from rlinfluence.influence import ActionTarget, score_buffer
-    from rlinfluence.integrations.sb3 import AuditCallback
+    from rlinfluence.integrations.sb3_audit import AuditCallback
 
     for bad in (1.0, "0", -1, None):
         with pytest.raises(UserError, match="round_index must be an int"):

@@ -25,12 +25,12 @@ from stable_baselines3.common.vec_env import DummyVecEnv  # noqa: E402
 from rlinfluence.filters import drop_lowest, iif_drop_count  # noqa: E402
 from rlinfluence.influence import ActionTarget, snapshot_influence  # noqa: E402
 from rlinfluence.integrations.sb3 import (  # noqa: E402
-    AuditCallback,
     FilteredRolloutBuffer,
     InfluenceFilterCallback,
     SB3PolicyAdapter,
     attribute,
 )
+from rlinfluence.integrations.sb3_audit import AuditCallback  # noqa: E402
 from rlinfluence.policies import ActorCritic  # noqa: E402
 
 VALUE_ONLY = ("value_net.", "mlp_extractor.value_net.", "vf_features_extractor.")
@@ -483,7 +483,7 @@ def test_attribute_refuses_a_buffer_the_policy_no_longer_collects():
 def test_the_audit_callback_refuses_a_fractional_env_and_a_folder_another_training_wrote(tmp_path):
     """corrupted_envs=[1.7] is not env 1; a second training into a folder that holds the first's
     rounds would make the audit mix the two: both are one clear error."""
-    from rlinfluence.integrations.sb3 import AuditCallback
+    from rlinfluence.integrations.sb3_audit import AuditCallback
 
     with pytest.raises(ValueError, match="corrupted_envs holds 1.7"):
         AuditCallback(tmp_path, corrupted_envs=[1.7])

@@ -134,7 +134,7 @@ def test_time_limit_bootstraps_are_kept_apart_from_the_reward_and_the_thread_cou
     import pandas as pd
     from stable_baselines3.common.callbacks import BaseCallback
 
-    from rlinfluence.integrations.sb3 import AuditCallback
+    from rlinfluence.integrations.sb3_audit import AuditCallback
 
     class SB3Rewards(BaseCallback):
         def __init__(self):

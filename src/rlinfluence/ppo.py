@@ -604,8 +604,10 @@ class PPO:
     @staticmethod
     def filter_class(filter: Filter) -> str:
         """The filter's class, ``module.QualName``: a checkpoint records it, so that resuming a run
-        trained with a custom filter object without it is refused (``restore.resume``)."""
-        return f"{type(filter).__module__}.{type(filter).__qualname__}"
+        trained with a custom filter object without it is refused (``restore.resume``). The package's
+        own filters go by their public path, ``rlinfluence.filters.IIFFilter``, wherever they are defined."""
+        module = type(filter).__module__
+        return f"{'rlinfluence.filters' if module.startswith('rlinfluence.filters.') else module}.{type(filter).__qualname__}"
 
     def load_state_dict(self, state: dict[str, Any], source: str = "checkpoint") -> None:
         """Restore a ``state_dict``; ``UserError`` if it belongs to another env or network.

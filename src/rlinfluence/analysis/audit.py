@@ -30,7 +30,7 @@ A round is scored into a *harm table*, one row per record: ``round``, ``source``
 or for a user's own records any id: worker, annotator), ``episode`` (unique within its source),
 ``step``, ``trusted``, ``corrupted`` (where the truth is known) and one column per scorer.
 ``harm_table`` builds it from a run's saved round; the Stable-Baselines3 adapter writes the same
-table per rollout (``rlinfluence.integrations.sb3.AuditCallback``), as may any user, to
+table per rollout (``rlinfluence.integrations.sb3_audit.AuditCallback``), as may any user, to
 ``RUN_DIR/audit/scores/round_K.parquet``. Everything below reads only that table.
 
 Detection (``detection``) is measured at three levels: per record, per episode and per source, an
@@ -396,7 +396,7 @@ def _written_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None
     files = sorted((run_dir / SCORES_DIR).glob("round_*.parquet"))
     if not files:
         raise UserError(f"{str(run_dir)!r} has no saved rounds: train with --save-buffers (or, with "
-                        "Stable-Baselines3, rlinfluence.integrations.sb3.AuditCallback)")
+                        "Stable-Baselines3, rlinfluence.integrations.sb3_audit.AuditCallback)")
     tables, owner = [], {}
     for path in files:
         try:

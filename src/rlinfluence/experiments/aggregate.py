@@ -113,7 +113,7 @@ def aggregate(folders: Sequence[str | Path], out: str | Path, reps: int = DEFAUL
     from rlinfluence.pages import write_html
     from rlinfluence.sections import Section, Table
 
-    require_module("rliable", "aggregate")  # its plots: refuse before any work, not after the bootstrap
+    require_module("rliable.library", "aggregate")  # its plots: refuse before any work, not after the bootstrap
     envs, reference, methods, matrices, paired = score_matrices(folders)
     pairing = "paired" if paired else "unpaired"
     for kind in KINDS:

@@ -14,9 +14,9 @@
   kept records only and records each minibatch's record indices.
 - ``InfluenceFilterCallback``: IIF (docs/method.md, section 5) -- after GAE and before ``train()``, scores the
   buffer and sets the buffer's keep mask; logs ``influence/*`` through SB3's logger.
-- ``AuditCallback(path)``: after GAE, writes each rollout's harm table (one row per record, its
-  source = the vec env index; ``rlinfluence.analysis.audit``) to ``path/audit/scores/``, so that
-  ``rlinfluence audit path`` tests which envs push the updates the wrong way.
+
+The audit and the quarantine of SB3's vec envs (``AuditCallback``, ``QuarantineCallback``) are in
+``rlinfluence.integrations.sb3_audit``; the run writer (``RunDirectoryCallback``) in ``sb3_rundir``.
 
 Record order. SB3 stores the buffer as ``[n_steps, n_envs, ...]``; ``get()`` flattens it with
 ``swap_and_flatten`` into env-major order, record ``i = env * n_steps + step``, and draws its
@@ -46,14 +46,10 @@ stable-baselines3 is optional; this module needs it (``pip install "rlinfluence[
 
 from __future__ import annotations
 
-import numbers
-import os
 import time
 import warnings
-import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -75,7 +71,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from rlinfluence.buffer import RolloutBuffer as OurRolloutBuffer
 from rlinfluence.filters import (
     FilterContext,
-    QuarantineFilter,
     drop_lowest,
     guard_minibatch,
     iif_drop_count,
@@ -85,15 +80,11 @@ from rlinfluence.influence import (
     ReturnTarget,
     Target,
     ZeroTargetGradient,
-    gradient_alignment,
     snapshot_influence,
 )
-from rlinfluence.rundir import AUDIT_SCORES, atomic_write
-from rlinfluence.sources import MIN_SOURCES
 
-__all__ = ["AuditCallback", "FilteredRolloutBuffer", "InfluenceFilterCallback", "QuarantineCallback", "SB3PolicyAdapter",
-           "as_rollout_buffer", "attribute",
-           "next_permutation"]
+__all__ = ["FilteredRolloutBuffer", "InfluenceFilterCallback", "SB3PolicyAdapter", "TimeLimitEnds", "as_rollout_buffer",
+           "attribute", "flat_field", "global_rng_untouched", "next_permutation", "records_of"]
 
 ADVANTAGE_NORMS = ("auto", "chunk", "batch", "none")
 JOINT_ACTION_SPACES = (spaces.MultiDiscrete, spaces.MultiBinary)
@@ -155,13 +146,13 @@ class SB3PolicyAdapter(nn.Module):
 
 
 # -- reading SB3's buffer -------------------------------------------------------------------------
-def _flat(buffer: RolloutBuffer, name: str) -> np.ndarray:
+def flat_field(buffer: RolloutBuffer, name: str) -> np.ndarray:
     """A buffer field in flat env-major order (SB3's ``get()`` order), whichever state it is in."""
     array = getattr(buffer, name)
     return array if buffer.generator_ready else buffer.swap_and_flatten(array)
 
 
-def _records(buffer: RolloutBuffer, adapter: SB3PolicyAdapter) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def records_of(buffer: RolloutBuffer, adapter: SB3PolicyAdapter) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(obs, actions, raw advantages) of every record, flat env-major, on the policy's device."""
     if not isinstance(buffer, RolloutBuffer) or isinstance(buffer.observations, dict):
         raise ValueError(f"expected an SB3 RolloutBuffer with array observations, got {type(buffer).__name__}")
@@ -169,11 +160,11 @@ def _records(buffer: RolloutBuffer, adapter: SB3PolicyAdapter) -> tuple[torch.Te
         raise ValueError("the rollout buffer is not full: collect a rollout (and compute GAE) first")
     device = adapter.policy.device
     n = buffer.buffer_size * buffer.n_envs
-    obs = torch.as_tensor(_flat(buffer, "observations"), device=device)
-    actions = torch.as_tensor(_flat(buffer, "actions").astype(np.float32, copy=False), device=device)
+    obs = torch.as_tensor(flat_field(buffer, "observations"), device=device)
+    actions = torch.as_tensor(flat_field(buffer, "actions").astype(np.float32, copy=False), device=device)
     if adapter.discrete:
         actions = actions.reshape(n).long()
-    advantages = torch.as_tensor(_flat(buffer, "advantages").reshape(n), device=device)
+    advantages = torch.as_tensor(flat_field(buffer, "advantages").reshape(n), device=device)
     return obs, actions, advantages
 
 
@@ -185,7 +176,7 @@ same policy (float32 rounding between SB3's rollout and a recomputation is ~1e-6
 def _check_collected_by(adapter: SB3PolicyAdapter, buffer: RolloutBuffer, obs: torch.Tensor,
                         actions: torch.Tensor) -> None:
     """``ValueError`` unless the adapter's policy gives the buffer's logged log-probs: it collected it."""
-    logged = torch.as_tensor(_flat(buffer, "log_probs").reshape(len(obs)), device=obs.device)
+    logged = torch.as_tensor(flat_field(buffer, "log_probs").reshape(len(obs)), device=obs.device)
     with torch.no_grad():
         gap = float((adapter.log_prob(obs, actions).double() - logged.double()).abs().max())
     if not gap <= POLICY_TOLERANCE:
@@ -204,7 +195,7 @@ def next_permutation(n: int) -> np.ndarray:
 
 
 @contextmanager
-def _global_rng_untouched(device: torch.device) -> Iterator[None]:
+def global_rng_untouched(device: torch.device) -> Iterator[None]:
     """Leave NumPy's and torch's global random states exactly as they were (SB3 samples actions
     and minibatches from them, so scoring must not shift them)."""
     np_state = np.random.get_state()
@@ -268,7 +259,7 @@ def attribute(
     """
     buffer = model.rollout_buffer if rollout_buffer is None else rollout_buffer
     adapter = SB3PolicyAdapter(model.policy)
-    obs, actions, advantages = _records(buffer, adapter)
+    obs, actions, advantages = records_of(buffer, adapter)
     n = len(advantages)
     if check_policy:
         _check_collected_by(adapter, buffer, obs, actions)
@@ -277,7 +268,7 @@ def attribute(
     if norm == "chunk" and order is None:
         order = next_permutation(n)
     coef = float(getattr(model, "ent_coef", 0.0)) if ent_coef is None else float(ent_coef)
-    with _global_rng_untouched(adapter.policy.device):
+    with global_rng_untouched(adapter.policy.device):
         if order is not None:
             index = torch.as_tensor(np.asarray(order), dtype=torch.long)
             if index.shape != (n,) or not torch.equal(torch.sort(index).values, torch.arange(n)):
@@ -509,7 +500,7 @@ def as_rollout_buffer(model: Any, buffer: RolloutBuffer, round_index: int, episo
 
     def layout(name: str, per_record: bool = False) -> torch.Tensor:
         """``[n_steps, n_envs, ...]`` (``per_record``: one number per record, ``[n_steps, n_envs]``)."""
-        flat = _flat(buffer, name)
+        flat = flat_field(buffer, name)
         out = torch.as_tensor(flat.reshape(n_envs, n_steps, *flat.shape[1:]).swapaxes(0, 1).copy())
         return out.reshape(n_steps, n_envs) if per_record else out
 
@@ -536,154 +527,3 @@ def as_rollout_buffer(model: Any, buffer: RolloutBuffer, round_index: int, episo
     out.advantages = layout("advantages", True).float()
     out.returns = layout("returns", True).float()
     return out
-
-
-class QuarantineCallback(BaseCallback):
-    """``--filter quarantine`` for SB3's PPO: before every ``train()``, drop every record of the vec
-    envs that the sources test flags over the last ``window`` rollouts (``rlinfluence.filters.
-    QuarantineFilter``: the consistency checks and the reward, value and advantage statistics,
-    the audit's tests at ``alpha`` across envs x families; the last ``trusted_envs`` envs are never
-    tested), on SB3's stored observations. Needs ``PPO(..., rollout_buffer_class=FilteredRolloutBuffer)``.
-    Logs ``quarantine/quarantined`` per rollout; ``history`` keeps each rollout's quarantined envs."""
-
-    def __init__(self, window: int = 6, alpha: float = 0.01, trusted_envs: int = 0, verbose: int = 0):
-        super().__init__(verbose)
-        if window < 1 or not 0 < alpha < 1 or trusted_envs < 0:
-            raise ValueError(f"window must be >= 1, alpha in (0, 1), trusted_envs >= 0; got {window}, {alpha}, "
-                             f"{trusted_envs}")
-        self.filter = QuarantineFilter(window, alpha, False, trusted_envs)
-        self.history: list[list[int]] = []
-        self._episodes: np.ndarray | None = None
-        self._time_limits = TimeLimitEnds()
-
-    def _init_callback(self) -> None:
-        if not isinstance(self.model.rollout_buffer, FilteredRolloutBuffer):
-            raise TypeError("QuarantineCallback needs the model built with rollout_buffer_class=FilteredRolloutBuffer "
-                            f"(from rlinfluence.integrations.sb3), got {type(self.model.rollout_buffer).__name__}")
-        if self.model.n_envs - self.filter.trusted_envs < MIN_SOURCES:
-            raise ValueError(f"QuarantineCallback compares each env with 2 or more others: it needs at least "
-                             f"{MIN_SOURCES} untrusted envs, got {self.model.n_envs} - {self.filter.trusted_envs}")
-
-    def _on_step(self) -> bool:
-        self._time_limits.record(self.locals)
-        return True
-
-    def _on_rollout_end(self) -> None:
-        model, buffer = self.model, self.model.rollout_buffer
-        if self._episodes is None:
-            self._episodes = np.zeros(buffer.n_envs, dtype=np.int64)
-        ours = as_rollout_buffer(model, buffer, len(self.history), self._episodes,
-                                 self._time_limits.take(buffer.buffer_size))
-        self._episodes = ours.episode_ids[-1].numpy() + 1
-        context = FilterContext(SB3PolicyAdapter(model.policy), len(self.history), model.batch_size, model.gamma)
-        with _global_rng_untouched(model.policy.device):
-            keep = self.filter(ours, context)
-        buffer.set_keep_mask(keep.numpy())
-        quarantined = [int(s) for s in str(context.stats["quarantined_sources"]).split()]
-        self.history.append(quarantined)
-        self.logger.record("quarantine/quarantined", float(len(quarantined)))
-        if self.verbose >= 1:
-            print(f"quarantine: envs {quarantined or 'none'}")
-
-
-# -- audits ---------------------------------------------------------------------------------------
-AUDIT_SCORERS = ("influence", "dtv", "negative-advantage", "abs-advantage", "reward-extremes", "random")
-"""The scorers of ``rlinfluence.analysis.audit`` an SB3 rollout can be scored with (tracin needs the
-replayed optimiser steps, td-error the next values SB3 does not keep, influence-trusted trusted envs)."""
-
-
-class AuditCallback(BaseCallback):
-    """Writes the harm table ``rlinfluence audit`` reads, once per rollout (after GAE, before
-    ``train()``, the policy still the one that collected it): one row per record in SB3's flat
-    order with ``round`` (the rollout), ``source`` (the vec env index), ``episode`` (counted per
-    env from SB3's ``episode_starts``), ``step``, ``trusted`` (False), ``corrupted`` (only with
-    ``corrupted_envs``: the envs a benchmark knows are broken) and one harm column per scorer
-    (higher = more harmful, as in ``rlinfluence.analysis.audit``): influence = minus
-    ``attribute(model, buffer, advantage_norm="batch")``; dtv = minus the gradient alignment
-    g_i . mean_j g_j; negative-advantage, abs-advantage and reward-extremes from the buffer;
-    random seeded by the rollout. The files go to ``path/audit/scores/round_K.parquet``.
-    NumPy's and torch's global random states are left untouched, so training is unchanged.
-    """
-
-    def __init__(self, path: str | Path, scorers: Sequence[str] = AUDIT_SCORERS, corrupted_envs: Sequence[int] = (),
-                 verbose: int = 0):
-        super().__init__(verbose)
-        unknown = [s for s in scorers if s not in AUDIT_SCORERS]
-        if unknown or not scorers:
-            raise ValueError(f"unknown scorer {unknown[0] if unknown else None!r} for SB3 rollouts "
-                             f"(choose from {', '.join(AUDIT_SCORERS)})")
-        if not isinstance(path, str | os.PathLike):
-            raise ValueError(f"path must be the run folder (a str or Path), got {path!r}")
-        self.folder = Path(path) / AUDIT_SCORES
-        not_index = [e for e in corrupted_envs if isinstance(e, bool) or not isinstance(e, numbers.Integral)]
-        if not_index:
-            raise ValueError(f"corrupted_envs holds {not_index[0]!r}: vec env indices are integers")
-        self.scorers, self.corrupted_envs = tuple(scorers), tuple(int(e) for e in corrupted_envs)
-        self.rounds = 0
-        self._episodes: np.ndarray | None = None  # per env: episodes started so far
-        self._time_limits = TimeLimitEnds()
-
-    def _init_callback(self) -> None:
-        n_envs = self.model.n_envs
-        bad = [e for e in self.corrupted_envs if not 0 <= e < n_envs]
-        if bad:
-            raise ValueError(f"corrupted_envs holds {bad[0]}, not a vec env index of this model (0..{n_envs - 1})")
-        for folder in (self.folder.parent, self.folder):  # audit/ and audit/scores/
-            if folder.is_symlink():
-                raise ValueError(f"{str(folder)!r} is a link (-> {os.readlink(folder)!r}): the score tables go into "
-                                 "real folders only")
-        # rounds this callback did not write (another training into the same folder) would be audited with its own
-        others = sorted(f.name for f in self.folder.glob("round_*.parquet")
-                        if not f.stem.removeprefix("round_").isdigit() or int(f.stem.removeprefix("round_")) >= self.rounds)
-        if others:
-            raise ValueError(f"{str(self.folder)!r} already holds {others[0]} from another training: an audit would mix "
-                             "the two; give this training its own path")
-        self.folder.mkdir(parents=True, exist_ok=True)
-
-    def _on_step(self) -> bool:
-        self._time_limits.record(self.locals)
-        return True
-
-    def _harm(self, name: str, buffer: RolloutBuffer, adapter: SB3PolicyAdapter, obs: torch.Tensor,
-              actions: torch.Tensor, advantages: torch.Tensor, env_rewards: np.ndarray) -> np.ndarray:
-        try:
-            if name == "influence":
-                return -attribute(self.model, buffer, advantage_norm="batch").double().numpy()
-            if name == "dtv":
-                return -gradient_alignment(adapter, obs, actions, advantages).detach().cpu().double().numpy()
-        except ZeroTargetGradient:
-            return np.zeros(len(advantages))
-        a = advantages.cpu().double().numpy()
-        if name == "negative-advantage":
-            return -a
-        if name == "abs-advantage":
-            return np.abs(a)
-        if name == "reward-extremes":  # the env's rewards, without SB3's time-limit bootstrap
-            return np.abs(env_rewards - env_rewards.mean())
-        checksum = zlib.crc32(_flat(buffer, "actions").tobytes())
-        return np.random.default_rng([self.rounds, checksum]).random(len(a))
-
-    def _on_rollout_end(self) -> None:
-        import pandas as pd
-
-        buffer = self.model.rollout_buffer
-        adapter = SB3PolicyAdapter(self.model.policy)
-        n_steps, n_envs = buffer.buffer_size, buffer.n_envs
-        starts = np.asarray(buffer.episode_starts, dtype=np.int64)  # [n_steps, n_envs]
-        if self._episodes is None:
-            self._episodes = np.zeros(n_envs, dtype=np.int64)
-            starts[0] = 0  # the first step of training starts episode 0 of every env
-        episode = self._episodes[None] + np.cumsum(starts, axis=0)  # [n_steps, n_envs]
-        self._episodes = episode[-1]
-        table = pd.DataFrame({"round": self.rounds, "source": np.repeat(np.arange(n_envs), n_steps),
-                              "episode": episode.T.reshape(-1), "step": np.tile(np.arange(n_steps), n_envs),
-                              "trusted": False})
-        if self.corrupted_envs:
-            table["corrupted"] = table["source"].isin(self.corrupted_envs)
-        obs, actions, advantages = _records(buffer, adapter)
-        env_rewards = self._time_limits.take(n_steps)[0].T.reshape(-1)  # flat env-major, as the table
-        with _global_rng_untouched(adapter.policy.device):
-            for name in self.scorers:
-                table[name] = self._harm(name, buffer, adapter, obs, actions, advantages, env_rewards)
-        atomic_write(self.folder / f"round_{self.rounds:06d}.parquet", lambda p: table.to_parquet(p, index=False))
-        self.rounds += 1
