@@ -31,5 +31,6 @@ lint: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
+# the suite on every core (pytest-xdist): about 4 minutes on 2 idle cores (docs/development.md)
 test: setup lint docs
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n auto

@@ -10,8 +10,9 @@ import torch
 from rlinfluence.analysis.intervention import matches_checkpoint
 from rlinfluence.checkpoint import load_round
 from rlinfluence.errors import UserError
-from rlinfluence.ppo import PPO, adapt_learning_rate
+from rlinfluence.ppo import PPO
 from rlinfluence.reruns import Variant, batched_retrain
+from rlinfluence.step_control import adapt_learning_rate
 
 from .conftest import tiny_config
 

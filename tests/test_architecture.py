@@ -19,19 +19,13 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
-
 
 def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import of ``tree``, inside functions too, but not under ``if TYPE_CHECKING`` (for
-    annotations only, never run)."""
+    """Every import of ``tree``, inside functions and under ``if TYPE_CHECKING`` too: an annotation
+    that names another module's class ties the two modules as an import does."""
     found, todo = [], [tree]
     while todo:
         node = todo.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            todo.extend(node.orelse)
-            continue
         if isinstance(node, ast.Import | ast.ImportFrom):
             found.append(node)
         todo.extend(ast.iter_child_nodes(node))

@@ -16,8 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from rlinfluence.policies import ActorCritic
 
 MINIBATCH_FIELDS = ("obs", "actions", "logp", "advantages", "returns", "values")
 """A minibatch's per-record tensors, in the order ``ppo_terms`` takes them after (log pi, entropy, V)."""
@@ -142,3 +146,10 @@ def update_diagnostics(steps: Sequence[PPOTerms], clip_range: float) -> dict[str
             "clip_fraction": ((ratio - 1).abs() > clip_range).float().mean(1),
         }
         return {name: per_step[name].double().mean().item() for name in DIAGNOSTICS}
+
+
+def policy_terms(policy: ActorCritic, obs: torch.Tensor, actions: torch.Tensor, *rest: torch.Tensor,
+                 **loss_kwargs: Any) -> PPOTerms:
+    """``ppo_terms`` of ``policy``'s outputs on (obs, actions); ``rest`` = old log-probs,
+    advantages, returns, old values (the function ``PPOConfig.compile`` compiles)."""
+    return ppo_terms(*policy.evaluate_actions(obs, actions), *rest, **loss_kwargs)

@@ -49,7 +49,7 @@ from rlinfluence.losses import (
     MINIBATCH_FIELDS,
     PPOTerms,
     normalize_advantages,
-    ppo_terms,
+    policy_terms,
     update_diagnostics,
 )
 from rlinfluence.numpy_update import NumpyUpdate
@@ -57,7 +57,7 @@ from rlinfluence.policies import ActorCritic, make_policy, rollout_actor, temper
 from rlinfluence.progress import progress_bar
 from rlinfluence.rundir import RunDirectory
 from rlinfluence.seeding import derived_seed
-from rlinfluence.step_control import lookahead
+from rlinfluence.step_control import adapt_learning_rate, lookahead
 from rlinfluence.step_control import step_scale as round_step_scale
 
 RoundCallback = Callable[["PPO", dict[str, Any]], "bool | None"]
@@ -171,7 +171,7 @@ class PPO:
         cfg = self.config
         n_rounds = self.rounds_planned = math.ceil((total_timesteps or cfg.total_timesteps) / cfg.rollout_size)
         if self.run is not None:
-            self.run.check_room(n_rounds - self.round, self._bytes_per_round())
+            self.run.check_room(n_rounds - self.round, restore.bytes_per_round(self))
         if self.run is not None and cfg.save_checkpoints and self.round == 0:
             self.run.save_checkpoint(0, self.state_dict())  # theta(0): attribution of round 0 needs it
         try:
@@ -249,7 +249,7 @@ class PPO:
         if self.run is not None:
             self.run.log_round(metrics, filter_stats=context.stats.keys(), scores=context.scores)
             if cfg.save_buffers:
-                self.run.save_buffer(buffer.round, self._buffer_tensors(buffer, keep, context.scores))
+                self.run.save_buffer(buffer.round, restore.round_tensors(self, buffer, keep, context.scores))
             if cfg.save_frames:
                 save_frames(self.run.path, buffer.round, self.last_frames.flat())
             if cfg.save_checkpoints:
@@ -557,90 +557,15 @@ class PPO:
         generator = torch.Generator().manual_seed(derived_seed(self.config.seed, self.round, 1))
         return self._evaluator.evaluate(self.policy, n_episodes, generator)
 
-    # -- state --------------------------------------------------------------------------
-    def _buffer_tensors(self, buffer: RolloutBuffer, keep: torch.Tensor, filter_scores: torch.Tensor | None
-                        ) -> dict[str, torch.Tensor]:
-        tensors = buffer.tensors()
-        tensors["keep"] = torch.as_tensor(keep, dtype=torch.bool)
-        if filter_scores is not None:  # what the filter dropped by (its own chunk permutation and target)
-            tensors["filter_scores"] = filter_scores.detach().double().reshape(-1)
-        if self.tracin is not None:
-            tensors["tracin"] = self.tracin.scores()
-        if self.schedule:
-            tensors["schedule_indices"] = torch.stack([s.indices for s in self.schedule])
-            tensors["schedule_epochs"] = torch.tensor([s.epoch for s in self.schedule])
-            tensors["schedule_lr"] = torch.tensor([s.lr for s in self.schedule], dtype=torch.float64)
-        return tensors
-
-    def _bytes_per_round(self) -> dict[str, int]:
-        """What a round writes, estimated: its checkpoint (float32 parameters, twice more for Adam's
-        moments), its buffer (observations and ~12 per-record fields, the minibatch schedule), its frames."""
-        cfg, n = self.config, self.config.rollout_size
-        params = sum(p.numel() for p in self.policy.parameters())
-        obs = int(np.prod(self.env.single_observation_space.shape or (1,)))
-        return {"checkpoints": (4 * params * (3 if cfg.optimizer == "adam" else 2) + 65536) * cfg.save_checkpoints,
-                "buffers": n * (4 * obs + 12 * 8 + 8 * cfg.n_epochs) * cfg.save_buffers,
-                "frames": 1024 * n * cfg.save_frames}  # compressed 96-px frames: 0.25-0.5 KB a record measured
-
+    # -- state (rlinfluence.restore) ------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue training; loadable with ``torch.load(weights_only=True)``."""
-        return {
-            "format": restore.CHECKPOINT_FORMAT,
-            "env": self.config.env,
-            "round": self.round,
-            "env_steps": self.env_steps,
-            "validation_env_steps": self.validation_env_steps,
-            "train_seconds": self.train_seconds,
-            "train_cpu_seconds": self.train_cpu_seconds,
-            "policy": self.policy.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "generator": self.generator.get_state(),
-            "filter": self.filter.state_dict(),
-            "filter_class": self.filter_class(self.filter),
-            **({"validation_generator": self.validation_stream.generator.get_state()} if self.validation_stream else {}),
-            **({"past_policies": list(self.past_policies)} if self.past_policies else {}),
-        }
-
-    @staticmethod
-    def filter_class(filter: Filter) -> str:
-        """The filter's class, ``module.QualName``: a checkpoint records it, so that resuming a run
-        trained with a custom filter object without it is refused (``restore.resume``). The package's
-        own filters go by their public path, ``rlinfluence.filters.IIFFilter``, wherever they are defined."""
-        module = type(filter).__module__
-        return f"{'rlinfluence.filters' if module.startswith('rlinfluence.filters.') else module}.{type(filter).__qualname__}"
+        return restore.state_of(self)
 
     def load_state_dict(self, state: dict[str, Any], source: str = "checkpoint") -> None:
-        """Restore a ``state_dict``; ``UserError`` if it belongs to another env or network.
-
-        The environments are reset (episodes cannot be restored) with a seed derived from
-        (seed, round), so a resumed run is itself reproducible. A state with missing or malformed
-        entries is a ``CheckpointError``, raised before anything is restored.
-        """
-        restore.check_state(state, source)
-        if state.get("env") != self.config.env:
-            raise UserError(f"{source} is for env {state.get('env')!r}, not {self.config.env!r}")
-        expected = {k: tuple(v.shape) for k, v in self.policy.state_dict().items()}
-        found = {k: tuple(v.shape) for k, v in state["policy"].items()}
-        if expected != found:
-            diff = sorted(set(expected.items()) ^ set(found.items()))[0][0]
-            raise UserError(f"{source} does not match the configured network (parameter {diff!r} differs)")
-        try:
-            self.policy.load_state_dict(state["policy"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, RuntimeError, KeyError) as exc:
-            raise UserError(f"{source} does not match the configured optimizer: {exc}") from None
-        self.generator.set_state(state["generator"])
-        self.filter.load_state_dict(state.get("filter", {}))
-        self.round = int(state["round"])
-        self.env_steps = int(state["env_steps"])
-        self.validation_env_steps = int(state.get("validation_env_steps", 0))
-        if self.validation_stream is not None and "validation_generator" in state:
-            self.validation_stream.generator.set_state(state["validation_generator"])
-        self.train_seconds = float(state["train_seconds"])
-        self.train_cpu_seconds = float(state.get("train_cpu_seconds", 0.0))
-        self.past_policies.clear()
-        self.past_policies.extend(state.get("past_policies", []))
-        self._reset_envs(derived_seed(self.config.seed, self.round, 0))
+        """Restore a ``state_dict`` (``restore.restore_state``); ``UserError`` if it belongs to another
+        env or network, ``CheckpointError`` for missing or malformed entries, before anything is restored."""
+        restore.restore_state(self, state, source)
 
     def save(self, path: str | Path) -> None:
         """Save config + state to one file (``PPO.load`` reads it back)."""
@@ -655,24 +580,6 @@ class PPO:
     def resume(cls, run_dir: str | Path, filter: Filter | None = None) -> PPO:
         """Continue a run from its newest loadable checkpoint (``restore.resume``)."""
         return restore.resume(cls, run_dir, filter)
-
-
-def policy_terms(policy: ActorCritic, obs: torch.Tensor, actions: torch.Tensor, *rest: torch.Tensor,
-                 **loss_kwargs: Any) -> PPOTerms:
-    """``ppo_terms`` of ``policy``'s outputs on (obs, actions); ``rest`` = old log-probs,
-    advantages, returns, old values (the function ``PPOConfig.compile`` compiles)."""
-    return ppo_terms(*policy.evaluate_actions(obs, actions), *rest, **loss_kwargs)
-
-
-def adapt_learning_rate(optimizer: torch.optim.Optimizer, approx_kl: float, adaptive_kl: float,
-                        learning_rate: float) -> None:
-    """RSL-RL's adaptive schedule, before a step: lr / 1.5 when approx_kl > 2 * adaptive_kl,
-    lr * 1.5 when 0 < approx_kl < adaptive_kl / 2, within [learning_rate / 100, 10 * learning_rate]."""
-    for group in optimizer.param_groups:
-        if approx_kl > 2 * adaptive_kl:
-            group["lr"] = max(group["lr"] / 1.5, learning_rate / 100)
-        elif 0 < approx_kl < adaptive_kl / 2:
-            group["lr"] = min(group["lr"] * 1.5, 10 * learning_rate)
 
 
 def _check_finite(values: np.ndarray, what: str, round_index: int) -> None:
