@@ -21,6 +21,7 @@ disagreement or a number without its source fails. Ends with one line per figure
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from functools import partial
@@ -61,7 +62,7 @@ DATA = ROOT / "docs" / "data"
 ENVS = ("FrozenLake-v1", "Acrobot-v1", "MiniGrid-Empty-8x8-v0", "LunarLander-v3")
 # table name -> (its data file, how the table is built from it, the pages that show it)
 TABLES = {
-    "confirmation": ("confirmation.csv", headline_table, ("docs/results/tuned-ppo.md",)),
+    "confirmation": ("confirmation.csv", lambda data: headline_table(data, grids=study_grids()), ("docs/results/tuned-ppo.md",)),
     "detection": ("detection.csv", detection_table, ("docs/results/harmful-records.md",)),
     "detection-rounds": ("detection.csv", detection_by_round_table, ("docs/results/harmful-records.md",)),
     **{f"detection-{c}": ("detection.csv", partial(detection_table, condition=c), ("docs/results/harmful-records.md",))
@@ -77,6 +78,18 @@ HELD_OUT_PAGES = ("docs/results/hidden-faults.md",)
 """The pages whose held-out answer (``hidden_faults.held_out_answer``, between <!-- table:held-out-answer -->
 markers) is written from the held-out rows in docs/data; each held-out detection table and summary is rebuilt
 from its rows too."""
+
+
+def study_grids() -> dict[str, list[float]]:
+    """Per env, the learning rates its study (benchmarks/studies/<env>.json) tuned over."""
+    grids = {}
+    for env in ENVS:
+        study = json.loads((ROOT / "benchmarks" / "studies" / f"{env}.json").read_text())
+        for spec in study.get("tune", []):
+            key, _, values = spec.partition("=")
+            if key == "learning_rate":
+                grids[env] = [float(v) for v in values.split(",")]
+    return grids
 
 
 def held_out(check: bool) -> list[str]:

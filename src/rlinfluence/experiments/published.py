@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -165,11 +165,13 @@ def speed_p_values(data: pd.DataFrame, reference: str = "ppo") -> pd.Series:
     return adjusted
 
 
-def headline_table(data: pd.DataFrame, reference: str = "ppo") -> list[str]:
+def headline_table(data: pd.DataFrame, reference: str = "ppo",
+                   grids: Mapping[str, Sequence[float]] | None = None) -> list[str]:
     """Per env and method: its tuned values and the robust columns against ``reference``
     (``summary.robust_cells``), with the speed reading's p after Holm over the table's rows
     (``speed_p_values``; a "faster" or "slower" whose adjusted p is 0.05 or more says "not after
-    Holm")."""
+    Holm"). ``grids``: per env, the learning rates its study tuned over; a choice at either end of its
+    grid says "(grid edge)": the best rate may lie beyond it."""
     adjusted = speed_p_values(data, reference)
     body = []
     for (index, record) in zip(data.index, data.to_dict("records"), strict=True):
@@ -180,7 +182,11 @@ def headline_table(data: pd.DataFrame, reference: str = "ppo") -> list[str]:
         p = adjusted[index]
         if cells[4] in ("faster", "slower") and not p < 0.05:
             cells[4] += " (not after Holm)"
-        body.append([row["env"], cells[0], _chosen(row["chosen"]), *cells[1:5],
+        chosen = _chosen(row["chosen"])
+        grid = (grids or {}).get(row["env"])
+        if grid and json.loads(row["chosen"] or "{}").get("learning_rate") in (min(grid), max(grid)):
+            chosen += " (grid edge)"
+        body.append([row["env"], cells[0], chosen, *cells[1:5],
                      "-" if math.isnan(p) else f"{p:.3f}", *cells[5:]])
     columns = robust_columns(reference)
     return markdown_table(["env", columns[0], "tuned", *columns[1:5], f"p, Holm over {int(adjusted.notna().sum())}",
