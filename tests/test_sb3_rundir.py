@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import gymnasium as gym
 import pytest
 import torch
 
@@ -164,3 +165,20 @@ def test_time_limit_bootstraps_are_kept_apart_from_the_reward_and_the_thread_cou
         table = pd.read_parquet(tmp_path / "run" / "audit" / "scores" / f"round_{k:06d}.parquet")
         assert (table["reward-extremes"] == 0).all()
     assert truncations > 0
+
+
+def test_a_vec_env_whose_envs_have_no_spec_attribute_is_one_user_error(tmp_path):
+    """A VecEnv whose envs have no ``spec`` attribute at all (SB3's own DictObsVecEnv): the callback
+    refuses it for what it lacks, a gymnasium id, with one UserError, not an AttributeError."""
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    class NoSpecVecEnv(DummyVecEnv):
+        def get_attr(self, attr_name, indices=None):
+            if attr_name == "spec":
+                raise AttributeError(f"no attribute {attr_name!r}")
+            return super().get_attr(attr_name, indices)
+
+    model = SB3PPO("MlpPolicy", NoSpecVecEnv([lambda: gym.make("CartPole-v1")] * 2), n_steps=32, batch_size=32)
+    with pytest.raises(UserError, match="no gymnasium id"):
+        model.learn(64, callback=RunDirectoryCallback(tmp_path / "run"))
+    assert not (tmp_path / "run" / "config.json").exists()

@@ -89,8 +89,11 @@ def _constant(model: Any, name: str, label: str | None = None) -> float:
 def config_of(model: Any, total_timesteps: int, eval_episodes: int) -> PPOConfig:
     """The ``PPOConfig`` of an SB3 PPO model (``UserError`` for what has no counterpart)."""
     policy = model.policy
-    env_spec = model.env.get_attr("spec")[0]
-    if env_spec is None or not env_spec.id:
+    try:
+        env_spec = model.env.get_attr("spec")[0]
+    except AttributeError:  # a VecEnv of envs that are not gymnasium.Env (no spec attribute at all)
+        env_spec = None
+    if env_spec is None or not getattr(env_spec, "id", None):
         raise UserError("RunDirectoryCallback: the model's env has no gymnasium id (make it with gymnasium.make "
                         "or pass the id to PPO)")
     if model.use_sde:
