@@ -125,6 +125,9 @@ def test_a_saved_value_the_run_cannot_have_recorded_is_refused_by_every_reader(r
     (["train", "--corrupt", "logp-mismatch:envs=1,temperature=1e-300"], "in [0.01, 100]"),
     (["rlhf", "--reward-workers", "4", "--broken-reward-workers", "1", "1"], "named 2 times"),
     (["train", "--total-timesteps", "10000000000000000"], "this run would write about"),
+    (["train", "--n-envs", "4", "--n_envs", "2"], "--n-envs is given 2 times"),
+    (["explain", ".", "--threshold", "inf"], "--threshold must be a finite number"),
+    (["compare", "--env", "CartPole-v1", "--seeds", "1000000000000000000"], "at most 10000 seeds"),
     (["audit", ""], "RUN is empty"),
     (["audit", "/nonexistent"], "does not exist: not a run directory"),
 ])
@@ -155,3 +158,13 @@ def test_a_pickle_payload_and_a_truncated_checkpoint_say_what_they_are(tmp_path)
 def test_a_missing_rounds_buffer_names_the_rounds_that_are_saved(run, capsys):
     (run / "buffers" / "round_0001.safetensors").unlink()
     assert "(saved rounds: 0)" in refused(capsys, "attribute", run, "--round", "1")
+
+
+def test_no_output_writes_over_a_runs_own_files(run, capsys, tmp_path):
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for out in (run / "config.json", run / "buffers" / "round_0000.safetensors", run / "metrics.csv"):
+        assert "one of a run directory's own files" in refused(capsys, "attribute", run, "--round", "1", "--out", out)
+    assert "one of a run directory's own files" in refused(capsys, "report", run, "--out", run / "metrics.csv")
+    assert "is a run directory" in refused(capsys, "compare", "--env", "CartPole-v1", "--methods", "ppo", "--seeds", "1",
+                                           "--rounds", "1", "--out", run)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before

@@ -288,7 +288,8 @@ def _refuse_unclear_arguments(args: list[str], kind: type) -> None:
     twice (the parser keeps the last: ``--env A --env B`` would train B), a value holding a control
     character (a name with a newline makes a folder whose printed path breaks), a value ``nan``."""
     flags = _flags(kind)
-    given = [flags[a.partition("=")[0]] for a in args if a.partition("=")[0] in flags]
+    names = ["--" + a[2:].partition("=")[0].replace("_", "-") if a.startswith("--") else a for a in args]
+    given = [flags[name] for name in names if name in flags]  # --n_envs is --n-envs to the parser too
     repeated = next((flag for flag in given if given.count(flag) > 1), None)
     if repeated:
         name, _, values = repeated.partition(" ")

@@ -41,7 +41,8 @@ class AuditArgs:
     """test one scorer alone instead of the verdict over every family: influence, influence-chunk,
     influence-trusted (with --trusted-envs), tracin, dtv, negative-advantage, abs-advantage, td-error,
     reward-extremes, random, or a check: logp-gap, value-gap, action-surprise, action-calibration,
-    obs-shift, truncations, dynamics, action-fit, lag-fit, reward-model, termination"""
+    obs-shift, truncations, dynamics, action-fit, lag-fit, reward-model, termination (the verdict
+    takes tracin only from a run trained with --tracin, where it is recorded; --scorer tracin replays it)"""
     by: Literal["source", "episode", "record"] = "source"
     """episode or record: also rank those items by harm (audit/ranked_<by>.csv, the 10 worst printed)"""
     alpha: float = 0.01
@@ -146,6 +147,7 @@ def explain(a: ExplainArgs) -> int:
     import pandas as pd
 
     from rlinfluence.analysis.explain import (
+        check_sizes,
         driving_records,
         explain_round,
         explain_section,
@@ -159,6 +161,7 @@ def explain(a: ExplainArgs) -> int:
     from rlinfluence.rundir import RunDirectory
 
     _check_writes_into(a.run_dir)
+    check_sizes(a.pct, a.episodes, a.draws, a.threshold)  # before reading the run: also when there is nothing to explain
     if a.drops < 1:
         raise UserError(f"--drops must be >= 1, got {a.drops}")
     run = RunDirectory.open_existing(a.run_dir, tensorboard=False)

@@ -120,12 +120,25 @@ def _check_nearest_folder(path: Path, folders: Sequence[Path], flag: str) -> Non
             return
 
 
+RUN_FILES = ("config.json", "run.json", "metrics.csv", "wandb_id")
+"""A run directory's own files at its top (with ``checkpoints/``, ``buffers/`` and ``frames/``): no
+``--out`` may write over them."""
+RUN_FOLDERS = ("checkpoints", "buffers", "frames", "completions")
+
+
 def check_output_file(path: str | Path, flag: str = "--out") -> Path:
-    """``path`` as an output file: ``UserError`` if it is a directory or a parent is a file."""
+    """``path`` as an output file: ``UserError`` if it is a directory, a parent is a file, or it would
+    write over a run's own files (its config, identity, metrics, checkpoints, buffers, frames)."""
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{flag} {str(path)!r} is a directory; give a file name")
     _check_nearest_folder(path, path.parents, flag)
+    resolved = path.resolve()
+    in_run = (resolved.name in RUN_FILES and (resolved.parent / "config.json").is_file()) or any(
+        folder.name in RUN_FOLDERS and (folder.parent / "config.json").is_file() for folder in resolved.parents)
+    if in_run:
+        raise UserError(f"{flag} {str(path)!r} is one of a run directory's own files (or in its checkpoints, buffers or "
+                        "frames): give another name")
     return path
 
 

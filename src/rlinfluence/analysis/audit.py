@@ -357,8 +357,13 @@ def _scored_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None, wor
     absent = sorted(set(rounds) - set(saved))
     if absent:
         raise UserError(f"round {absent[0]} of {str(run_dir)!r} is not saved (saved: {saved[0]}..{saved[-1]})")
-    if "schedule_indices" not in RunDirectory.open_existing(run_dir, tensorboard=False).load_buffer(saved[0]):
+    first = RunDirectory.open_existing(run_dir, tensorboard=False).load_buffer(saved[0])
+    if "schedule_indices" not in first:
         available.remove("tracin")  # a round saved without its minibatches (an SB3 run's): nothing to replay
+    elif "tracin" not in first and scorer != "tracin":
+        # not recorded in training: replaying every record's full TracIn costs about two rounds of training a
+        # round (docs/benchmarks.md), so only where asked (--scorer tracin) or recorded (train --tracin)
+        available.remove("tracin")
     scorers = available if config.get("corrupt") or scorer is None else [scorer]
     todo = list(rounds or saved)
     with progress_bar(progress, f"audit: scoring {len(todo)} saved rounds", len(todo)) as advance:

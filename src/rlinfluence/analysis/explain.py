@@ -274,7 +274,10 @@ def verdict_of(rows: pd.DataFrame) -> str:
     return "not explained"
 
 
-def _check_sizes(pct: float, episodes: int, draws: int) -> None:
+def check_sizes(pct: float, episodes: int, draws: int, threshold: float = 0.0) -> None:
+    """``UserError`` for explain's sizes: --pct in (0, 100), --episodes >= 2, --draws >= 1, a finite --threshold >= 0."""
+    if not (math.isfinite(threshold) and threshold >= 0):
+        raise UserError(f"--threshold must be a finite number >= 0, got {threshold}")
     if not 0 < pct < 100:
         raise UserError(f"--pct must be in (0, 100), got {pct}")
     if episodes < 2 or draws < 1:
@@ -292,7 +295,7 @@ def explain_round(run_dir: str | Path, round_index: int, pct: float = 10.0, epis
     from rlinfluence.checkpoint import load_round
     from rlinfluence.reruns import Variant, batched_retrain
 
-    _check_sizes(pct, episodes, draws)
+    check_sizes(pct, episodes, draws)
     start = time.perf_counter()
     run = RunDirectory.open_existing(run_dir, tensorboard=False)
     saved = load_round(run.path, round_index)
@@ -465,7 +468,7 @@ def explain_window(run_dir: str | Path, first: int, updates: int, pct: float = 1
 
     if updates < 1:
         raise UserError(f"--window must be >= 1, got {updates}")
-    _check_sizes(pct, episodes, draws)
+    check_sizes(pct, episodes, draws)
     start = time.perf_counter()
     run = RunDirectory.open_existing(run_dir, tensorboard=False)
     rounds = [load_round(run.path, j) for j in range(first, first + updates)]

@@ -86,12 +86,18 @@ class Plan:
         return [s.label for s in self.specs]
 
 
+MAX_SEEDS = 10_000
+"""The most evaluation (or tuning) seeds a comparison takes: each is a training run per method."""
+
+
 def plan_comparison(cfg: CompareConfig) -> Plan:
     """Parse and validate everything (``UserError`` naming the first bad value)."""
     for name in ("seeds", "rounds", "smooth"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if cfg.seeds > MAX_SEEDS or cfg.tune_seeds > MAX_SEEDS:  # each is a training run per method
+        raise UserError(f"--seeds {cfg.seeds} / --tune-seeds {cfg.tune_seeds}: at most {MAX_SEEDS} seeds")
     check_executor(cfg.workers, cfg.ray_address)  # before any folder exists
     check_bootstrap_reps(cfg.bootstrap_reps)
     fixed_by_seed = sorted(set(parse_overrides(cfg.set)) & {"seed", "eval_seed"})
@@ -283,6 +289,8 @@ def compare(cfg: CompareConfig) -> Path:
     plan = plan_comparison(cfg)
     check_envs(cfg, plan)
     out = Path(cfg.out or f"runs/compare__{cfg.env}__{time.strftime('%Y%m%d-%H%M%S')}")
+    if (out / "config.json").is_file():  # the pairs' folders and tables would land among a run's files
+        raise UserError(f"--out {str(out)!r} is a run directory: give the comparison a folder of its own")
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
