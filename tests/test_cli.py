@@ -192,7 +192,7 @@ def test_attribute_a_saved_round(tmp_path, cli):
                       "--state-index", "3", "--out", tmp_path / "full.parquet")
     assert out.returncode == 0, out.stderr
     assert pd.read_parquet(tmp_path / "full.parquet")["score"].abs().sum() > 0
-    _assert_one_line_error(cli("attribute", run, "--round", "9"), "no saved buffer for round 9", "saved rounds: 0, 1)")
+    _assert_one_line_error(cli("attribute", run, "--round", "9"), "no saved buffer for round 9", "saved rounds: 0..1)")
     _assert_one_line_error(cli("attribute", run, "--round", "1", "--target", "action"), "--state-index")
 
 

@@ -390,7 +390,7 @@ def test_a_stray_copy_in_buffers_is_not_a_round(capsys, run_copy):
     shutil.copy(buffers / "round_0001.safetensors", buffers / "round_0001 (copy).safetensors")
     assert RunDirectory.open_existing(run_copy, tensorboard=False).saved_buffer_rounds() == [0, 1]
     assert cli.main(["attribute", str(run_copy), "--round", "9"]) == 2
-    assert "saved rounds: 0, 1)" in capsys.readouterr().err
+    assert "saved rounds: 0..1)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("folder", ["audit", "analyses"])

@@ -168,3 +168,12 @@ def test_no_output_writes_over_a_runs_own_files(run, capsys, tmp_path):
     assert "is a run directory" in refused(capsys, "compare", "--env", "CartPole-v1", "--methods", "ppo", "--seeds", "1",
                                            "--rounds", "1", "--out", run)
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_report_refuses_metrics_that_do_not_match_the_completed_rounds(run, capsys):
+    metrics = run / "metrics.csv"
+    header, *rows = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([header, rows[1]]) + "\n")  # round 0's row gone
+    assert "rows missing for rounds 0" in refused(capsys, "report", run)
+    metrics.write_text("")
+    assert "metrics.csv" in refused(capsys, "report", run)

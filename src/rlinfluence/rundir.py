@@ -430,7 +430,7 @@ class RunDirectory:
         path = self.buffer_path(round_index)
         if not path.is_file():
             saved = self.saved_buffer_rounds()
-            hint = f"saved rounds: {_ranges(saved)}" if saved else "train with --save-buffers"
+            hint = f"saved rounds: {_spans(saved)}" if saved else "train with --save-buffers"
             raise UserError(f"no saved buffer for round {round_index} in {str(self.path)!r} ({hint})")
         try:
             with safe_open(str(path), framework="pt") as file:
@@ -556,17 +556,6 @@ def _size(n: float) -> str:
             return f"{n:.3g} {unit}"
         n /= 1000
     return f"{n:.3g} TB"
-
-
-def _ranges(numbers: Sequence[int]) -> str:
-    """Sorted round numbers as runs: ``0..2, 4, 6..9`` (a gap shows where a file is missing)."""
-    runs: list[list[int]] = []
-    for n in numbers:
-        if runs and n == runs[-1][1] + 1:
-            runs[-1][1] = n
-        else:
-            runs.append([n, n])
-    return ", ".join(f"{a}..{b}" if b > a + 1 else f"{a}, {b}" if b == a + 1 else f"{a}" for a, b in runs)
 
 
 def _holds_pickle(path: Path) -> bool:

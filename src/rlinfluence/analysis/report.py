@@ -31,7 +31,7 @@ from rlinfluence.pages import (  # noqa: F401  (the building blocks, importable 
     save_section,
     write_html,
 )
-from rlinfluence.rundir import RunDirectory
+from rlinfluence.rundir import RunDirectory, saved_round_numbers
 from rlinfluence.sections import FrameCard, Gallery, Section, Table  # noqa: F401  (importable from here)
 
 
@@ -167,6 +167,11 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, score_round
             return path, sections
     run = RunDirectory.open_existing(run_dir, tensorboard=False)
     config = run.read_config()
+    completed = saved_round_numbers(run.path / "checkpoints", ".pt")
+    if completed:  # the curve is the rows of every completed round, each once, none missing
+        run.truncate(completed[-1])
+    if not run.rows:
+        raise UserError(f"{str(run.path / 'metrics.csv')!r} has no round: nothing to report yet")
     sections = [learning_section(run, config)]
     if score_rounds > 0:
         influence = influence_section(run_dir, score_rounds)
