@@ -34,6 +34,8 @@ AUTO = "auto"
 FILTER_NAMES = ("none", "iif", "random", "advantage", "td-error", "reward-extremes", "dtv", "advantage-sign", "oracle",
                 "quarantine")
 """The filters ``rlinfluence.filters.make_filter`` builds (``none`` = standard PPO)."""
+DROP_FILTERS = ("iif", "random", "advantage", "reward-extremes", "dtv", "advantage-sign")
+"""The filters that drop ``drop_pct`` % of the records; to the others p means nothing."""
 
 
 LIMITS: dict[str, int] = {"n_envs": 1024, "eval_envs": 1024, "torch_threads": 512, "hidden_sizes": 8192,
@@ -401,7 +403,12 @@ class PPOConfig:
                           UserWarning, stacklevel=2)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, but ``drop_pct`` only for a filter that drops p % (``DROP_FILTERS``): config.json
+        says what ran (read back, a missing field is its default)."""
+        data = dataclasses.asdict(self)
+        if self.filter not in DROP_FILTERS:
+            del data["drop_pct"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> PPOConfig:

@@ -26,7 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from rlinfluence.config import FIELD_TYPES, FILTER_NAMES, ROBUST_IIF, PPOConfig, coerce
+from rlinfluence.config import (
+    DROP_FILTERS,
+    FIELD_TYPES,
+    FILTER_NAMES,
+    ROBUST_IIF,
+    PPOConfig,
+    coerce,
+)
 from rlinfluence.errors import UserError
 from rlinfluence.helptext import EmptyMeansNone, StatedDefault, shown_as
 from rlinfluence.statistics import DEFAULT_REPS, MAX_REPS  # noqa: F401  (importable from here)
@@ -216,12 +223,14 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
 
 
 def config_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
-    """Keys whose values differ between two config dicts, presentation-only keys excepted. A key
-    one side lacks (a config saved before that option existed) counts as the option's default,
-    which is what that run did."""
+    """Keys whose values differ between two config dicts, presentation-only keys excepted, and
+    ``drop_pct`` where neither filter drops p % (``PPOConfig.to_dict`` leaves it out there). A key one
+    side lacks (a config saved before that option existed) counts as the option's default, which is
+    what that run did."""
     defaults = json.loads(json.dumps(dataclasses.asdict(PPOConfig())))
     saved, wanted = ({**defaults, **json.loads(json.dumps(d))} for d in (saved, wanted))  # tuples -> lists
-    keys = (set(saved) | set(wanted)) - set(PRESENTATION_KEYS)
+    unused = {"drop_pct"} if saved["filter"] not in DROP_FILTERS and wanted["filter"] not in DROP_FILTERS else set()
+    keys = (set(saved) | set(wanted)) - set(PRESENTATION_KEYS) - unused
     return sorted(k for k in keys if saved.get(k) != wanted.get(k))
 
 
