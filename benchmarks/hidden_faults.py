@@ -180,7 +180,7 @@ def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path, wind
     for prefix in ("", "seq_"):
         row |= {f"{prefix}verdict_round": np.nan, f"{prefix}reading": "", f"{prefix}candidates": "",
                 f"{prefix}reading_outcome": "", f"{prefix}reading_right": np.nan, f"{prefix}false_flags": "",
-                f"{prefix}signature": ""}
+                f"{prefix}false_signatures": "", f"{prefix}signature": ""}
     row |= {"final_flagged": "", "p_at_flag": ""}
     row |= {f"round_{f}": np.nan for f in scorers_of(1) if f != "random"}
     truth = truth_class(fault) if fault else ""
@@ -224,6 +224,9 @@ def _note(row: dict, prefix: str, verdict: pd.DataFrame, k: int, active: set, tr
     false = sorted(set(flagged["source"].astype(int)) - active)
     if false:
         row[f"{prefix}false_flags"] += f"{k + 1}:{','.join(map(str, false))} "
+        # which families flagged each: what a false flag's cause is read from, without re-running the run
+        signatures = flagged.set_index(flagged["source"].astype(int))["signature"]
+        row[f"{prefix}false_signatures"] += "".join(f"{k + 1}:{s}:{signatures[s]} " for s in false)
     if len(found) and np.isnan(row[f"{prefix}verdict_round"]):
         first = found.iloc[0]
         row[f"{prefix}verdict_round"] = k + 1

@@ -790,3 +790,14 @@ def test_the_held_out_answer_is_written_from_its_rows_and_an_edited_figure_fails
                                             "docs/results/hidden-faults.md (held-out-answer)"]
     assert hidden_faults.prepared(pd.read_csv(data / "hidden_faults_held_out_runs.csv")).equals(
         hidden_faults.prepared(hidden_faults.prepared(pd.read_csv(data / "hidden_faults_held_out_runs.csv"))))
+
+
+def test_a_false_flag_is_recorded_with_the_families_that_raised_it(benchmark_script):
+    hidden_faults = benchmark_script("hidden_faults")
+    verdict = pd.DataFrame({"source": [0, 3, 5], "flagged": [True, True, False],
+                            "signature": ["truncations", "dynamics;action-fit", ""],
+                            "fault_class": ["done-flags", "action", ""], "candidates": ["done-flags", "action", ""]})
+    row = {"false_flags": "", "false_signatures": "", "verdict_round": np.nan}
+    found = hidden_faults._note(row, "", verdict, 4, {3}, "action")
+    assert list(found["source"]) == [3] and row["verdict_round"] == 5 and row["reading_outcome"] == "right"
+    assert row["false_flags"] == "5:0 " and row["false_signatures"] == "5:0:truncations "
