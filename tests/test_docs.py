@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.resources
 import importlib.util
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -131,3 +132,29 @@ def test_the_readmes_first_session_runs(tmp_path: Path, monkeypatch, capsys) -> 
         args = [run if a == "RUN" else a for a in command[1:]]
         args = [a if a != "3" else "1" for a in args]  # --round 3 of 8 -> round 1 of 2
         assert main(args) == 0, capsys.readouterr().err
+
+
+PLACEHOLDERS = {"ENV": "CartPole-v1", "S": "1", "K": "1", "N": "1"}
+"""Words the docs write for a value of the reader's (a run folder such as RUN stays: parsing never opens it)."""
+
+
+def test_every_command_the_docs_show_parses_as_written(capsys):
+    """Each `rlinfluence ...` line of a shell block in README.md and docs/ (placeholders filled in;
+    lines with optional [..] parts, alternatives or shell variables left out) is a command line the
+    parser takes: no flag renamed or removed under a guide, no value out of its choices."""
+    from rlinfluence import cli
+
+    checked = 0
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", page.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split(" #")[0].strip()
+                if not line.startswith("rlinfluence ") or any(c in line for c in "[|<$") or "..." in line:
+                    continue
+                args = [PLACEHOLDERS.get(a, a) for a in shlex.split(line)[1:]]
+                if "--help" in args:
+                    continue
+                cli._parse(args)  # raises UserError (or exits) on a command line the parser refuses
+                checked += 1
+    capsys.readouterr()
+    assert checked >= 30  # 38 when written: the check found the commands
