@@ -177,3 +177,11 @@ def test_report_refuses_metrics_that_do_not_match_the_completed_rounds(run, caps
     assert "rows missing for rounds 0" in refused(capsys, "report", run)
     metrics.write_text("")
     assert "metrics.csv" in refused(capsys, "report", run)
+
+
+def test_a_run_from_before_run_ids_with_an_edited_rollout_size_is_not_resumed(run, capsys):
+    (run / "run.json").unlink()
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "n_steps": 64, "batch_size": 32}))
+    assert "config.json's rounds are n_steps * n_envs = 64 steps" in refused(capsys, "train", "--resume", run,
+                                                                             "--total-timesteps", "512")

@@ -131,6 +131,10 @@ def resume(trainer_class: type[TrainerT], run_dir: str | Path, filter: Filter | 
             skipped.append(f"{checkpoint.name} ({exc})")
     else:
         raise UserError(f"no checkpoint of {str(run.path)!r} loads; newest: {skipped[0]}")
+    if state["env_steps"] != state["round"] * config.rollout_size:  # what a run from before run ids can still tell
+        raise UserError(f"{checkpoint.name} holds {state['env_steps']} env steps after {state['round']} rounds, but "
+                        f"config.json's rounds are n_steps * n_envs = {config.rollout_size} steps (was config.json "
+                        "edited?): restore it")
     trained_with = state.get("filter_class")
     if filter is None and trained_with is not None and trained_with != filter_class(trainer.filter):
         raise UserError(f"{str(run.path)!r} was trained with the filter {trained_with}, not the "
