@@ -185,3 +185,9 @@ def test_a_run_from_before_run_ids_with_an_edited_rollout_size_is_not_resumed(ru
     (run / "config.json").write_text(json.dumps({**config, "n_steps": 64, "batch_size": 32}))
     assert "config.json's rounds are n_steps * n_envs = 64 steps" in refused(capsys, "train", "--resume", run,
                                                                              "--total-timesteps", "512")
+
+
+def test_a_run_refused_before_its_first_round_leaves_no_folder_it_made(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert "would write about" in refused(capsys, "train", "--total-timesteps", "10000000000000000")
+    assert list(tmp_path.iterdir()) == []  # neither the run nor the runs/ folder it made

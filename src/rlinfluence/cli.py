@@ -88,6 +88,7 @@ def _chosen_for_the_run(trainer) -> list[str]:
 def _train(a: TrainArgs) -> int:
     from rlinfluence.ppo import PPO
 
+    made_root = False  # a fresh run's root folder made by this call: removed again if no round completes
     if a.resume is not None:
         preset = PPOConfig.for_env(a.config.env)
         flags = ["--env"] if a.config.env != PPOConfig.env else []
@@ -107,11 +108,12 @@ def _train(a: TrainArgs) -> int:
         print(f"resuming {trainer.run.path} from theta({trainer.round}) of {trainer.config.rounds} rounds: "
               "environment episodes restart (the envs are reset with a seed derived from (seed, round))")
     else:
+        made_root = not Path(a.config.run_root).exists()
         trainer = PPO(a.config)
         print(f"run directory: {trainer.run.path}", flush=True)
     for line in _chosen_for_the_run(trainer):
         print(line, flush=True)
-    _learn(trainer, fresh=a.resume is None)
+    _learn(trainer, fresh=a.resume is None, made_root=made_root)
     last = trainer.run.rows[-1] if trainer.run and trainer.run.rows else None
     if last is not None:
         print(f"round {last['round']}: eval_return {last['eval_return_mean']:.3f} "
@@ -129,16 +131,19 @@ def _extend(trainer: PPO, total_timesteps: int) -> None:
     trainer.run.write_config(trainer.config.to_dict())
 
 
-def _learn(trainer: PPO, fresh: bool) -> None:
+def _learn(trainer: PPO, fresh: bool, made_root: bool = False) -> None:
     """``trainer.learn()``. A fresh run that fails before completing its first round leaves no
-    directory; a later failure keeps the completed rounds and says how to resume; Ctrl-C says
-    where the run is and how to continue it."""
+    directory (nor the run root it made); a later failure keeps the completed rounds and says how to
+    resume; Ctrl-C says where the run is and how to continue it."""
     try:
         trainer.learn()
     except BaseException as exc:
         path = trainer.run.path
         if fresh and trainer.round == 0:
             shutil.rmtree(path, ignore_errors=True)
+            if made_root:
+                with contextlib.suppress(OSError):  # another run may have started in it meanwhile
+                    path.parent.rmdir()
         if isinstance(exc, KeyboardInterrupt):
             where = (f"no round completed; {str(path)!r} removed" if fresh and trainer.round == 0 else
                      f"{trainer.round} of {trainer.config.rounds} rounds are saved in {path}; continue with "

@@ -64,8 +64,9 @@ def load_curves(out: Path, methods: Sequence[str], seeds: Sequence[int], window:
             c, pad = curves[key], n - len(curves[key].returns)
             floor = min(start, float(c.returns.min())) if len(c.returns) else start
             if not math.isfinite(floor):
-                raise UserError(f"{key[0]} seed {key[1]} failed before its first round and so did its reference: "
-                                "no score can be given to it")
+                reason = failure(out / f"{dirname_of(key[0])}__seed{key[1]}")["error"]
+                raise UserError(f"{key[0]} seed {key[1]} failed before its first round ({reason}) and so did its "
+                                "reference: no score can be given to it")
             last_second = float(c.seconds[-1]) if len(c.seconds) else 0.0
             kl = c.approx_kl if c.approx_kl is not None else np.full(len(c.returns), np.nan)
             curves[key] = Curve(np.concatenate([c.returns, np.full(pad, floor)]),
