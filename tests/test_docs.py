@@ -158,3 +158,9 @@ def test_every_command_the_docs_show_parses_as_written(capsys):
                 checked += 1
     capsys.readouterr()
     assert checked >= 30  # 38 when written: the check found the commands
+
+
+def test_docs_benchmarks_lists_every_benchmark_script():
+    listed = (ROOT / "docs" / "benchmarks.md").read_text()
+    unlisted = [p.name for p in sorted((ROOT / "benchmarks").glob("*.py")) if f"`benchmarks/{p.name}`" not in listed]
+    assert not unlisted, f"add them to docs/benchmarks.md's list, by question: {unlisted}"
