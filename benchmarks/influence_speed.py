@@ -1,4 +1,4 @@
-"""Speed of the attribution core on one LunarLander-v3 PPO round (issue 3).
+"""Speed of the attribution core on one LunarLander-v3 PPO round.
 
 Collects an ``--n-steps`` buffer with the preset-shaped policy (``make_policy`` on LunarLander's
 spaces: tanh 64-64 actor and critic) and times, single-threaded (``torch.set_num_threads(1)``),

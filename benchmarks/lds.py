@@ -1,4 +1,4 @@
-"""LDS of saved rounds across envs, seeds, rounds and scorers (issue 12; docs/analyses.md).
+"""LDS of saved rounds across envs, seeds, rounds and scorers (docs/analyses.md).
 
 For every run directory under ``--runs`` (standard PPO trained with ``--save-buffers``) and each
 of ``--rounds``, ``rlinfluence.analysis.validation.validate_round`` scores round k by all four

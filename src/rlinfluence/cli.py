@@ -300,7 +300,7 @@ def _refuse_unclear_arguments(args: list[str], kind: type) -> None:
         name, _, values = repeated.partition(" ")
         raise UserError(f"{name} is given {given.count(repeated)} times: give it once"
                         + (f" with all its values ({repeated})" if values else ""))
-    flag = args[0] if args else ""
+    flag = "argument"  # a positional value before any flag
     for arg in args:
         flag = arg.partition("=")[0] if arg.startswith("--") else flag
         value = arg.partition("=")[2] if arg.startswith("--") else arg
