@@ -27,6 +27,18 @@ injections that made a drop (the verdict names the cause: ``source 0`` for the s
 and writes
 ``<data>/explain_runs.csv`` and ``<data>/explain_table.txt``.
 
+``plants``: held-out plants, which the verdict's rules were not written on and which no removal
+selects by construction, at update K of runs on fresh seeds (every seed counted, drop or not):
+
+- ``inverted-band``:  the ``--planted`` records ranked just below the 10% |advantage| removal's cut
+                      (ordinary records, never in it) with their advantage's sign inverted; right: *data*;
+- ``stuck-source``:   env 0's logged actions all replaced by action 0 (its log-prob under theta(k)
+                      logged with it) and its advantages by their absolute values: a stuck worker
+                      whose records all credit one action, at ordinary magnitudes; right: *source 0*;
+- ``stale-round``:    ``--share`` of the round's records (random positions) replaced by round 1's at the
+                      same positions, with round 1's log-probs, values and advantages: another
+                      policy's data; right: *data*.
+
 ``natural``: drops nobody planted. Per learning rate and seed, PPO with the env's preset (every
 round saved, 100 evaluation episodes a round; ``--trainer sb3``: Stable-Baselines3's PPO, 8 envs x
 256 steps, written by ``RunDirectoryCallback``), then ``explain_round`` of each of its
@@ -41,6 +53,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import copy  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
@@ -55,17 +68,49 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hidden_faults import append_row, finished  # noqa: E402
 
 CAUSES = ("step", "data", "source")
+PLANTS = {"inverted-band": "data", "stuck-source": "source 0", "stale-round": "data"}
+"""Held-out plants (``plants``; not causes the verdict's rules were written on) and the verdict that is right."""
+
+
+def plant(cause: str, buffer, trainer, planted: int, share: float) -> None:
+    """Inject a held-out plant into round ``buffer.round``'s records in place (module docstring of
+    ``plants``): no removal of explain selects its records by construction."""
+    flat = {name: getattr(buffer, name).view(-1, *getattr(buffer, name).shape[2:])
+            for name in ("obs", "actions", "logp", "values", "advantages", "returns", "rewards")}
+    if cause == "inverted-band":  # ordinary records just below the |advantage| removal's cut, sign inverted
+        adv = flat["advantages"]
+        order = adv.abs().argsort(descending=True, stable=True)
+        cut = round(0.1 * len(order))
+        band = order[cut:cut + planted]
+        adv[band] = -adv[band]
+        buffer.returns.copy_(buffer.advantages + buffer.values)
+    elif cause == "stuck-source":  # source 0 logs action 0 at every step, credited with its own |advantage|
+        with torch.no_grad():
+            buffer.actions[:, 0] = 0
+            buffer.logp[:, 0] = trainer.policy.log_prob(buffer.obs[:, 0], buffer.actions[:, 0]).to(buffer.logp.dtype)
+        buffer.advantages[:, 0] = buffer.advantages[:, 0].abs()
+        buffer.returns.copy_(buffer.advantages + buffer.values)
+    else:  # stale-round: a share of the records replaced by round 1's (another policy's data, its own log-probs)
+        stale = trainer.stale_round
+        rows = torch.randperm(len(buffer), generator=torch.Generator().manual_seed(buffer.round))
+        rows = rows[: round(share * len(buffer))]
+        for name, column in flat.items():
+            column[rows] = getattr(stale, name).view(-1, *column.shape[1:])[rows]
 
 
 def injected_trainer(cause: str, at: int, spike: float, planted: int, planted_size: float, source_scale: float,
-                     config):
-    """A PPO whose update ``at`` is injured by ``cause`` (module docstring)."""
+                     config, share: float = 0.0):
+    """A PPO whose update ``at`` is injured by ``cause`` (module docstring, and ``PLANTS``)."""
     from rlinfluence.ppo import PPO
 
     class Injured(PPO):
         def update(self, buffer, keep, sample_weights=None, lr_scale=1.0, n_epochs=None):
+            if buffer.round == 1:
+                self.stale_round = copy.deepcopy(buffer)
             if buffer.round == at:
-                if cause == "step":
+                if cause in PLANTS:
+                    plant(cause, buffer, self, planted, share)
+                elif cause == "step":
                     lr_scale *= spike
                 elif cause == "data":
                     flat = buffer.advantages.view(-1)
@@ -79,27 +124,28 @@ def injected_trainer(cause: str, at: int, spike: float, planted: int, planted_si
     return Injured(config)
 
 
-def run_one(cause: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
+def run_one(cause: str, seed: int, args: argparse.Namespace, out: Path, rows: str = "runs.csv") -> dict:
+    """Train to update ``args.at`` injured by ``cause``, explain it; the row appended to ``out/rows``."""
     from rlinfluence.analysis.explain import explain_round
     from rlinfluence.errors import UserError
     from rlinfluence.ppo import PPOConfig
 
-    scratch = out / "scratch" / f"{cause}_{seed}"
+    scratch = out / "scratch" / f"{args.env}_{cause}_{seed}"
     shutil.rmtree(scratch, ignore_errors=True)
     config = PPOConfig.for_env(args.env, n_envs=8, n_steps=256, batch_size=64, learning_rate=args.lr, seed=seed,
                                total_timesteps=(args.at + 1) * 2048, eval_episodes=20, save_buffers=True,
                                run_root=str(scratch), progress=False, tensorboard=False)
     try:
         trainer = injected_trainer(cause, args.at, args.spike, args.planted, args.planted_size, args.source_scale,
-                                   config).learn()
+                                   config, getattr(args, "share", 0.0)).learn()
     except UserError as exc:  # the injured update's loss was not finite: no theta(k+1) to explain
         row = {"cause": cause, "seed": seed, "verdict": f"diverged: {exc}"[:120], "right": False, "drop": np.nan}
-        append_row(out / "runs.csv", row)
+        append_row(out / rows, row | ({"env": args.env} if cause in PLANTS else {}))
         return row
     cpu = time.process_time()
     table, _ = explain_round(trainer.run.path, args.at, episodes=args.episodes, draws=args.draws, seed=seed)
     row = {"cause": cause, "seed": seed, "verdict": table["verdict"].iloc[0],
-           "right": table["verdict"].iloc[0] == ("source 0" if cause == "source" else cause),
+           "right": table["verdict"].iloc[0] == PLANTS.get(cause, "source 0" if cause == "source" else cause),
            "drop": table["drop"].iloc[0], "drop_ci_low": table["drop_ci_low"].iloc[0],
            "return_before": table["return_before"].iloc[0],
            "return_after": table["return_after"].iloc[0],
@@ -111,7 +157,8 @@ def run_one(cause: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
            "explain_cpu_s": time.process_time() - cpu, "explain_wall_s": table["seconds"].iloc[0],
            "update_s": float(pd.read_csv(trainer.run.path / "metrics.csv")["update_seconds"].iloc[args.at])}
     shutil.rmtree(scratch, ignore_errors=True)
-    append_row(out / "runs.csv", row)
+    row = ({"env": args.env} | row) if cause in PLANTS else row
+    append_row(out / rows, row)
     return row
 
 
@@ -159,6 +206,47 @@ def summary(args: argparse.Namespace) -> None:
         data = Path(args.data)
         every.to_csv(data / f"{args.name}_runs.csv", index=False)
         (data / f"{args.name}_table.txt").write_text(confusion.to_string() + "\n\n" + "\n".join(lines) + "\n")
+
+
+def plants(args: argparse.Namespace) -> None:
+    """Every plant of ``PLANTS`` on seeds ``--first-seed``.. (``--seeds`` of them, all counted), one
+    row each in ``<out>/plants.csv`` (resumes); the summary lines of ``plant_lines``."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    done = finished(out / "plants.csv", ["env", "cause", "seed"])
+    for cause in PLANTS:
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
+            if (args.env, cause, seed) not in done:
+                row = run_one(cause, seed, args, out, rows="plants.csv")
+                print(f"{args.env} {cause} seed {seed}: verdict {row['verdict']} (drop {row['drop']:.3g}, best "
+                      f"{row.get('best')} {row.get('best_recovered', np.nan):.2f})", flush=True)
+    rows = pd.read_csv(out / "plants.csv")
+    lines = plant_lines(rows)
+    print("\n".join(lines))
+    if args.data:
+        rows.to_csv(Path(args.data) / "explain_plants_runs.csv", index=False)
+        (Path(args.data) / "explain_plants_summary.txt").write_text("\n".join(lines) + "\n")
+
+
+def plant_lines(rows: pd.DataFrame) -> list[str]:
+    """Per env and plant: drops made over every seed tried, the right verdict over the drops and over
+    every seed, the verdicts, and which removals made each right *data* verdict (influence on the
+    return, on a fresh rollout's, or only |advantage|)."""
+    lines = []
+    for (env, cause), group in rows.groupby(["env", "cause"], sort=False):
+        name, drops = f"plants/{env}/{cause}", group[made_drop(group)]
+        right = int(drops["right"].astype(bool).sum())
+        lines.append(f"{name}/drop: {len(drops)}/{len(group)}")
+        lines.append(f"{name}/right: {right}/{len(drops)} of the drops ({right}/{len(group)} of every seed tried; "
+                     f"right: {PLANTS[cause]})")
+        lines.append(f"{name}/verdicts: " + ", ".join(f"{k} {v}" for k, v in group["verdict"].value_counts().items()))
+        if PLANTS[cause] == "data" and right:
+            named = drops.loc[drops["right"].astype(bool), "beyond_band"].fillna("").str.split(";")
+            by = {scorer: int(named.apply(lambda n, s=scorer: any(x.endswith(f"% {s}") for x in n)).sum())
+                  for scorer in ("influence", "influence-fresh", "tracin", "abs-advantage")}
+            lines.append(f"{name}/named_by: " + ", ".join(f"{k} {v}" for k, v in by.items() if v)
+                         + f" (of {right} right; a removal may share the credit)")
+    return lines
 
 
 EVAL_EPISODES = 100
@@ -389,6 +477,19 @@ def main() -> None:
     sl.add_argument("--draws", type=int, default=5)
     sl.add_argument("--out", default="bench_out/explain_slides")
     sl.add_argument("--data", default="", help="write <data>/explain_slides_runs.csv and explain_slides_summary.txt")
+    pl = sub.add_parser("plants", help="held-out plants (PLANTS) on fresh seeds, every seed counted")
+    pl.add_argument("--env", default="CartPole-v1")
+    pl.add_argument("--lr", type=float, default=0.001)
+    pl.add_argument("--at", type=int, default=6)
+    pl.add_argument("--planted", type=int, default=600)
+    pl.add_argument("--share", type=float, default=0.5, help="stale-round: the share of the round's records replaced")
+    pl.add_argument("--seeds", type=int, default=10)
+    pl.add_argument("--first-seed", type=int, default=301)
+    pl.add_argument("--episodes", type=int, default=50)
+    pl.add_argument("--draws", type=int, default=5)
+    pl.add_argument("--out", default="bench_out/explain_plants")
+    pl.add_argument("--data", default="", help="write <data>/explain_plants_runs.csv and explain_plants_summary.txt")
+    pl.set_defaults(spike=1.0, planted_size=0.0, source_scale=1.0)  # the design causes' sizes; no plant reads them
     s = sub.add_parser("summary")
     s.add_argument("--out", default="bench_out/explain")
     s.add_argument("--data", default="")
@@ -399,7 +500,7 @@ def main() -> None:
     args = parser.parse_args()
     np.seterr(all="ignore")
     {"run": run, "natural": natural, "summary": summary, "natural-summary": natural_summary,
-     "slides": slides}[args.command](args)
+     "slides": slides, "plants": plants}[args.command](args)
 
 
 if __name__ == "__main__":
