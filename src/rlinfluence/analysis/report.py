@@ -49,7 +49,10 @@ def learning_section(run: RunDirectory, config: dict[str, Any]) -> Section:
     if not rows:
         section.paragraphs.append("metrics.csv has no completed round yet.")
         return section
-    if not any("eval_return_mean" in r for r in rows):
+    if config.get("eval_episodes") == 0:  # a run written without evaluation: its curve is the training episodes'
+        section.paragraphs.append("The run was written without evaluation episodes (eval_episodes 0): the curve "
+                                  "is the training episodes' returns.")
+    elif not any("eval_return_mean" in r for r in rows):
         raise UserError(f"{str(run.path / 'metrics.csv')!r} has no eval_return_mean column "
                         "(not written by rlinfluence train?)")
     rounds = np.array([r["round"] for r in rows], dtype=float)

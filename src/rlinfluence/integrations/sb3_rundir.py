@@ -49,11 +49,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("rlinfluence.integrations.sb3_rundir needs stable-baselines3: "
                       "pip install 'rlinfluence[sb3]'") from exc
 
+from rlinfluence.buffer import RolloutBuffer as OurRolloutBuffer
 from rlinfluence.config import PPOConfig
 from rlinfluence.errors import UserError
 from rlinfluence.integrations.sb3 import TimeLimitEnds, as_rollout_buffer
-from rlinfluence.ppo import PPO
-from rlinfluence.rundir import RunDirectory
+from rlinfluence.writer import RunWriter
 
 WRITTEN_BY = "stable-baselines3 (RunDirectoryCallback)"
 """``written_by`` of the run's identity (``rlinfluence.identity``): analyses read it, ``train --resume`` refuses it."""
@@ -132,7 +132,8 @@ def config_of(model: Any, total_timesteps: int, eval_episodes: int) -> PPOConfig
 
 
 class RunDirectoryCallback(BaseCallback):
-    """Writes an SB3 PPO run as an rlinfluence run directory at ``path`` (module docstring).
+    """Writes an SB3 PPO run as an rlinfluence run directory at ``path`` (module docstring): a thin
+    layer over ``rlinfluence.writer.RunWriter``, which SB3's hooks call.
 
     ``eval_episodes``: episodes of rlinfluence's evaluation of each theta(k+1) (the run's
     ``eval_return_mean``, what ``explain`` and ``report`` read; 0 = none, NaN in metrics.csv).
@@ -144,50 +145,25 @@ class RunDirectoryCallback(BaseCallback):
         if eval_episodes < 0:
             raise UserError(f"eval_episodes must be >= 0, got {eval_episodes}")
         self.path, self.eval_episodes = Path(path), eval_episodes
-        self.round = 0
-        self.trainer: PPO | None = None
-        self.run: RunDirectory | None = None
+        self.writer: RunWriter | None = None
         self._episodes: np.ndarray | None = None
         self._returns: list[float] = []
-        self._pending: dict[str, Any] | None = None  # the last round's row, completed after its train()
+        self._pending: OurRolloutBuffer | None = None  # the round collected, ended after its train()
         self._time_limits = TimeLimitEnds()
 
+    @property
+    def round(self) -> int:
+        """Rounds whose records were written."""
+        return 0 if self.writer is None else self.writer.round + (self._pending is not None)
+
     def _on_training_start(self) -> None:
-        if self.run is not None:  # a later learn() with this callback continues its run
+        if self.writer is not None:  # a later learn() with this callback continues its run
             return
         if (self.path / "config.json").exists():
             raise UserError(f"{str(self.path)!r} already holds a run: the analyses would mix the two trainings; give "
                             "this one its own path (or pass the same callback to a later learn() to continue)")
         config = config_of(self.model, self.model._total_timesteps, self.eval_episodes)
-        threads = torch.get_num_threads()
-        try:
-            self.trainer = PPO(config, run_dir=False)
-        finally:  # the trainer sets the process's thread count for itself: the user's training keeps theirs
-            torch.set_num_threads(threads)
-        ours = dict(self.trainer.policy.named_parameters())
-        theirs = {our_name(n): p for n, p in self.model.policy.named_parameters()}
-        if set(theirs) != set(ours) or any(theirs[n].shape != p.shape for n, p in ours.items()):
-            raise UserError(f"RunDirectoryCallback: the policy's parameters {sorted(map(str, theirs))} do not map onto "
-                            f"rlinfluence's {sorted(ours)}")
-        self.run = RunDirectory.at(self.path, tensorboard=False)
-        self.run.write_config(config.to_dict(), written_by=WRITTEN_BY)
-
-    def _sync(self) -> None:
-        """The trainer set to the model as it is now, at round ``self.round``: the policy, and SB3's
-        Adam moments moved to the same parameters (by name; SB3 registers them in another order)."""
-        trainer, policy = self.trainer, self.model.policy
-        sb3_names = [n for n, _ in policy.named_parameters()]
-        ours = dict(trainer.policy.named_parameters())
-        with torch.no_grad():
-            for name, parameter in policy.named_parameters():
-                ours[our_name(name)].copy_(parameter.detach().cpu())
-        our_index = {n: i for i, n in enumerate(ours)}
-        sb3_state = policy.optimizer.state_dict()
-        moved = {our_index[our_name(sb3_names[i])]: {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-                                                   for k, v in s.items()} for i, s in sb3_state["state"].items()}
-        group = {**sb3_state["param_groups"][0], "params": list(range(len(our_index)))}
-        trainer.optimizer.load_state_dict({"state": moved, "param_groups": [group]})
-        trainer.round, trainer.env_steps = self.round, int(self.num_timesteps)
+        self.writer = RunWriter.from_config(self.path, config, names=our_name, written_by=WRITTEN_BY)
 
     def _on_step(self) -> bool:
         self._time_limits.record(self.locals)
@@ -196,47 +172,41 @@ class RunDirectoryCallback(BaseCallback):
                 self._returns.append(float(info["episode"]["r"]))
         return True
 
-    def _finish_pending(self) -> None:
-        """The previous round's row, now that its ``train()`` ran: SB3's update statistics and the
-        evaluation of theta(k+1) (the model as it is now, synced into the trainer)."""
+    def _end_round(self) -> None:
+        """The collected round ends, now that its ``train()`` ran: its advantages, SB3's update
+        statistics, theta(k+1) (the model as it is now)."""
         if self._pending is None:
             return
-        row, values = self._pending, self.model.logger.name_to_value
+        buffer, values = self._pending, self.model.logger.name_to_value
+        metrics = {"train_return_mean": float(np.mean(self._returns)) if self._returns else math.nan,
+                   "train_episodes": len(self._returns)}
         for ours, theirs in (("approx_kl", "train/approx_kl"), ("clip_fraction", "train/clip_fraction"),
                              ("policy_loss", "train/policy_gradient_loss"), ("value_loss", "train/value_loss"),
                              ("entropy", "train/entropy_loss")):
             if theirs in values:
-                row[ours] = -float(values[theirs]) if ours == "entropy" else float(values[theirs])
-        returns = self.trainer.evaluate()
-        row["eval_return_mean"] = float(returns.mean()) if returns.size else math.nan
-        row["eval_return_std"] = float(returns.std()) if returns.size else math.nan
-        self.run.log_round(row)
-        self._pending = None
+                metrics[ours] = -float(values[theirs]) if ours == "entropy" else float(values[theirs])
+        self.writer.end_round(buffer.advantages, buffer.returns, self.model.policy, self.model.policy.optimizer,
+                              metrics, last_values=buffer.last_values)
+        self._pending, self._returns = None, []
+
+    def _on_rollout_start(self) -> None:
+        self._end_round()
 
     def _on_rollout_end(self) -> None:
-        self._sync()  # theta(k): the previous round's evaluation and this round's checkpoint
-        self._finish_pending()
         buffer = self.model.rollout_buffer
         if self._episodes is None:
             self._episodes = np.zeros(buffer.n_envs, dtype=np.int64)
-        ours = as_rollout_buffer(self.model, buffer, self.round, self._episodes,
+        ours = as_rollout_buffer(self.model, buffer, self.writer.round, self._episodes,
                                  self._time_limits.take(buffer.buffer_size))
         self._episodes = ours.episode_ids[-1].numpy() + ours.dones[-1].long().numpy()
-        tensors = ours.tensors()
-        tensors["keep"] = torch.ones(len(ours), dtype=torch.bool)
-        self.run.save_checkpoint(self.round, self.trainer.state_dict())
-        self.run.save_buffer(self.round, tensors)
-        self._pending = {"round": self.round, "env_steps": int(self.num_timesteps),
-                         "train_return_mean": float(np.mean(self._returns)) if self._returns else math.nan,
-                         "train_episodes": len(self._returns), "kept_fraction": 1.0}
-        self._returns = []
-        self.round += 1
+        self.writer.begin_round(self.model.policy, self.model.policy.optimizer)  # theta(k): it collected the round
+        self.writer.add_rollout(ours.obs, ours.actions, ours.logp, ours.values, ours.rewards, ours.terminated,
+                                ours.truncated, ours.final_values)
+        self._pending = ours
 
     def _on_training_end(self) -> None:
-        self._sync()
-        self._finish_pending()
-        self.run.save_checkpoint(self.round, self.trainer.state_dict())  # the final theta, after the last train()
-        self.run.close()
+        self._end_round()
+        self.writer.close()
 
 
 __all__ = ["RunDirectoryCallback", "config_of", "our_name"]
