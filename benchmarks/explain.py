@@ -246,6 +246,9 @@ def plant_lines(rows: pd.DataFrame) -> list[str]:
                   for scorer in ("influence", "influence-fresh", "tracin", "abs-advantage")}
             lines.append(f"{name}/named_by: " + ", ".join(f"{k} {v}" for k, v in by.items() if v)
                          + f" (of {right} right; a removal may share the credit)")
+    drops = rows[made_drop(rows)]
+    right = int(drops["right"].astype(bool).sum())
+    lines.append(f"plants/all/right: {right}/{len(drops)} of the drops ({right}/{len(rows)} of every seed tried)")
     return lines
 
 
