@@ -107,7 +107,7 @@ def truth_class(fault: str) -> str:
     from rlinfluence.sources import KIND_CLASS
 
     if fault.startswith(HELD_OUT):
-        return held_out_faults.KINDS[fault.removeprefix(HELD_OUT)][0]
+        return held_out_faults.ALL_KINDS[fault.removeprefix(HELD_OUT)][0]
     return KIND_CLASS[fault.split(":")[0]]
 
 
@@ -177,7 +177,7 @@ def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path, wind
     row: dict = {"env": env, "fault": fault or "clean", "seed": seed, "trainer": trainer, "rounds": rounds,
                  "start": start, "window": window, "verdict_version": VERDICT_VERSION,
                  "broken": " ".join(map(str, sorted(broken)))}
-    for prefix in ("", "seq_"):
+    for prefix in ("", "seq_", "looks_"):
         row |= {f"{prefix}verdict_round": np.nan, f"{prefix}reading": "", f"{prefix}candidates": "",
                 f"{prefix}reading_outcome": "", f"{prefix}reading_right": np.nan, f"{prefix}false_flags": "",
                 f"{prefix}false_signatures": "", f"{prefix}signature": ""}
@@ -201,6 +201,10 @@ def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path, wind
         sequential = verdict if verdict["p_adjusted_min"].min() >= ALPHA else \
             verdict_table(audited, families, sequential_alpha(ALPHA, k + 1))
         _note(row, "seq_", sequential, k, active, truth)
+        level = looks_alpha(ALPHA, k + 1)  # the per-run guarantee at looks 1, 2, 4, 8, ... only
+        if level is not None:
+            _note(row, "looks_", verdict if verdict["p_adjusted_min"].min() >= ALPHA else
+                  verdict_table(audited, families, level), k, active, truth)
         if k == rounds - 1:
             row["final_flagged"] = " ".join(map(str, verdict.loc[verdict["flagged"], "source"].astype(int)))
     row["train_cpu_s"], row["audit_cpu_s"] = train_cpu, time.process_time() - cpu1
@@ -213,6 +217,18 @@ def sequential_alpha(alpha: float, look: int) -> float:
     """The level of a run's ``look``-th audit (1, 2, ...) that keeps its chance of any false flag, over
     every audit, at most ``alpha``: alpha / (look (look + 1)), whose sum over all looks is alpha
     (fixed in the held-out protocol before it was measured)."""
+    return alpha / (look * (look + 1))
+
+
+def looks_alpha(alpha: float, audit: int) -> float | None:
+    """The level of a run's ``audit``-th audit (1, 2, ...) in the looks arm of the second held-out
+    protocol: only audits 1, 2, 4, 8, ... (the i-th look, at audit 2^(i-1)) may flag, the i-th at
+    alpha / (i (i + 1)), which sum to alpha over all looks; None at the other audits. It spends alpha
+    on fewer, more informative audits than ``sequential_alpha``: its look at audit 4 is at alpha / 12
+    where that arm's is at alpha / 20."""
+    if audit & (audit - 1):
+        return None
+    look = audit.bit_length()
     return alpha / (look * (look + 1))
 
 
@@ -237,16 +253,22 @@ def _note(row: dict, prefix: str, verdict: pd.DataFrame, k: int, active: set, tr
     return found
 
 
-def held_out_jobs(envs: list[str], out: Path, trainer: str, clean_seeds: int) -> list[tuple]:
-    """The held-out protocol's runs (``held_out_faults``): each kind that applies on each env on the
-    fault seeds, ``ROUNDS`` rounds; clean runs on the first ``clean_seeds`` seeds, ``CLEAN_ROUNDS`` rounds."""
+def held_out_jobs(envs: list[str], out: Path, trainer: str, clean_seeds: int, protocol: int = 2) -> list[tuple]:
+    """The held-out protocol's runs (``held_out_faults.PROTOCOLS[protocol]``): each kind that applies on
+    each env on the fault seeds, ``ROUNDS`` rounds; clean runs on the first ``clean_seeds`` seeds,
+    ``CLEAN_ROUNDS`` rounds."""
+    from rlinfluence.sources import VERDICT_VERSION
+
+    if protocol != VERDICT_VERSION:
+        raise SystemExit(f"--protocol {protocol} measures verdict version {protocol}; this code's is {VERDICT_VERSION}")
+    kinds, seeds, fault_seeds = held_out_faults.PROTOCOLS[protocol]
     jobs = []
-    for seed in held_out_faults.SEEDS[:max(clean_seeds, len(held_out_faults.FAULT_SEEDS))]:
+    for seed in seeds[:max(clean_seeds, len(fault_seeds))]:
         for env in envs:
-            if seed in held_out_faults.FAULT_SEEDS:
+            if seed in fault_seeds:
                 jobs += [(env, f"{HELD_OUT}{kind}", seed, held_out_faults.ROUNDS, out, 0, trainer)
-                         for kind in held_out_faults.KINDS if held_out_faults.applies(kind, env)]
-            if seed < held_out_faults.SEEDS[0] + clean_seeds:
+                         for kind in kinds if held_out_faults.applies(kind, env)]
+            if seed < seeds[0] + clean_seeds:
                 jobs.append((env, None, seed, held_out_faults.CLEAN_ROUNDS, out, 0, trainer))
     return jobs
 
@@ -256,7 +278,7 @@ def detect(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     envs = args.envs.split(",")
     if args.held_out:
-        jobs = held_out_jobs(envs, out, args.trainer, args.clean_seeds)
+        jobs = held_out_jobs(envs, out, args.trainer, args.clean_seeds, args.protocol)
     else:
         chosen = args.faults.split(";") if args.faults else list(FAULTS)
         jobs = []
@@ -683,16 +705,20 @@ def summary(args: argparse.Namespace) -> None:
         rounds_figure(runs, figures / f"{args.name}_rounds.png")
 
 
+ARM_NAMES = {"": "", "seq_": "per_run_alpha/", "looks_": "per_run_looks/"}
+"""The summary lines' name of each arm: alpha per audit, the per-run alpha at every audit, at looks 1, 2, 4, 8, ..."""
+
+
 def summary_lines(runs: pd.DataFrame) -> list[str]:
     """The summary lines of a detection run's rows (``prepared``): per env and fault, what was flagged
     within ``WITHIN`` rounds and by the end, the readings, the false flags; then over all runs."""
     lines = [f"verdict_version: {int(runs['verdict_version'].iloc[0]) if 'verdict_version' in runs else 1}"]
     families = [c[6:] for c in runs.columns if c.startswith("round_")]
-    arms = ["", "seq_"] if "seq_verdict_round" in runs else [""]
+    arms = [arm for arm in ("", "seq_", "looks_") if f"{arm}verdict_round" in runs]
     for (env, fault), group in runs.groupby(["env", "fault"], sort=False):
         n = len(group)
         for arm in arms:
-            name = f"{env}/{fault}/{'per_run_alpha/' if arm else ''}"
+            name = f"{env}/{fault}/{ARM_NAMES[arm]}"
             if fault == "clean":
                 k = int(_has_false_flag(group, arm).sum())
                 low, high = clopper_pearson(k, n)
@@ -716,7 +742,7 @@ def summary_lines(runs: pd.DataFrame) -> list[str]:
             lines.append(f"{env}/{fault}/families_within_{WITHIN}: {', '.join(finders) or 'none'}")
     faulty, clean = runs[runs["fault"] != "clean"], runs[runs["fault"] == "clean"]
     for arm in arms:
-        name = f"all/{'per_run_alpha/' if arm else ''}"
+        name = f"all/{ARM_NAMES[arm]}"
         if len(faulty):
             within = faulty[f"{arm}verdict_round"] <= WITHIN
             lines.append(f"{name}faults/flagged_within_{WITHIN}: {int(within.sum())}/{len(faulty)}")
@@ -754,6 +780,8 @@ def main() -> None:
     d.add_argument("--window", type=int, default=0, help="audit the last W rounds (0: every round so far)")
     d.add_argument("--held-out", action="store_true",
                    help="the held-out protocol's runs (benchmarks/held_out_faults.py: kinds, seeds, rounds)")
+    d.add_argument("--protocol", type=int, choices=sorted(held_out_faults.PROTOCOLS), default=2,
+                   help="with --held-out: the held-out set that measures this verdict version (its kinds and seeds)")
     d.add_argument("--trainer", choices=("native", "sb3"), default="native",
                    help="rlinfluence's PPO, or Stable-Baselines3's written by RunDirectoryCallback")
     s = sub.add_parser("summary")

@@ -302,13 +302,19 @@ def calibration_p_values(sources: np.ndarray, scores: np.ndarray, columns: Seque
 
 
 # -- the reading of a signature -----------------------------------------------------------------------
-VERDICT_VERSION = 2
+VERDICT_VERSION = 3
 """What the verdict is: its families, its tests and their shares of alpha, and the reading of a
 signature. Every figure records the version that produced it (``verdict_version`` in an audit's
 sources.csv, its printed lines and a benchmark's rows); any change to a family, a test, a share or a
 reading rule bumps it. 1: the verdict of the design measurements (docs/results/hidden-faults.md,
 published before the held-out protocol); 2: the same families and tests, with a reading that names a
-class only where the evidence separates it from the others that fit (``reading``)."""
+class only where the evidence separates it from the others that fit (``reading``); 3, after version
+2's held-out results: a signature of gradient and advantage families only is "undetermined" among
+every class (version 2 read it "unexplained", a claim of self-consistent data that a scaled reward
+or a flaky actuator contradicted), the rule that took ``action-fit`` without ``lag-fit`` as evidence
+against an observation fault is gone (rounded observations move ``action-fit`` too), and a family
+whose per-source values leave fewer than ``OUTLIER_MIN_SPREAD`` sources apart from the rest gets no
+outlier test (``verdict``)."""
 
 FAULT_CLASSES = ("stale-policy", "observation", "action", "environment", "sampling", "done-flags", "reward",
                  "unexplained", "undetermined")
@@ -391,19 +397,19 @@ def reading(signature: Sequence[str], p_values: Mapping[str, float] | None = Non
     mechanism of a class implies for a family that does not flag (its unadjusted p in ``p_values``,
     "supported" when below ``SUPPORT``):
 
-    - an observation lag moves ``lag-fit`` at least as much as ``action-fit`` (the logged transition
-      is the one the previous action caused): ``action-fit`` supported with ``lag-fit`` not leaves
-      observation out;
     - an executed action that differs moves ``action-fit`` with ``dynamics`` (the transition fits
       the executed action, not the logged one): ``dynamics`` flagging with neither ``action-fit`` nor
-      ``lag-fit`` supported leaves action out.
+      ``lag-fit`` supported leaves action out. (Version 2 had a second rule, ``action-fit``
+      supported without ``lag-fit`` leaves observation out; rounded observations broke it.)
 
     One candidate left: that class, named. Several: "undetermined", the evidence and each candidate
     with the check that tells it apart. None (flagging families that no single class explains, or
     a rule that leaves out the last one: more than one fault, or a fault outside the classes):
     "undetermined" with the classes named by the most specific families (or left before the rule).
     A signature of families that carry no class information (gradient and advantage families
-    only): "unexplained", self-consistent data whose updates oppose the others'.
+    only): "undetermined" among every class, since no consistency check flags it (most often a
+    reward or objective the other workers do not share, but a fault whose records stay consistent,
+    a flaky actuator among them, reads the same).
     """
     flagged = list(dict.fromkeys(signature))
     if not flagged:
@@ -415,14 +421,14 @@ def reading(signature: Sequence[str], p_values: Mapping[str, float] | None = Non
 
     informative = [f for f in flagged if f in EXPLAINS]
     if not informative:
-        return "unexplained", ("its data is self-consistent but its updates oppose the other workers': most often a "
-                               "reward or objective they do not share"), ""
+        every = [c for c in FAULT_CLASSES if c in _CLASS_TEXT]
+        return "undetermined", ("no consistency check flags it, but its updates oppose the other workers': most "
+                                "often a reward or objective they do not share (tells: "
+                                f"{_CLASS_TEXT['reward'][1]}), or a fault whose records stay consistent"), ";".join(every)
     sets = [frozenset({"done-flags"}) if f == "truncations" and directions.get(f, 0.0) > 0 else EXPLAINS[f]
             for f in informative]
     candidates = frozenset.intersection(*sets)
     ruled_out = set()
-    if supported("action-fit") and not supported("lag-fit"):
-        ruled_out.add("observation")
     if "dynamics" in flagged and not supported("action-fit") and not supported("lag-fit"):
         ruled_out.add("action")
     evidence = "; ".join(dict.fromkeys(_EVIDENCE[f] for f in informative))
@@ -464,6 +470,23 @@ def rounds_needed(n_sources: int, alpha: float, share: float = 1.0) -> int:
     return math.floor(math.log(1 / (alpha * share)) / math.log(n_sources)) + 2
 
 
+OUTLIER_MIN_SPREAD = 3
+"""Sources a family's values must set apart from the rest for its outlier test (``spread_enough``)."""
+
+
+def spread_enough(means: np.ndarray) -> bool:
+    """Whether a family's per-source values (``means`` [rounds, sources], averaged over the rounds) set
+    at least ``OUTLIER_MIN_SPREAD`` sources apart from the most common value. The outlier test scales
+    a source's departure by the others' spread: in a rare 0/1 family (one source's episode reached a
+    time limit, the others' none) that spread is near zero and t is unbounded, a flag from one event."""
+    per_source = np.nanmean(np.asarray(means, float), axis=0)
+    per_source = per_source[np.isfinite(per_source)]
+    if not len(per_source):
+        return False
+    values, counts = np.unique(np.round(per_source, 12), return_counts=True)
+    return len(per_source) - int(counts.max()) >= OUTLIER_MIN_SPREAD
+
+
 def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Sequence[str] = (),
             alpha: float = 0.01, outlier_means: Mapping[str, np.ndarray] | None = None,
             floors: Mapping[str, np.ndarray] | None = None, permutations: int = 10_000,
@@ -479,7 +502,8 @@ def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Seque
     family's ``episode_floor`` in ``floors``), the outlier test runs beside it, Holm-adjusted, and a
     source x family's adjusted p is min(p_maxT / w, p_Holm / (1 - w)) with w = ``EXACT_SHARE`` (each
     procedure at its share of alpha, so the family-wise error rate is at most alpha whatever their
-    dependence); the unadjusted ``p_<family>`` columns combine alike. The exact test finds a modest
+    dependence; a family whose values set fewer than ``OUTLIER_MIN_SPREAD`` sources apart gets p = 1
+    from it, ``spread_enough``); the unadjusted ``p_<family>`` columns combine alike. The exact test finds a modest
     departure that holds round after round, the outlier test a large one in a round or two. With
     ``calibrated`` (per family of ``CALIBRATED``, the p-values of ``calibration_test`` per source),
     that test runs at ``CALIBRATION_SHARE`` of alpha for its family, Holm over sources, and the
@@ -492,7 +516,7 @@ def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Seque
         raw = adjusted = np.ones((n_sources, 0))
     if outlier_means is not None and families:
         outlier = np.column_stack([outlier_test(outlier_means[f], f in two_sided, (floors or {}).get(f, 0.0))[1]
-                                   for f in families])
+                                   if spread_enough(outlier_means[f]) else np.ones(n_sources) for f in families])
         raw = np.minimum(1.0, np.minimum(raw / EXACT_SHARE, outlier / (1 - EXACT_SHARE)))
         adjusted = np.minimum(1.0, np.minimum(adjusted / EXACT_SHARE, holm(outlier) / (1 - EXACT_SHARE)))
     if calibrated:
