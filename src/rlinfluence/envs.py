@@ -1,6 +1,7 @@
 """Environment construction and the paper's per-environment presets (docs/method.md, section 6).
 
-``make_env(env_id)`` builds any gymnasium id, with the observation wrappers our policies need
+``make_env(env_id)`` builds any gymnasium id, or an env of your own given by an entry point
+(``package.module:make_env``), with the observation wrappers our policies need
 (one-hot for ``Discrete`` observations, the image for MiniGrid's dict observations) and the
 preset's constructor arguments. ``PRESETS`` (``rlinfluence.presets``) holds the paper's
 hyperparameters; any other id runs with ``PPOConfig``'s generic (Stable-Baselines3) defaults.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import gymnasium as gym
@@ -29,8 +31,34 @@ _PLUGINS = {"MiniGrid-": "minigrid", "BabyAI-": "minigrid", "highway": "highway_
             "two-way": "highway_env", "u-turn": "highway_env", "lane-keeping": "highway_env"}
 
 
+def env_factory(env_id: str) -> Callable[..., gym.Env] | None:
+    """The function an entry point ``package.module:function`` names (an env gymnasium cannot make by
+    id: your own, built by an importable function of no required arguments, wrappers included), or
+    None for a gymnasium id (gymnasium's own ``module:EnvId``, which registers the id on import,
+    stays gymnasium's). ``UserError`` naming it when the module cannot be imported or has no such
+    function."""
+    module_name, sep, name = env_id.partition(":")
+    if not sep or not module_name or not name.isidentifier():
+        return None
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(f"env {env_id!r}: cannot import {module_name!r} ({exc}); an env given as an entry point "
+                        "must be importable where rlinfluence runs (install its package, or add it to PYTHONPATH)"
+                        ) from None
+    if name in gym.registry or env_id in gym.registry:
+        return None
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise UserError(f"env {env_id!r}: {module_name} has no function {name!r} to build the env")
+    return factory
+
+
 def check_env_id(env_id: str) -> None:
-    """Raise ``UserError`` naming ``env_id`` if gymnasium does not know it."""
+    """Raise ``UserError`` naming ``env_id`` if gymnasium does not know it and it is not an entry
+    point of an env (``env_factory``)."""
+    if env_factory(env_id) is not None:
+        return
     for prefix, module in _PLUGINS.items():
         if env_id.startswith(prefix):
             require_module(module, "envs")
@@ -65,10 +93,22 @@ class OneHotObservation(gym.ObservationWrapper):
 
 
 def make_env(env_id: str, **kwargs: Any) -> gym.Env:
-    """Build ``env_id`` with its preset arguments (overridden by ``kwargs``) and obs wrappers."""
-    check_env_id(env_id)
-    preset = PRESETS.get(env_id)
-    env = gym.make(env_id, **{**(preset.make_kwargs if preset else {}), **kwargs})
+    """Build ``env_id`` (a gymnasium id, or an entry point ``package.module:function``:
+    ``env_factory``) with its preset arguments (overridden by ``kwargs``) and obs wrappers."""
+    factory = env_factory(env_id)
+    if factory is not None:
+        try:
+            env = factory(**kwargs)
+        except TypeError as exc:
+            if not kwargs:
+                raise
+            raise UserError(f"env {env_id!r} does not take {', '.join(kwargs)} ({exc})") from None
+        if not isinstance(env, gym.Env):
+            raise UserError(f"env {env_id!r} built a {type(env).__name__}, not a gymnasium.Env")
+    else:
+        check_env_id(env_id)
+        preset = PRESETS.get(env_id)
+        env = gym.make(env_id, **{**(preset.make_kwargs if preset else {}), **kwargs})
     space = env.observation_space
     if isinstance(space, gym.spaces.Discrete):
         env = OneHotObservation(env)

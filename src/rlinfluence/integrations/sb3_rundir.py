@@ -20,7 +20,7 @@ The policy is written as rlinfluence's ``ActorCritic``, the same network with th
 ``action_net`` -> ``action_head``, ``value_net`` -> ``value_head``, ``log_std``), and SB3's Adam
 moments are carried to the same parameters. Anything else (a CNN, another activation, separate
 pi / vf sizes, gSDE, a schedule for the learning rate or the clip range, another optimiser, an
-env gymnasium cannot make by id) is refused with one ``UserError`` at the start of ``learn()``.
+env gymnasium cannot make by id without ``env=``) is refused with one ``UserError`` at the start of ``learn()``.
 
 What re-runs of an update mean here: ``validate``, ``intervene`` and ``explain`` redo round k's
 update with rlinfluence's PPO update and SB3's hyperparameters from theta(k) and its Adam state
@@ -86,16 +86,37 @@ def _constant(model: Any, name: str, label: str | None = None) -> float:
     return start
 
 
-def config_of(model: Any, total_timesteps: int, eval_episodes: int) -> PPOConfig:
-    """The ``PPOConfig`` of an SB3 PPO model (``UserError`` for what has no counterpart)."""
-    policy = model.policy
+def _env_of(model: Any, env: str | None) -> str:
+    """The env the run records: ``env`` (a gymnasium id or an entry point ``package.module:function``),
+    checked to build the model's spaces, else the model's env's gymnasium id."""
+    if env is None:
+        try:
+            env_spec = model.env.get_attr("spec")[0]
+        except AttributeError:  # a VecEnv of envs that are not gymnasium.Env (no spec attribute at all)
+            env_spec = None
+        if env_spec is None or not getattr(env_spec, "id", None):
+            raise UserError("RunDirectoryCallback: the model's env has no gymnasium id: pass "
+                            "env='package.module:function', an importable function that builds it, so that the "
+                            "analyses can re-create it")
+        return env_spec.id
+    from rlinfluence.envs import make_env
+
+    built = make_env(env)
     try:
-        env_spec = model.env.get_attr("spec")[0]
-    except AttributeError:  # a VecEnv of envs that are not gymnasium.Env (no spec attribute at all)
-        env_spec = None
-    if env_spec is None or not getattr(env_spec, "id", None):
-        raise UserError("RunDirectoryCallback: the model's env has no gymnasium id (make it with gymnasium.make "
-                        "or pass the id to PPO)")
+        for what, ours, theirs in (("observation", built.observation_space, model.observation_space),
+                                   ("action", built.action_space, model.action_space)):
+            if ours != theirs:
+                raise UserError(f"RunDirectoryCallback: env {env!r} builds {what} space {ours}; the model's is {theirs}")
+    finally:
+        built.close()
+    return env
+
+
+def config_of(model: Any, total_timesteps: int, eval_episodes: int, env: str | None = None) -> PPOConfig:
+    """The ``PPOConfig`` of an SB3 PPO model (``UserError`` for what has no counterpart); ``env``: the
+    env to record where the model's has no gymnasium id (``_env_of``)."""
+    policy = model.policy
+    env_id = _env_of(model, env)
     if model.use_sde:
         raise UserError("RunDirectoryCallback: gSDE (use_sde=True) has no counterpart in rlinfluence's policy")
     if not isinstance(policy.features_extractor, FlattenExtractor):
@@ -118,7 +139,7 @@ def config_of(model: Any, total_timesteps: int, eval_episodes: int) -> PPOConfig
         raise UserError(f"RunDirectoryCallback: optimiser {type(optimizer).__name__} (Adam only)")
     clip_vf = _constant(model, "clip_range_vf") if model.clip_range_vf is not None else None
     return PPOConfig(
-        env=env_spec.id, seed=int(model.seed) if model.seed is not None else 0, total_timesteps=int(total_timesteps),
+        env=env_id, seed=int(model.seed) if model.seed is not None else 0, total_timesteps=int(total_timesteps),
         n_envs=model.n_envs, n_steps=model.n_steps, batch_size=model.batch_size, n_epochs=model.n_epochs,
         learning_rate=_constant(model, "lr_schedule", "learning_rate"), optimizer="adam",
         adam_eps=float(optimizer.param_groups[0]["eps"]), gamma=float(model.gamma),
@@ -137,14 +158,16 @@ class RunDirectoryCallback(BaseCallback):
 
     ``eval_episodes``: episodes of rlinfluence's evaluation of each theta(k+1) (the run's
     ``eval_return_mean``, what ``explain`` and ``report`` read; 0 = none, NaN in metrics.csv).
+    ``env``: for an env gymnasium cannot make by id, the entry point of an importable function that
+    builds it (``package.module:make_env``), from which the analyses re-create it.
     Training is unchanged: the callback reads the model and writes files, it draws no random number
     from SB3's generators (the evaluation has its own, seeded by the round)."""
 
-    def __init__(self, path: str | Path, eval_episodes: int = 20, verbose: int = 0):
+    def __init__(self, path: str | Path, eval_episodes: int = 20, verbose: int = 0, env: str | None = None):
         super().__init__(verbose)
         if eval_episodes < 0:
             raise UserError(f"eval_episodes must be >= 0, got {eval_episodes}")
-        self.path, self.eval_episodes = Path(path), eval_episodes
+        self.path, self.eval_episodes, self.env = Path(path), eval_episodes, env
         self.writer: RunWriter | None = None
         self._episodes: np.ndarray | None = None
         self._returns: list[float] = []
@@ -162,7 +185,7 @@ class RunDirectoryCallback(BaseCallback):
         if (self.path / "config.json").exists():
             raise UserError(f"{str(self.path)!r} already holds a run: the analyses would mix the two trainings; give "
                             "this one its own path (or pass the same callback to a later learn() to continue)")
-        config = config_of(self.model, self.model._total_timesteps, self.eval_episodes)
+        config = config_of(self.model, self.model._total_timesteps, self.eval_episodes, self.env)
         self.writer = RunWriter.from_config(self.path, config, names=our_name, written_by=WRITTEN_BY)
 
     def _on_step(self) -> bool:

@@ -1,0 +1,33 @@
+"""An env gymnasium cannot make by id (not registered): the tests train and analyse runs of it
+through its entry point ``tests.custom_env:make_env``."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+
+
+class LineWalk(gym.Env):
+    """Walk along a line from 0 towards +1 (action 1: a step right, 0: left), a small noise on every
+    step; reward 1 on reaching +1 (terminated), -0.01 a step otherwise."""
+
+    def __init__(self):
+        self.observation_space = gym.spaces.Box(-2.0, 2.0, (2,), np.float32)
+        self.action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.x = float(self.np_random.uniform(-0.5, 0.5))
+        return self._obs(), {}
+
+    def _obs(self):
+        return np.array([self.x, 1.0 - self.x], dtype=np.float32)
+
+    def step(self, action):
+        self.x = float(np.clip(self.x + (0.1 if action == 1 else -0.1) + self.np_random.normal(0, 0.02), -2, 2))
+        reached = self.x >= 1.0
+        return self._obs(), 1.0 if reached else -0.01, reached, False, {}
+
+
+def make_env() -> gym.Env:
+    return gym.wrappers.TimeLimit(LineWalk(), max_episode_steps=40)

@@ -1,0 +1,82 @@
+"""An env gymnasium cannot make by id, given by its entry point (``package.module:function``):
+trained natively and by Stable-Baselines3, and every analysis run on each run, which re-creates the
+env from the entry point; what cannot be imported is one clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlinfluence import cli
+from rlinfluence.envs import make_env
+from rlinfluence.errors import UserError
+from rlinfluence.ppo import PPO, PPOConfig
+
+ENTRY = "tests.custom_env:make_env"
+COMMANDS = [
+    ["attribute", "{run}", "--round", "1"],
+    ["diagnose", "{run}", "--round", "1"],
+    ["validate", "{run}", "--round", "1"],
+    ["explain", "{run}", "--round", "1", "--episodes", "4", "--draws", "2"],
+    ["audit", "{run}"],
+    ["report", "{run}"],
+]
+
+
+@pytest.fixture(scope="module")
+def native_run(tmp_path_factory):
+    config = PPOConfig(env=ENTRY, n_envs=3, n_steps=32, batch_size=32, n_epochs=2, total_timesteps=3 * 96, seed=2,
+                       eval_episodes=2, save_buffers=True, run_root=str(tmp_path_factory.mktemp("native")),
+                       progress=False, tensorboard=False)
+    return PPO(config).learn().run.path
+
+
+@pytest.fixture(scope="module")
+def sb3_run(tmp_path_factory):
+    pytest.importorskip("stable_baselines3")
+    from stable_baselines3 import PPO as SB3PPO
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from rlinfluence.integrations.sb3_rundir import RunDirectoryCallback
+    from tests.custom_env import make_env as factory
+
+    torch.set_num_threads(1)
+    path = tmp_path_factory.mktemp("sb3") / "run"
+    model = SB3PPO("MlpPolicy", DummyVecEnv([factory] * 3), n_steps=32, batch_size=32, n_epochs=2, seed=2,
+                   device="cpu")
+    model.learn(3 * 96, callback=RunDirectoryCallback(path, eval_episodes=2, env=ENTRY))
+    return path
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("trainer", ["native_run", "sb3_run"])
+def test_every_analysis_runs_on_a_custom_env_run(trainer, command, request, capsys):
+    path = request.getfixturevalue(trainer)
+    assert cli.main([c.format(run=path) for c in command]) == 0
+    assert "error" not in capsys.readouterr().err
+
+
+def test_an_entry_point_builds_the_env_and_a_bad_one_is_one_user_error():
+    env = make_env(ENTRY)
+    assert env.observation_space.shape == (2,) and env.action_space.n == 2
+    with pytest.raises(UserError, match="cannot import 'tests.no_such_module'"):
+        make_env("tests.no_such_module:make_env")
+    with pytest.raises(UserError, match="has no function 'missing'"):
+        make_env("tests.custom_env:missing")
+    with pytest.raises(UserError, match="does not take render_mode"):
+        make_env(ENTRY, render_mode="rgb_array")
+
+
+def test_the_sb3_callback_refuses_an_env_without_an_id_or_an_entry_point_that_builds_another(tmp_path):
+    pytest.importorskip("stable_baselines3")
+    from stable_baselines3 import PPO as SB3PPO
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from rlinfluence.integrations.sb3_rundir import RunDirectoryCallback
+    from tests.custom_env import make_env as factory
+
+    model = SB3PPO("MlpPolicy", DummyVecEnv([factory] * 2), n_steps=32, batch_size=32, device="cpu")
+    with pytest.raises(UserError, match="no gymnasium id.*env='package.module:function'"):
+        model.learn(64, callback=RunDirectoryCallback(tmp_path / "a"))
+    with pytest.raises(UserError, match="builds observation space .* the model's is"):
+        model.learn(64, callback=RunDirectoryCallback(tmp_path / "b", env="CartPole-v1"))
