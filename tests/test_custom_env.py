@@ -11,16 +11,9 @@ from rlinfluence import cli
 from rlinfluence.envs import make_env
 from rlinfluence.errors import UserError
 from rlinfluence.ppo import PPO, PPOConfig
+from tests.analysis_commands import EVERY_ANALYSIS
 
 ENTRY = "tests.custom_env:make_env"
-COMMANDS = [
-    ["attribute", "{run}", "--round", "1"],
-    ["diagnose", "{run}", "--round", "1"],
-    ["validate", "{run}", "--round", "1"],
-    ["explain", "{run}", "--round", "1", "--episodes", "4", "--draws", "2"],
-    ["audit", "{run}"],
-    ["report", "{run}"],
-]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +41,7 @@ def sb3_run(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("command", EVERY_ANALYSIS)
 @pytest.mark.parametrize("trainer", ["native_run", "sb3_run"])
 def test_every_analysis_runs_on_a_custom_env_run(trainer, command, request, capsys):
     path = request.getfixturevalue(trainer)

@@ -19,6 +19,7 @@ from rlinfluence import cli
 from rlinfluence.checkpoint import load_round
 from rlinfluence.errors import UserError
 from rlinfluence.writer import RunWriter, cleanrl_names, process_state_kept
+from tests.analysis_commands import EVERY_ANALYSIS
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cleanrl_ppo.py"
 ROUNDS, N_ENVS, N_STEPS = 3, 3, 32
@@ -94,16 +95,7 @@ def test_each_saved_round_is_the_policy_that_collected_it_with_the_loops_records
     assert final.round == ROUNDS - 1
 
 
-@pytest.mark.parametrize("command", [
-    ["attribute", "{run}", "--round", "1"],
-    ["diagnose", "{run}", "--round", "1"],
-    ["timeline", "{run}", "--state-index", "0"],
-    ["validate", "{run}", "--round", "1"],
-    ["intervene", "{run}", "--rounds", "1", "--eval-episodes", "4"],
-    ["explain", "{run}", "--round", "1", "--episodes", "4", "--draws", "2"],
-    ["audit", "{run}"],
-    ["report", "{run}"],
-])
+@pytest.mark.parametrize("command", EVERY_ANALYSIS)
 def test_every_analysis_command_runs_on_the_loops_run(cleanrl_run, command, capsys):
     path, _, _ = cleanrl_run
     assert cli.main([c.format(run=path) for c in command]) == 0

@@ -21,6 +21,7 @@ from rlinfluence.checkpoint import load_round  # noqa: E402
 from rlinfluence.errors import UserError  # noqa: E402
 from rlinfluence.integrations.sb3_rundir import RunDirectoryCallback, our_name  # noqa: E402
 from rlinfluence.rundir import load_checkpoint  # noqa: E402
+from tests.analysis_commands import EVERY_ANALYSIS  # noqa: E402
 
 ROUNDS = 4
 
@@ -81,16 +82,7 @@ def test_training_is_unchanged_by_the_callback(sb3_run, tmp_path):
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("command", [
-    ["attribute", "{run}", "--round", "1"],
-    ["diagnose", "{run}", "--round", "1"],
-    ["timeline", "{run}", "--state-index", "0"],
-    ["validate", "{run}", "--round", "1"],
-    ["intervene", "{run}", "--rounds", "1", "--eval-episodes", "4"],
-    ["explain", "{run}", "--round", "1", "--episodes", "4", "--draws", "2"],
-    ["audit", "{run}"],
-    ["report", "{run}"],
-])
+@pytest.mark.parametrize("command", EVERY_ANALYSIS)
 def test_every_analysis_command_runs_on_the_sb3_run_directory(sb3_run, command, capsys):
     path, _ = sb3_run
     assert cli.main([c.format(run=path) for c in command]) == 0
