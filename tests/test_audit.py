@@ -51,6 +51,13 @@ def test_audit_flags_the_flipped_env_and_no_env_of_clean_runs(tmp_path, capsys):
                                                                                       "auroc", "precision"]
     assert (flipped.run.path / "audit" / "detection.csv").is_file() and (flipped.run.path / "audit" / "sources.png").is_file()
     assert f"flagged (verdict v{VERDICT_VERSION}, adjusted p < 0.01 across sources x families)" in capsys.readouterr().out
+    # the per-run guarantee: the audit of R rounds at alpha / (R (R + 1)), which sum to alpha over R = 1, 2, ...
+    flagged_p = pd.read_csv(flipped.run.path / "audit" / "sources.csv")["p_adjusted_min"]
+    assert cli.main(["audit", str(flipped.run.path), "--guarantee", "run"]) == 0
+    assert "adjusted p < 0.000238, the per-run level for 6 rounds across" in capsys.readouterr().out
+    per_run = pd.read_csv(flipped.run.path / "audit" / "sources.csv")
+    assert per_run["level"].iloc[0] == pytest.approx(0.01 / 42)
+    assert per_run["flagged"].tolist() == (flagged_p < 0.01 / 42).tolist()
     assert cli.main(["report", str(flipped.run.path)]) == 0  # the audit is a section of the run's report
     html = next(flipped.run.path.glob("report*.html")).read_text()
     assert "Audit: which worker is broken, and what kind of fault it is" in html and "Detection against the ground truth" in html

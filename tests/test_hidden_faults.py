@@ -825,3 +825,25 @@ def test_a_family_whose_values_set_too_few_sources_apart_gets_no_outlier_test():
         assert verdict({"truncations": rare}, range(8), outlier_means={"truncations": rare})["flagged"].tolist()[4]
     spread = np.random.default_rng(0).normal(size=(3, 8))
     assert spread_enough(spread) and OUTLIER_MIN_SPREAD == 3
+
+
+def test_the_per_run_levels_sum_to_alpha_and_a_bad_guarantee_is_one_user_error():
+    from rlinfluence.errors import UserError
+    from rlinfluence.sources import audit_level
+
+    levels = [audit_level(0.01, r, "run") for r in range(1, 100_001)]
+    assert sum(levels) < 0.01 and sum(levels) == pytest.approx(0.01, rel=1e-4)  # every audit of a run: alpha
+    assert audit_level(0.01, 4, "audit") == 0.01 and audit_level(0.01, 4, "run") == pytest.approx(0.0005)
+    with pytest.raises(UserError, match="guarantee must be one of audit, run, got 'always'"):
+        audit_level(0.01, 4, "always")
+
+
+def test_quarantine_with_the_per_run_guarantee_tests_each_round_at_alpha_over_the_planned_rounds():
+    from rlinfluence.ppo import PPO, PPOConfig
+
+    config = PPOConfig(env="CartPole-v1", n_envs=4, n_steps=32, batch_size=32, total_timesteps=10 * 128,
+                       filter="quarantine", quarantine_guarantee="run", run_root="", progress=False, tensorboard=False)
+    quarantine = PPO(config, run_dir=False).filter
+    assert quarantine.alpha == pytest.approx(0.001) and quarantine.permutations == 2500  # resolves 0.001 / 0.8
+    per_round = PPO(PPOConfig(**{**config.to_dict(), "quarantine_guarantee": "round"}), run_dir=False).filter
+    assert per_round.alpha == 0.01 and per_round.permutations == per_round.PERMUTATIONS

@@ -47,6 +47,10 @@ class AuditArgs:
     """episode or record: also rank those items by harm (audit/ranked_<by>.csv, the 10 worst printed)"""
     alpha: float = 0.01
     """family-wise error rate of the flags across the sources"""
+    guarantee: Literal["audit", "run"] = "audit"
+    """audit: at most alpha chance of a false flag in this audit; run: at most alpha in all the audits
+    of a run audited after each of its rounds (this one at alpha / (R (R + 1)), R the rounds audited:
+    few faults flagged within 5 rounds, most by round 8)"""
     permutations: int = 2000
     """permutation draws of the --scorer test where it is not exact (the verdict's maxT draws 10,000)"""
     seed: int = 0
@@ -75,10 +79,11 @@ def audit(a: AuditArgs) -> int:
 
     _check_writes_into(a.run_dir, "audit")
     sources, found, table = audit_run(a.run_dir, a.rounds, a.scorer, a.alpha, a.permutations, a.seed, a.workers,
-                                      a.ray_address, progress=a.progress)
+                                      a.ray_address, progress=a.progress, guarantee=a.guarantee)
     folder = Path(a.run_dir) / "audit"
     folder.mkdir(exist_ok=True)
-    section = audit_section(sources, found, a.alpha)
+    level = float(sources["level"].iloc[0])
+    section = audit_section(sources, found, level)
     # the verdict's table, or one scorer's beside it (named by the scorer: neither overwrites the other)
     stem = "sources" if a.scorer is None else f"sources_{a.scorer}"
     outputs = [(folder / f"{stem}.csv", lambda p: sources.to_csv(p, index=False)),
@@ -94,14 +99,15 @@ def audit(a: AuditArgs) -> int:
     if is_verdict(sources):
         print(sources[["source", "records", "rounds", "flagged", "signature", "signature_p", "fault_class"]]
               .to_string(index=False))
-        print(f"flagged (verdict v{sources['verdict_version'].iloc[0]}, adjusted p < {a.alpha} across sources x "
-              f"families): {', '.join(f'source {s}' for s in flagged) or 'none'}")
+        per_run = f", the per-run level for {int(sources['rounds'].iloc[0])} rounds" if a.guarantee == "run" else ""
+        print(f"flagged (verdict v{sources['verdict_version'].iloc[0]}, adjusted p < {level:.3g}{per_run} across "
+              f"sources x families): {', '.join(f'source {s}' for s in flagged) or 'none'}")
         for row in sources[sources["flagged"]].itertuples():
             print(f"source {row.source} ({row.fault_class}): {row.reading}")
-        print(unreachable_note(sources, a.alpha) if not flagged else "", end="")
+        print(unreachable_note(sources, level) if not flagged else "", end="")
     else:
         print(sources.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
-        print(f"flagged (Holm-adjusted p < {a.alpha}): {', '.join(f'source {s}' for s in flagged) or 'none'}")
+        print(f"flagged (Holm-adjusted p < {level:.3g}): {', '.join(f'source {s}' for s in flagged) or 'none'}")
     written = [f"{stem}.csv", f"{stem}.png"]
     if len(found):
         written.append("detection.csv")

@@ -85,8 +85,9 @@ class PPO:
             drop_mode=config.drop_mode, advantage_norm=config.advantage_norm,
             random_match=config.random_match, heuristic=config.heuristic,
             gate=config.gate, gate_threshold=config.gate_threshold, precondition=config.precondition,
-            quarantine=(config.quarantine_window, config.quarantine_alpha, config.quarantine_attribution,
-                        config.trusted_envs),
+            quarantine=(config.quarantine_window,
+                        config.quarantine_alpha / (config.rounds if config.quarantine_guarantee == "run" else 1),
+                        config.quarantine_attribution, config.trusted_envs),
         )
 
         # Seeding: once, everything, before anything random is built (CleanRL).

@@ -75,6 +75,7 @@ from rlinfluence.seeding import derived_seed
 from rlinfluence.sources import (  # noqa: F401
     MIN_EPISODES,
     MIN_SOURCES,
+    audit_level,
     calibration_p_values,
     episode_floor,
     episode_starts,
@@ -438,7 +439,8 @@ def _written_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None
 
 def audit_run(run_dir: str | Path, rounds: Sequence[int] = (), scorer: str | None = None,
               alpha: float = 0.01, permutations: int = 2000, seed: int = 0, workers: int = 1,
-              ray_address: str | None = None, progress: bool = False) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+              ray_address: str | None = None, progress: bool = False, guarantee: str = "audit"
+              ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(sources, detection, harm table) of a run's rounds (default: all).
 
     The harm table comes from the run's saved rounds (``--save-buffers``), scored one round per
@@ -447,7 +449,8 @@ def audit_run(run_dir: str | Path, rounds: Sequence[int] = (), scorer: str | Non
     training (``SCORES_DIR``); ``progress``: a line per round scored. sources: the verdict over every family (``verdict_table``), or with
     ``scorer`` named, ``sources_table`` by that scorer alone. detection: every scorer at every
     level per round (``detection``), where the run has ground truth (``--corrupt``, or a
-    ``corrupted`` column); else empty."""
+    ``corrupted`` column); else empty. ``guarantee``: "audit" flags at ``alpha``, "run" at the
+    per-run level of ``rlinfluence.sources.audit_level`` for the rounds audited (the ``level`` column)."""
     from rlinfluence.executor import check_executor
 
     if not 0 < alpha < 1:
@@ -463,9 +466,11 @@ def audit_run(run_dir: str | Path, rounds: Sequence[int] = (), scorer: str | Non
         table, scorers, scorer = _written_rounds(run_dir, list(rounds), scorer)
     found = detection(table, scorers) if "corrupted" in table else \
         pd.DataFrame(columns=["scorer", "level", "round", "auroc", "precision"])
-    if scorer is None:
-        return verdict_table(table, scorers, alpha), found, table
-    return sources_table(table, scorer, alpha, permutations, seed), found, table
+    level = audit_level(alpha, int(table["round"].nunique()), guarantee)
+    sources = verdict_table(table, scorers, level) if scorer is None else \
+        sources_table(table, scorer, level, permutations, seed)
+    sources["level"] = level
+    return sources, found, table
 
 
 def unreachable_note(sources: pd.DataFrame, alpha: float) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from rlinfluence.influence import (
     gradient_alignment,
 )
 from rlinfluence.sources import (
+    EXACT_SHARE,
     MIN_EPISODES,
     calibration_p_values,
     episode_floor,
@@ -64,12 +66,19 @@ class QuarantineFilter:
     ATTRIBUTION = ("influence", "dtv")
 
     def __init__(self, window: int = 6, alpha: float = 0.01, attribution: bool = False, trusted_envs: int = 0):
-        self.window, self.alpha, self.attribution, self.trusted_envs = window, alpha, attribution, trusted_envs
+        self.window, self.attribution, self.trusted_envs = window, attribution, trusted_envs
+        self.set_alpha(alpha)
         self.families = [*self.CHEAP, *(self.ATTRIBUTION if attribution else ())]
         # the records of the last rounds (round -> source, episode, start round, normal scores [N, families])
         # and the round each running episode started in
         self.records: dict[int, dict[str, torch.Tensor]] = {}
         self.first_seen: dict[tuple[int, int], int] = {}
+
+    def set_alpha(self, alpha: float) -> None:
+        """Test each round at ``alpha``, with enough of maxT's shuffles to resolve it (at least
+        ``PERMUTATIONS``; 2 / (EXACT_SHARE alpha) for a smaller alpha, as a per-run level gives)."""
+        self.alpha = alpha
+        self.permutations = max(self.PERMUTATIONS, math.ceil(2 / (EXACT_SHARE * alpha)))
 
     def _scores(self, buffer: RolloutBuffer, context: FilterContext) -> np.ndarray:
         scores = {**statistic_scores(buffer, context.gamma),
@@ -116,7 +125,7 @@ class QuarantineFilter:
                       for j, family in enumerate(self.families)}
         calibrated = {family: calibration_p_values(sources, z[:, j], range(n_sources), CALIBRATED[family])
                       for j, family in enumerate(self.families) if family in CALIBRATED}
-        flagged = verdict(means, range(n_sources), TWO_SIDED, self.alpha, outlier_means, floors, self.PERMUTATIONS,
+        flagged = verdict(means, range(n_sources), TWO_SIDED, self.alpha, outlier_means, floors, self.permutations,
                           calibrated)
         quarantined = [int(s) for s in flagged.loc[flagged["flagged"], "source"]]
         context.stats["quarantined"] = float(len(quarantined))

@@ -12,6 +12,7 @@ stable-baselines3 is optional; this module needs it (``pip install "rlinfluence[
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import zlib
@@ -46,15 +47,19 @@ class QuarantineCallback(BaseCallback):
     envs that the sources test flags over the last ``window`` rollouts (``rlinfluence.filters.
     QuarantineFilter``: the consistency checks and the reward, value and advantage statistics,
     the audit's tests at ``alpha`` across envs x families; the last ``trusted_envs`` envs are never
-    tested), on SB3's stored observations. Needs ``PPO(..., rollout_buffer_class=FilteredRolloutBuffer)``.
+    tested), on SB3's stored observations; ``guarantee`` "run": each at alpha / the rollouts ``learn()``
+    will collect, so that a clean run has at most alpha chance of any false quarantine. Needs
+    ``PPO(..., rollout_buffer_class=FilteredRolloutBuffer)``.
     Logs ``quarantine/quarantined`` per rollout; ``history`` keeps each rollout's quarantined envs."""
 
-    def __init__(self, window: int = 6, alpha: float = 0.01, trusted_envs: int = 0, verbose: int = 0):
+    def __init__(self, window: int = 6, alpha: float = 0.01, trusted_envs: int = 0, verbose: int = 0,
+                 guarantee: str = "round"):
         super().__init__(verbose)
-        if window < 1 or not 0 < alpha < 1 or trusted_envs < 0:
-            raise ValueError(f"window must be >= 1, alpha in (0, 1), trusted_envs >= 0; got {window}, {alpha}, "
-                             f"{trusted_envs}")
+        if window < 1 or not 0 < alpha < 1 or trusted_envs < 0 or guarantee not in ("round", "run"):
+            raise ValueError(f"window must be >= 1, alpha in (0, 1), trusted_envs >= 0, guarantee round or run; got "
+                             f"{window}, {alpha}, {trusted_envs}, {guarantee!r}")
         self.filter = QuarantineFilter(window, alpha, False, trusted_envs)
+        self.alpha, self.guarantee = alpha, guarantee
         self.history: list[list[int]] = []
         self._episodes: np.ndarray | None = None
         self._time_limits = TimeLimitEnds()
@@ -66,6 +71,9 @@ class QuarantineCallback(BaseCallback):
         if self.model.n_envs - self.filter.trusted_envs < MIN_SOURCES:
             raise ValueError(f"QuarantineCallback compares each env with 2 or more others: it needs at least "
                              f"{MIN_SOURCES} untrusted envs, got {self.model.n_envs} - {self.filter.trusted_envs}")
+        if self.guarantee == "run":  # each rollout's test at alpha / the rollouts learn() will collect
+            rollouts = math.ceil(self.model._total_timesteps / (self.model.n_steps * self.model.n_envs))
+            self.filter.set_alpha(self.alpha / max(rollouts, 1))
 
     def _on_step(self) -> bool:
         self._time_limits.record(self.locals)
