@@ -587,6 +587,10 @@ def markdown_table(runs: pd.DataFrame, families: list[str]) -> str:
 HELD_OUT_DATA = ("hidden_faults_held_out", "hidden_faults_held_out_sb3", "hidden_faults_held_out_acrobot")
 """The held-out protocol's per-run rows in docs/data (``<name>_runs.csv``): native on the three target
 envs, SB3, and Acrobot apart."""
+HELD_OUT_PROTOCOLS = ((HELD_OUT_DATA, "held-out-answer"),
+                      (("hidden_faults_held_out_v3", "hidden_faults_held_out_v3_sb3"), "held-out-answer-v3"))
+"""Each held-out protocol's rows (native, SB3, Acrobot apart where measured) and the marker of its
+answer on the results page: version 2's, then version 3's second held-out set."""
 
 
 def _count(flags: pd.Series) -> str:
@@ -630,6 +634,11 @@ def held_out_answer(native: pd.DataFrame, sb3: pd.DataFrame | None = None, acrob
                  f"0.01 per audit (target: 0); with the per-run alpha (audit j at 0.01 / (j (j + 1))) {seq_k} of {len(clean)}, "
                  f"at the cost of flagging {_count(faulty['seq_verdict_round'] <= WITHIN)} faulty runs within "
                  f"{WITHIN} rounds instead of {_count(faulty['verdict_round'] <= WITHIN)}.")
+    if "looks_verdict_round" in native:  # the second protocol's third arm
+        lines.append(f"With the per-run alpha at looks 1, 2, 4, 8, 16 only (look i at 0.01 / (i (i + 1))): "
+                     f"{int(_has_false_flag(clean, 'looks_').sum())} of {len(clean)} clean runs with a false flag; "
+                     f"faulty runs flagged within {WITHIN} rounds {_count(faulty['looks_verdict_round'] <= WITHIN)}, "
+                     f"within {int(faulty['rounds'].max())} {_count(faulty['looks_verdict_round'].notna())}.")
     for name, rows in (("Stable-Baselines3 runs (RunDirectoryCallback)", sb3),
                        ("Acrobot (500-step episodes, reported apart)", acrobot)):
         if rows is not None and len(rows):
@@ -638,7 +647,8 @@ def held_out_answer(native: pd.DataFrame, sb3: pd.DataFrame | None = None, acrob
                          f"within {int(f['rounds'].max())} {_count(f['verdict_round'].notna())}; readings wrong "
                          f"{int((_outcomes(f) == 'wrong').sum())} of {len(_outcomes(f))}; clean runs with a false flag "
                          f"{int(_has_false_flag(c).sum())} of {len(c)} per audit, {int(_has_false_flag(c, 'seq_').sum())} "
-                         "with the per-run alpha.")
+                         "with the per-run alpha" + (f", {int(_has_false_flag(c, 'looks_').sum())} with it at looks only"
+                                                     if "looks_verdict_round" in rows else "") + ".")
     return [f"- {line}" for line in lines]  # a list: each figure's sentence on its own line of the page
 
 

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from explain import slide_lines  # noqa: E402
 from figures import check_pages  # noqa: E402
 from hidden_faults import (  # noqa: E402
-    HELD_OUT_DATA,
+    HELD_OUT_PROTOCOLS,
     held_out_answer,
     learn_table,
     markdown_table,
@@ -93,14 +93,19 @@ def study_grids() -> dict[str, list[float]]:
 
 
 def held_out(check: bool) -> list[str]:
-    """Write (or with ``check`` only compare) the held-out answer on its pages and the held-out
+    """Write (or with ``check`` only compare) each held-out protocol's answer on its pages and its
     detection tables from their per-run rows; the stale ones."""
+    return [stale for names, marker in HELD_OUT_PROTOCOLS for stale in held_out_protocol(names, marker, check)]
+
+
+def held_out_protocol(names: tuple[str, ...], marker: str, check: bool) -> list[str]:
+    """``held_out`` for one protocol: its rows ``names`` (native, SB3, Acrobot), its page's ``marker``."""
     stale = []
     frames = [prepared(pd.read_csv(DATA / f"{n}_runs.csv")) if (DATA / f"{n}_runs.csv").is_file() else None
-              for n in HELD_OUT_DATA]
+              for n in names]
     if frames[0] is None:
         return stale
-    for name, frame in zip(HELD_OUT_DATA, frames, strict=True):
+    for name, frame in zip(names, frames, strict=True):
         if frame is None:
             continue
         for path, text in ((DATA / f"{name}_table.txt",
@@ -114,9 +119,9 @@ def held_out(check: bool) -> list[str]:
     for page in HELD_OUT_PAGES:
         path = ROOT / page
         old = path.read_text()
-        new = fill(old, "held-out-answer", lines)
+        new = fill(old, marker, lines)
         if new != old:
-            stale.append(f"{page} (held-out-answer)")
+            stale.append(f"{page} ({marker})")
             if not check:
                 path.write_text(new)
     return stale
