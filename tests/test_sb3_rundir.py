@@ -174,3 +174,18 @@ def test_a_vec_env_whose_envs_have_no_spec_attribute_is_one_user_error(tmp_path)
     with pytest.raises(UserError, match="no gymnasium id"):
         model.learn(64, callback=RunDirectoryCallback(tmp_path / "run"))
     assert not (tmp_path / "run" / "config.json").exists()
+
+
+def test_a_discrete_observation_run_is_written_one_hot_and_every_analysis_reads_it(tmp_path, capsys):
+    """SB3 stores a Discrete observation as its index and its policy sees it one-hot, as rlinfluence's
+    env and policy do: the run directory holds the one-hot observations, whose log-probs are SB3's."""
+    model = SB3PPO("MlpPolicy", make_vec_env("FrozenLake-v1", n_envs=3, seed=1), n_steps=32, batch_size=32, n_epochs=2,
+                   seed=1, device="cpu")
+    model.learn(32 * 3 * 3, callback=RunDirectoryCallback(tmp_path / "run", eval_episodes=2))
+    saved = load_round(tmp_path / "run", 1)
+    assert saved.buffer.obs.shape == (32, 3, 16) and (saved.buffer.obs.sum(-1) == 1).all()
+    logp = saved.trainer.policy.log_prob(saved.buffer.flat("obs"), saved.buffer.flat("actions"))
+    assert torch.allclose(logp, saved.buffer.flat("logp"), atol=1e-5)
+    for command in (["audit", "{run}"], ["explain", "{run}", "--round", "1", "--episodes", "4", "--draws", "2"]):
+        assert cli.main([c.format(run=tmp_path / "run") for c in command]) == 0
+    assert "error" not in capsys.readouterr().err

@@ -102,8 +102,10 @@ def _env_of(model: Any, env: str | None) -> str:
     from rlinfluence.envs import make_env
 
     built = make_env(env)
-    try:
-        for what, ours, theirs in (("observation", built.observation_space, model.observation_space),
+    try:  # a Discrete observation is one-hot in rlinfluence's env and SB3's policy alike: compared before that
+        observation_space = built.unwrapped.observation_space if isinstance(
+            model.observation_space, spaces.Discrete) else built.observation_space
+        for what, ours, theirs in (("observation", observation_space, model.observation_space),
                                    ("action", built.action_space, model.action_space)):
             if ours != theirs:
                 raise UserError(f"RunDirectoryCallback: env {env!r} builds {what} space {ours}; the model's is {theirs}")
@@ -130,8 +132,10 @@ def config_of(model: Any, total_timesteps: int, eval_episodes: int, env: str | N
     if list(pi) != list(vf):
         raise UserError(f"RunDirectoryCallback: net_arch pi {pi} and vf {vf} differ (rlinfluence's actor and "
                         "critic have the same hidden sizes)")
-    if not isinstance(model.observation_space, spaces.Box) or len(model.observation_space.shape) != 1:
-        raise UserError(f"RunDirectoryCallback: observation space {model.observation_space} (vectors only)")
+    discrete_obs = isinstance(model.observation_space, spaces.Discrete)  # one-hot, in SB3 as in rlinfluence
+    if not discrete_obs and (not isinstance(model.observation_space, spaces.Box) or len(model.observation_space.shape) != 1):
+        raise UserError(f"RunDirectoryCallback: observation space {model.observation_space} (vectors, or Discrete "
+                        "one-hot, only)")
     if not isinstance(model.action_space, spaces.Discrete | spaces.Box):
         raise UserError(f"RunDirectoryCallback: action space {model.action_space} (Discrete or Box only)")
     optimizer = policy.optimizer
@@ -222,6 +226,10 @@ class RunDirectoryCallback(BaseCallback):
         ours = as_rollout_buffer(self.model, buffer, self.writer.round, self._episodes,
                                  self._time_limits.take(buffer.buffer_size))
         self._episodes = ours.episode_ids[-1].numpy() + ours.dones[-1].long().numpy()
+        if isinstance(self.model.observation_space, spaces.Discrete):  # SB3 stores the index, its policy sees it one-hot
+            space = self.model.observation_space
+            ours.obs = torch.nn.functional.one_hot(ours.obs.reshape(ours.obs.shape[:2]).long() - int(space.start),
+                                                   int(space.n)).float()
         self.writer.begin_round(self.model.policy, self.model.policy.optimizer)  # theta(k): it collected the round
         self.writer.add_rollout(ours.obs, ours.actions, ours.logp, ours.values, ours.rewards, ours.terminated,
                                 ours.truncated, ours.final_values)
