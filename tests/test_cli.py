@@ -114,7 +114,7 @@ def _assert_one_line_error(out, *fragments):
     "args, fragments",
     [
         (["--env", "NoSuchEnv-v9"], ["unknown env id 'NoSuchEnv-v9'"]),
-        (["--batch-size", "100"], ["batch_size 100", "2048"]),
+        (["--batch-size", "4096"], ["batch_size 4096", "2048"]),
         (["--n-steps", "16", "--batch-size", "64"], ["batch_size 64", "16"]),
         (["--learning-rate", "0"], ["learning_rate", "0.0"]),
         (["--learning-rate", "-0.001"], ["learning_rate", "-0.001"]),

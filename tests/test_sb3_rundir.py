@@ -189,3 +189,18 @@ def test_a_discrete_observation_run_is_written_one_hot_and_every_analysis_reads_
     for command in (["audit", "{run}"], ["explain", "{run}", "--round", "1", "--episodes", "4", "--draws", "2"]):
         assert cli.main([c.format(run=tmp_path / "run") for c in command]) == 0
     assert "error" not in capsys.readouterr().err
+
+
+def test_a_batch_size_that_does_not_divide_the_rollout_is_written_and_re_run(tmp_path, capsys):
+    """SB3 accepts it (with a warning) and trains on a shorter last minibatch; the run is written, and
+    the re-run leaves each epoch's remainder out, as rlinfluence's trainer does (warned there too)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SB3's own warning about the truncated minibatch
+        model = SB3PPO("MlpPolicy", make_vec_env("CartPole-v1", n_envs=3, seed=1), n_steps=32, batch_size=40, n_epochs=2,
+                       seed=1, device="cpu")
+        model.learn(32 * 3 * 3, callback=RunDirectoryCallback(tmp_path / "run", eval_episodes=2))
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["batch_size"] == 40
+    assert cli.main(["validate", str(tmp_path / "run"), "--round", "1"]) == 0
+    assert "error" not in capsys.readouterr().err

@@ -84,7 +84,8 @@ class PPOConfig:
     n_steps: int = 2048
     """steps per environment per round"""
     batch_size: int = 64
-    """minibatch size; must divide n_steps * n_envs"""
+    """minibatch size, at most n_steps * n_envs; where it does not divide a round's (kept) records,
+    each epoch's last records left over from whole minibatches sit that epoch out (train warns)"""
     n_epochs: int = 10
     """passes over the kept records per round"""
     learning_rate: float = 3e-4
@@ -327,9 +328,9 @@ class PPOConfig:
                             f"round; at most {MAX_RECORDS} fit a round's buffer")
         if not self.learning_rate > 0:
             raise UserError(f"learning_rate must be > 0, got {self.learning_rate}")
-        if self.batch_size > self.rollout_size or self.rollout_size % self.batch_size:
+        if self.batch_size > self.rollout_size:
             raise UserError(
-                f"batch_size {self.batch_size} must divide n_steps * n_envs = "
+                f"batch_size {self.batch_size} must be at most n_steps * n_envs = "
                 f"{self.n_steps} * {self.n_envs} = {self.rollout_size}"
             )
         for name in ("gamma", "gae_lambda"):

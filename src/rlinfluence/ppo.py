@@ -24,6 +24,7 @@ import copy
 import math
 import random
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -170,6 +171,10 @@ class PPO:
         ``callback(trainer, metrics)`` runs after every round; returning False stops training.
         """
         cfg = self.config
+        if cfg.rollout_size % cfg.batch_size and self.round == 0:
+            warnings.warn(f"batch_size {cfg.batch_size} does not divide a round's {cfg.rollout_size} records: each epoch "
+                          f"trains on whole minibatches, and its last {cfg.rollout_size % cfg.batch_size} records (a new "
+                          "random draw each epoch) sit it out", stacklevel=2)
         n_rounds = self.rounds_planned = math.ceil((total_timesteps or cfg.total_timesteps) / cfg.rollout_size)
         if self.run is not None:
             self.run.check_room(n_rounds - self.round, restore.bytes_per_round(self))
