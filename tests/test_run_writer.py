@@ -125,7 +125,6 @@ class TanhAgent(nn.Module):
 
 @pytest.mark.parametrize(("agent", "message"), [
     (ReluAgent(), "holds ReLU"),
-    (TanhAgent(critic=(16,)), "hidden sizes \\[8\\] and the critic's \\[16\\] differ"),
     (nn.Linear(4, 2), "no actor \\(or actor_mean\\) and critic"),
 ])
 def test_a_policy_that_does_not_map_is_one_user_error_at_the_first_round(tmp_path, agent, message):
@@ -184,3 +183,15 @@ def test_the_writer_leaves_the_process_generators_and_threads_as_it_found_them(t
     with process_state_kept():
         torch.set_num_threads(3)
     assert torch.get_num_threads() == 1
+
+
+def test_an_actor_and_a_critic_of_different_sizes_map(tmp_path):
+    agent = TanhAgent(actor=(8,), critic=(16, 4))
+    optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
+    writer = RunWriter(tmp_path / "run", "CartPole-v1", 2, 8, batch_size=8)
+    writer.begin_round(agent, optimizer)
+    obs, actions, logp, values = rollout(agent)
+    writer.add_rollout(obs, actions, logp, values, np.ones((8, 2)), np.zeros((8, 2), bool), np.zeros((8, 2), bool))
+    writer.end_round(torch.zeros(8, 2), values, agent, optimizer)  # the values check passes: the critic mapped
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (config["hidden_sizes"], config["critic_hidden_sizes"]) == ([8], [16, 4])

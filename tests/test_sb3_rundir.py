@@ -97,7 +97,6 @@ def test_every_analysis_command_runs_on_the_sb3_run_directory(sb3_run, command, 
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    (dict(policy_kwargs=dict(net_arch=dict(pi=[32], vf=[64]))), "net_arch pi \\[32\\] and vf \\[64\\] differ"),
     (dict(learning_rate=lambda progress: 1e-3 * progress), "learning_rate is a schedule"),
     (dict(policy_kwargs=dict(activation_fn=torch.nn.ReLU)), "activation ReLU"),
 ])
@@ -202,5 +201,17 @@ def test_a_batch_size_that_does_not_divide_the_rollout_is_written_and_re_run(tmp
                        seed=1, device="cpu")
         model.learn(32 * 3 * 3, callback=RunDirectoryCallback(tmp_path / "run", eval_episodes=2))
     assert json.loads((tmp_path / "run" / "config.json").read_text())["batch_size"] == 40
+    assert cli.main(["validate", str(tmp_path / "run"), "--round", "1"]) == 0
+    assert "error" not in capsys.readouterr().err
+
+
+def test_different_actor_and_critic_sizes_are_written_with_both(tmp_path, capsys):
+    model = sb3_model(policy_kwargs=dict(net_arch=dict(pi=[32], vf=[64, 16])))
+    model.learn(32 * 3 * 3, callback=RunDirectoryCallback(tmp_path / "run", eval_episodes=2))
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (config["hidden_sizes"], config["critic_hidden_sizes"]) == ([32], [64, 16])
+    saved = load_round(tmp_path / "run", 1)
+    values = saved.trainer.policy.value(saved.buffer.flat("obs"))
+    assert torch.allclose(values, saved.buffer.flat("values"), atol=1e-5)  # the critic is SB3's vf network
     assert cli.main(["validate", str(tmp_path / "run"), "--round", "1"]) == 0
     assert "error" not in capsys.readouterr().err

@@ -182,7 +182,9 @@ class PPOConfig:
     """iif/random's return target: buffer = computed on the scored buffer itself (the paper's),
     trusted = on the trusted envs' records only, so corrupted records do not judge themselves"""
     hidden_sizes: tuple[int, ...] = (64, 64)
-    """hidden layers of the actor and of the critic MLP"""
+    """hidden layers of the actor MLP, and of the critic's unless critic_hidden_sizes is given"""
+    critic_hidden_sizes: tuple[int, ...] | None = None
+    """hidden layers of the critic MLP (None: hidden_sizes)"""
     encoder: Literal["auto", "flatten", "cnn"] = "auto"
     """observation encoder; auto = CNN for HWC uint8 images, else flatten"""
     eval_episodes: int = 50
@@ -318,9 +320,10 @@ class PPOConfig:
         # a thread pool out of memory) are refused up front with the limit
         for name, limit in LIMITS.items():
             if name == "hidden_sizes":
-                too_big = [size for size in self.hidden_sizes if size > limit]
-                if too_big:
-                    raise UserError(f"hidden_sizes must each be <= {limit}, got {too_big[0]}")
+                for field, sizes in (("hidden_sizes", self.hidden_sizes), ("critic_hidden_sizes", self.critic_hidden_sizes)):
+                    too_big = [size for size in sizes or () if size > limit]
+                    if too_big:
+                        raise UserError(f"{field} must each be <= {limit}, got {too_big[0]}")
             elif getattr(self, name) > limit:
                 raise UserError(f"{name} must be <= {limit}, got {getattr(self, name)}")
         if self.rollout_size > MAX_RECORDS:
@@ -386,8 +389,9 @@ class PPOConfig:
             raise UserError("--tracin needs --save-buffers (the scores are saved with the round's buffer)")
         if self.save_frames and not self.save_buffers:
             raise UserError("--save-frames needs --save-buffers (frames are kept for the saved rounds' records)")
-        if any(size < 1 for size in self.hidden_sizes):
-            raise UserError(f"hidden_sizes must all be >= 1, got {list(self.hidden_sizes)}")
+        for field, sizes in (("hidden_sizes", self.hidden_sizes), ("critic_hidden_sizes", self.critic_hidden_sizes)):
+            if any(size < 1 for size in sizes or ()):
+                raise UserError(f"{field} must all be >= 1, got {list(sizes)}")
         if self.method is not None:
             check_plain_name("method", self.method)
         self._check_device()

@@ -95,8 +95,10 @@ class ActorCritic(nn.Module):
         action_space: gym.spaces.Space,
         hidden_sizes: Sequence[int] = (64, 64),
         encoder: str = "flatten",
+        critic_hidden_sizes: Sequence[int] | None = None,
     ):
         super().__init__()
+        critic_sizes = hidden_sizes if critic_hidden_sizes is None else critic_hidden_sizes
         obs_shape = observation_space.shape
         if encoder == "cnn":
             self.encoder: nn.Module = MiniGridCNN(obs_shape)
@@ -107,7 +109,7 @@ class ActorCritic(nn.Module):
         feat_dim = self.encoder.out_dim
         latent_dim = hidden_sizes[-1] if hidden_sizes else feat_dim
         self.actor = mlp(feat_dim, hidden_sizes)
-        self.critic = mlp(feat_dim, hidden_sizes)
+        self.critic = mlp(feat_dim, critic_sizes)
 
         self.continuous = isinstance(action_space, gym.spaces.Box)
         if self.continuous:
@@ -118,7 +120,7 @@ class ActorCritic(nn.Module):
             self.action_head = nn.Linear(latent_dim, int(action_space.n))
         else:
             raise ValueError(f"unsupported action space {action_space} (Discrete or Box only)")
-        self.value_head = nn.Linear(latent_dim, 1)
+        self.value_head = nn.Linear(critic_sizes[-1] if critic_sizes else feat_dim, 1)
 
         orthogonal_init(self.encoder, math.sqrt(2))
         orthogonal_init(self.actor, math.sqrt(2))
@@ -202,6 +204,7 @@ def make_policy(
     action_space: gym.spaces.Space,
     hidden_sizes: Sequence[int] = (64, 64),
     encoder: str = "auto",
+    critic_hidden_sizes: Sequence[int] | None = None,
 ) -> ActorCritic:
     """Build the actor-critic for a space pair; ``encoder='auto'`` picks the CNN for HWC uint8 images.
 
@@ -220,7 +223,7 @@ def make_policy(
     if encoder == "cnn" and len(observation_space.shape) != 3:
         raise UserError(f"--encoder cnn needs an image observation (height x width x channels), got shape "
                         f"{observation_space.shape}: use --encoder flatten (or auto)")
-    return ActorCritic(observation_space, action_space, hidden_sizes, encoder)
+    return ActorCritic(observation_space, action_space, hidden_sizes, encoder, critic_hidden_sizes)
 
 
 class NumpyActorCritic:

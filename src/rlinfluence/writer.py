@@ -22,7 +22,7 @@ advantages the update used) and ``metrics.csv`` (one row per round: the loop's o
 rlinfluence's evaluation of theta(k+1) with ``eval_episodes``).
 
 **The policy.** Analyses score records with rlinfluence's ``ActorCritic`` (tanh MLPs, an actor and
-a critic of the same hidden sizes, a linear action head and value head, a state-independent
+a critic, a linear action head and value head, a state-independent
 ``log_std`` for Box actions), so the caller's module is mapped onto it, parameter by parameter:
 
 - an ``ActorCritic``: as it is;
@@ -34,8 +34,8 @@ a critic of the same hidden sizes, a linear action head and value head, a state-
 
 A mapping is checked on every round: the logged log-probs and values of a sample of the round's
 records must equal rlinfluence's policy's at theta(k) (``LOGP_TOLERANCE``), or the round is refused
-with one ``UserError`` naming the largest gap. What does not map (ReLU, a shared trunk, different
-actor and critic sizes, a CNN) is refused at the first ``begin_round`` with one ``UserError``.
+with one ``UserError`` naming the largest gap. What does not map (ReLU, a shared trunk, a CNN)
+is refused at the first ``begin_round`` with one ``UserError``.
 
 **What re-runs mean.** ``validate``, ``intervene`` and ``explain`` redo round k's update with
 rlinfluence's PPO (its minibatches, its loss with the hyperparameters given) from theta(k) and the
@@ -107,8 +107,8 @@ def _linears(module: nn.Module, where: str) -> list[nn.Linear]:
     return linears
 
 
-def cleanrl_names(policy: nn.Module) -> tuple[dict[str, str], tuple[int, ...]]:
-    """(the caller's parameter name -> rlinfluence's ``ActorCritic`` name, the hidden sizes) of a
+def cleanrl_names(policy: nn.Module) -> tuple[dict[str, str], tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(the caller's parameter name -> rlinfluence's ``ActorCritic`` name, the actor's and the critic's hidden sizes) of a
     CleanRL-style agent: ``actor`` or ``actor_mean``, ``critic``, optional ``actor_logstd``."""
     actor_name = "actor_mean" if hasattr(policy, "actor_mean") else "actor"
     if not hasattr(policy, actor_name) or not hasattr(policy, "critic"):
@@ -124,13 +124,10 @@ def cleanrl_names(policy: nn.Module) -> tuple[dict[str, str], tuple[int, ...]]:
             index = list(getattr(policy, prefix)).index(layer)
             names[f"{prefix}.{index}.weight"] = f"{target}.weight"
             names[f"{prefix}.{index}.bias"] = f"{target}.bias"
-    if sizes["actor"] != sizes["critic"]:
-        raise UserError(f"RunWriter: the actor's hidden sizes {list(sizes['actor'])} and the critic's "
-                        f"{list(sizes['critic'])} differ (rlinfluence's actor and critic have the same)")
     for logstd in ("actor_logstd", "log_std"):
         if hasattr(policy, logstd):
             names[logstd] = "log_std"
-    return names, sizes["actor"]
+    return names, (sizes["actor"], sizes["critic"])
 
 
 class RunWriter:
@@ -175,7 +172,7 @@ class RunWriter:
         return cls(path, env, n_envs, n_steps, seed, names=names, written_by=written_by, **fields)
 
     # -- the policy -------------------------------------------------------------------
-    def _mapping(self, policy: nn.Module) -> tuple[dict[str, str], tuple[int, ...] | None]:
+    def _mapping(self, policy: nn.Module) -> tuple[dict[str, str], tuple[tuple[int, ...], tuple[int, ...]] | None]:
         from rlinfluence.policies import ActorCritic
 
         if isinstance(policy, ActorCritic):
@@ -202,7 +199,8 @@ class RunWriter:
         if type(optimizer) is torch.optim.Adam:
             fields["adam_eps"] = float(group["eps"])
         if sizes is not None:
-            fields["hidden_sizes"] = sizes
+            fields["hidden_sizes"] = sizes[0]
+            fields["critic_hidden_sizes"] = None if sizes[1] == sizes[0] else sizes[1]
         fields.setdefault("total_timesteps", fields["n_envs"] * fields["n_steps"])
         self.config = PPOConfig(**fields)
         self.config.validate()

@@ -15,11 +15,10 @@ The callback writes what ``rlinfluence.ppo.PPO`` writes with ``save_buffers``: `
 and the final theta) and ``buffers/round_K.safetensors`` (round k's records after SB3's GAE).
 
 The policy is written as rlinfluence's ``ActorCritic``, the same network with the same weights
-(SB3's ``MlpPolicy`` with the default flatten extractor, ``net_arch`` pi = vf, tanh; the names map
+(SB3's ``MlpPolicy`` with the default flatten extractor, ``net_arch`` pi and vf, tanh; the names map
 ``mlp_extractor.policy_net`` -> ``actor``, ``mlp_extractor.value_net`` -> ``critic``,
 ``action_net`` -> ``action_head``, ``value_net`` -> ``value_head``, ``log_std``), and SB3's Adam
-moments are carried to the same parameters. Anything else (a CNN, another activation, separate
-pi / vf sizes, gSDE, a schedule for the learning rate or the clip range, another optimiser, an
+moments are carried to the same parameters. Anything else (a CNN, another activation, gSDE, a schedule for the learning rate or the clip range, another optimiser, an
 env gymnasium cannot make by id without ``env=``) is refused with one ``UserError`` at the start of ``learn()``.
 
 What re-runs of an update mean here: ``validate``, ``intervene`` and ``explain`` redo round k's
@@ -129,9 +128,6 @@ def config_of(model: Any, total_timesteps: int, eval_episodes: int, env: str | N
                         "uses tanh)")
     arch = policy.net_arch
     pi, vf = (arch.get("pi", []), arch.get("vf", [])) if isinstance(arch, dict) else (list(arch), list(arch))
-    if list(pi) != list(vf):
-        raise UserError(f"RunDirectoryCallback: net_arch pi {pi} and vf {vf} differ (rlinfluence's actor and "
-                        "critic have the same hidden sizes)")
     discrete_obs = isinstance(model.observation_space, spaces.Discrete)  # one-hot, in SB3 as in rlinfluence
     if not discrete_obs and (not isinstance(model.observation_space, spaces.Box) or len(model.observation_space.shape) != 1):
         raise UserError(f"RunDirectoryCallback: observation space {model.observation_space} (vectors, or Discrete "
@@ -153,6 +149,7 @@ def config_of(model: Any, total_timesteps: int, eval_episodes: int, env: str | N
         max_grad_norm=float(model.max_grad_norm) if math.isfinite(model.max_grad_norm) else None,
         target_kl=float(model.target_kl) if model.target_kl is not None else None,
         hidden_sizes=tuple(int(h) for h in pi), encoder="flatten", eval_episodes=eval_episodes,
+        critic_hidden_sizes=None if list(vf) == list(pi) else tuple(int(h) for h in vf),
         save_buffers=True, progress=False, tensorboard=False)
 
 
