@@ -441,16 +441,12 @@ def audit_run(run_dir: str | Path, rounds: Sequence[int] = (), scorer: str | Non
               alpha: float = 0.01, permutations: int = 2000, seed: int = 0, workers: int = 1,
               ray_address: str | None = None, progress: bool = False, guarantee: str = "audit"
               ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """(sources, detection, harm table) of a run's rounds (default: all).
-
-    The harm table comes from the run's saved rounds (``--save-buffers``), scored one round per
-    job in this process (``workers`` 1), in ``workers`` local processes or as Ray tasks on
-    ``ray_address``, the same table whichever ran them; or from the tables written during
-    training (``SCORES_DIR``); ``progress``: a line per round scored. sources: the verdict over every family (``verdict_table``), or with
-    ``scorer`` named, ``sources_table`` by that scorer alone. detection: every scorer at every
-    level per round (``detection``), where the run has ground truth (``--corrupt``, or a
-    ``corrupted`` column); else empty. ``guarantee``: "audit" flags at ``alpha``, "run" at the
-    per-run level of ``rlinfluence.sources.audit_level`` for the rounds audited (the ``level`` column)."""
+    """(sources, detection, harm table) of a run's rounds (default: all). Harm table: the saved rounds
+    (``--save-buffers``) scored a round per job here (``workers`` 1), in local processes or as Ray
+    tasks on ``ray_address`` (the same table), or the tables written in training (``SCORES_DIR``).
+    sources: the verdict over every family (``verdict_table``), or ``scorer``'s ``sources_table``,
+    at the ``level`` of ``rlinfluence.sources.audit_level`` for ``guarantee``. detection: every
+    scorer at every level per round (``detection``) where the run has ground truth, else empty."""
     from rlinfluence.executor import check_executor
 
     if not 0 < alpha < 1:
@@ -467,10 +463,8 @@ def audit_run(run_dir: str | Path, rounds: Sequence[int] = (), scorer: str | Non
     found = detection(table, scorers) if "corrupted" in table else \
         pd.DataFrame(columns=["scorer", "level", "round", "auroc", "precision"])
     level = audit_level(alpha, int(table["round"].nunique()), guarantee)
-    sources = verdict_table(table, scorers, level) if scorer is None else \
-        sources_table(table, scorer, level, permutations, seed)
-    sources["level"] = level
-    return sources, found, table
+    sources = verdict_table(table, scorers, level) if scorer is None else sources_table(table, scorer, level, permutations, seed)
+    return sources.assign(level=level), found, table
 
 
 def unreachable_note(sources: pd.DataFrame, alpha: float) -> str:
