@@ -123,8 +123,16 @@ class TanhAgent(nn.Module):
         self.actor, self.critic = net(actor, 2), net(critic, 1)
 
 
+class MixedAgent(nn.Module):
+    def __init__(self, actor_activation=nn.Sigmoid):
+        super().__init__()
+        self.actor = nn.Sequential(nn.Linear(4, 8), actor_activation(), nn.Linear(8, 2))
+        self.critic = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
 @pytest.mark.parametrize(("agent", "message"), [
-    (ReluAgent(), "holds ReLU"),
+    (MixedAgent(), "holds Sigmoid"),
+    (MixedAgent(nn.ReLU), "the actor and the critic use relu and tanh"),
     (nn.Linear(4, 2), "no actor \\(or actor_mean\\) and critic"),
 ])
 def test_a_policy_that_does_not_map_is_one_user_error_at_the_first_round(tmp_path, agent, message):
@@ -185,8 +193,8 @@ def test_the_writer_leaves_the_process_generators_and_threads_as_it_found_them(t
     assert torch.get_num_threads() == 1
 
 
-def test_an_actor_and_a_critic_of_different_sizes_map(tmp_path):
-    agent = TanhAgent(actor=(8,), critic=(16, 4))
+@pytest.mark.parametrize("agent", [TanhAgent(actor=(8,), critic=(16, 4)), ReluAgent()])
+def test_an_actor_and_a_critic_of_different_sizes_or_relu_map(tmp_path, agent):
     optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
     writer = RunWriter(tmp_path / "run", "CartPole-v1", 2, 8, batch_size=8)
     writer.begin_round(agent, optimizer)
@@ -194,4 +202,5 @@ def test_an_actor_and_a_critic_of_different_sizes_map(tmp_path):
     writer.add_rollout(obs, actions, logp, values, np.ones((8, 2)), np.zeros((8, 2), bool), np.zeros((8, 2), bool))
     writer.end_round(torch.zeros(8, 2), values, agent, optimizer)  # the values check passes: the critic mapped
     config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert (config["hidden_sizes"], config["critic_hidden_sizes"]) == ([8], [16, 4])
+    architecture = (config["hidden_sizes"], config["critic_hidden_sizes"], config["activation"])
+    assert architecture == (([8], [16, 4], "tanh") if isinstance(agent, TanhAgent) else ([8], None, "relu"))

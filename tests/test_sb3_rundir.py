@@ -98,7 +98,7 @@ def test_every_analysis_command_runs_on_the_sb3_run_directory(sb3_run, command, 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(learning_rate=lambda progress: 1e-3 * progress), "learning_rate is a schedule"),
-    (dict(policy_kwargs=dict(activation_fn=torch.nn.ReLU)), "activation ReLU"),
+    (dict(policy_kwargs=dict(activation_fn=torch.nn.ELU)), "activation ELU"),
 ])
 def test_what_has_no_counterpart_is_refused_at_the_start(tmp_path, kwargs, message):
     with pytest.raises(UserError, match=message):
@@ -205,12 +205,14 @@ def test_a_batch_size_that_does_not_divide_the_rollout_is_written_and_re_run(tmp
     assert "error" not in capsys.readouterr().err
 
 
-def test_different_actor_and_critic_sizes_are_written_with_both(tmp_path, capsys):
-    model = sb3_model(policy_kwargs=dict(net_arch=dict(pi=[32], vf=[64, 16])))
+def test_different_actor_and_critic_sizes_and_relu_are_written_as_they_are(tmp_path, capsys):
+    model = sb3_model(policy_kwargs=dict(net_arch=dict(pi=[32], vf=[64, 16]), activation_fn=torch.nn.ReLU))
     model.learn(32 * 3 * 3, callback=RunDirectoryCallback(tmp_path / "run", eval_episodes=2))
     config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert (config["hidden_sizes"], config["critic_hidden_sizes"]) == ([32], [64, 16])
+    assert (config["hidden_sizes"], config["critic_hidden_sizes"], config["activation"]) == ([32], [64, 16], "relu")
     saved = load_round(tmp_path / "run", 1)
+    logp = saved.trainer.policy.log_prob(saved.buffer.flat("obs"), saved.buffer.flat("actions"))
+    assert torch.allclose(logp, saved.buffer.flat("logp"), atol=1e-5)  # the actor is SB3's pi network
     values = saved.trainer.policy.value(saved.buffer.flat("obs"))
     assert torch.allclose(values, saved.buffer.flat("values"), atol=1e-5)  # the critic is SB3's vf network
     assert cli.main(["validate", str(tmp_path / "run"), "--round", "1"]) == 0

@@ -185,6 +185,8 @@ class PPOConfig:
     """hidden layers of the actor MLP, and of the critic's unless critic_hidden_sizes is given"""
     critic_hidden_sizes: tuple[int, ...] | None = None
     """hidden layers of the critic MLP (None: hidden_sizes)"""
+    activation: Literal["tanh", "relu"] = "tanh"
+    """the actor's and critic's hidden activation"""
     encoder: Literal["auto", "flatten", "cnn"] = "auto"
     """observation encoder; auto = CNN for HWC uint8 images, else flatten"""
     eval_episodes: int = 50

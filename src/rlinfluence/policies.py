@@ -37,6 +37,10 @@ def orthogonal_init(module: nn.Module, gain: float) -> None:
             nn.init.zeros_(layer.bias)
 
 
+ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU}
+"""The hidden layers' activation of the actor and critic MLPs (``PPOConfig.activation``)."""
+
+
 def mlp(in_dim: int, hidden_sizes: Sequence[int], activation: type[nn.Module] = nn.Tanh) -> nn.Sequential:
     """``Linear -> activation`` blocks; an empty ``hidden_sizes`` gives the identity."""
     layers: list[nn.Module] = []
@@ -96,9 +100,12 @@ class ActorCritic(nn.Module):
         hidden_sizes: Sequence[int] = (64, 64),
         encoder: str = "flatten",
         critic_hidden_sizes: Sequence[int] | None = None,
+        activation: str = "tanh",
     ):
         super().__init__()
         critic_sizes = hidden_sizes if critic_hidden_sizes is None else critic_hidden_sizes
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r} (expected {' or '.join(ACTIVATIONS)})")
         obs_shape = observation_space.shape
         if encoder == "cnn":
             self.encoder: nn.Module = MiniGridCNN(obs_shape)
@@ -108,8 +115,8 @@ class ActorCritic(nn.Module):
             raise ValueError(f"unknown encoder {encoder!r} (expected 'flatten' or 'cnn')")
         feat_dim = self.encoder.out_dim
         latent_dim = hidden_sizes[-1] if hidden_sizes else feat_dim
-        self.actor = mlp(feat_dim, hidden_sizes)
-        self.critic = mlp(feat_dim, critic_sizes)
+        self.actor = mlp(feat_dim, hidden_sizes, ACTIVATIONS[activation])
+        self.critic = mlp(feat_dim, critic_sizes, ACTIVATIONS[activation])
 
         self.continuous = isinstance(action_space, gym.spaces.Box)
         if self.continuous:
@@ -205,6 +212,7 @@ def make_policy(
     hidden_sizes: Sequence[int] = (64, 64),
     encoder: str = "auto",
     critic_hidden_sizes: Sequence[int] | None = None,
+    activation: str = "tanh",
 ) -> ActorCritic:
     """Build the actor-critic for a space pair; ``encoder='auto'`` picks the CNN for HWC uint8 images.
 
@@ -223,7 +231,7 @@ def make_policy(
     if encoder == "cnn" and len(observation_space.shape) != 3:
         raise UserError(f"--encoder cnn needs an image observation (height x width x channels), got shape "
                         f"{observation_space.shape}: use --encoder flatten (or auto)")
-    return ActorCritic(observation_space, action_space, hidden_sizes, encoder, critic_hidden_sizes)
+    return ActorCritic(observation_space, action_space, hidden_sizes, encoder, critic_hidden_sizes, activation)
 
 
 class NumpyActorCritic:

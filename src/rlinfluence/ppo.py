@@ -123,7 +123,7 @@ class PPO:
         self.device = resolve_device(config.device)
         self.policy: ActorCritic = make_policy(
             self.env.single_observation_space, self.env.single_action_space,
-            config.hidden_sizes, config.encoder, config.critic_hidden_sizes,
+            config.hidden_sizes, config.encoder, config.critic_hidden_sizes, config.activation,
         ).to(self.device)  # initialised on the CPU (the same weights on every device), then moved
         # --compile: the minibatch loss of the trainer's own policy, compiled on its first step
         self._policy_terms = torch.compile(policy_terms, dynamic=False) if config.compile else policy_terms

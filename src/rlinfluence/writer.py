@@ -16,25 +16,25 @@
 
 What it writes, as ``rlinfluence train --save-buffers`` does: ``config.json`` (a ``PPOConfig``
 with the hyperparameters given, the learning rate and Adam's eps read from the optimiser, the
-hidden sizes from the policy), ``checkpoints/round_K.pt`` (theta(k) and the optimiser's state, in
+hidden sizes and activation from the policy), ``checkpoints/round_K.pt`` (theta(k) and the optimiser's state, in
 rlinfluence's ``ActorCritic`` names), ``buffers/round_K.safetensors`` (round k's records with the
 advantages the update used) and ``metrics.csv`` (one row per round: the loop's own scalars, and
 rlinfluence's evaluation of theta(k+1) with ``eval_episodes``).
 
-**The policy.** Analyses score records with rlinfluence's ``ActorCritic`` (tanh MLPs, an actor and
-a critic, a linear action head and value head, a state-independent
+**The policy.** Analyses score records with rlinfluence's ``ActorCritic`` (MLPs with tanh or ReLU,
+an actor and a critic, a linear action head and value head, a state-independent
 ``log_std`` for Box actions), so the caller's module is mapped onto it, parameter by parameter:
 
 - an ``ActorCritic``: as it is;
 - CleanRL's layout: ``actor`` (or ``actor_mean``) and ``critic``, each an ``nn.Sequential`` of
-  ``Linear`` layers with ``Tanh`` between them, and for Box actions ``actor_logstd``;
+  ``Linear`` layers with ``Tanh`` (or ``ReLU``) between them, and for Box actions ``actor_logstd``;
 - anything else through ``names``: a function from the caller's parameter name to rlinfluence's
   (``actor.0.weight``, ..., ``action_head.weight``, ``value_head.bias``, ``log_std``; None for a
   parameter the policy does not use).
 
 A mapping is checked on every round: the logged log-probs and values of a sample of the round's
 records must equal rlinfluence's policy's at theta(k) (``LOGP_TOLERANCE``), or the round is refused
-with one ``UserError`` naming the largest gap. What does not map (ReLU, a shared trunk, a CNN)
+with one ``UserError`` naming the largest gap. What does not map (another activation, a shared trunk, a CNN)
 is refused at the first ``begin_round`` with one ``UserError``.
 
 **What re-runs mean.** ``validate``, ``intervene`` and ``explain`` redo round k's update with
@@ -90,44 +90,57 @@ def process_state_kept() -> Iterator[None]:
         torch.set_num_threads(state[3])
 
 
-def _linears(module: nn.Module, where: str) -> list[nn.Linear]:
-    """The ``Linear`` layers of a CleanRL-style ``nn.Sequential`` (tanh between them), in order."""
+def _linears(module: nn.Module, where: str) -> tuple[list[nn.Linear], str | None]:
+    """(the ``Linear`` layers, the activation between them: ``ACTIVATIONS``' name, None for one
+    layer) of a CleanRL-style ``nn.Sequential``: Linear, act, ..., Linear with one activation."""
+    from rlinfluence.policies import ACTIVATIONS
+
+    by_type = {kind: name for name, kind in ACTIVATIONS.items()}
     if not isinstance(module, nn.Sequential):
-        raise UserError(f"RunWriter: {where} is a {type(module).__name__}, not an nn.Sequential of Linear and Tanh "
-                        "layers; pass names= to map the policy's parameters")
+        raise UserError(f"RunWriter: {where} is a {type(module).__name__}, not an nn.Sequential of Linear layers with "
+                        "tanh or ReLU between them; pass names= to map the policy's parameters")
     layers = list(module)
     for layer in layers:
-        if not isinstance(layer, nn.Linear | nn.Tanh):
+        if not isinstance(layer, nn.Linear) and type(layer) not in by_type:
             raise UserError(f"RunWriter: {where} holds {type(layer).__name__}; rlinfluence's policy is Linear layers "
-                            "with tanh between them (pass names= for a module that computes the same)")
+                            "with tanh or ReLU between them (pass names= for a module that computes the same)")
     linears = [layer for layer in layers if isinstance(layer, nn.Linear)]
-    if not linears or not isinstance(layers[-1], nn.Linear) or len(layers) != 2 * len(linears) - 1:
-        raise UserError(f"RunWriter: {where} is not Linear, Tanh, ..., Linear (a tanh after every hidden layer, "
-                        "none after the last)")
-    return linears
+    activations = {by_type[type(layer)] for layer in layers if not isinstance(layer, nn.Linear)}
+    if not linears or not isinstance(layers[-1], nn.Linear) or len(layers) != 2 * len(linears) - 1 \
+            or any(isinstance(layer, nn.Linear) for layer in layers[1::2]) or len(activations) > 1:
+        raise UserError(f"RunWriter: {where} is not Linear, act, ..., Linear (one activation, tanh or ReLU, after "
+                        "every hidden layer, none after the last)")
+    return linears, next(iter(activations), None)
 
 
-def cleanrl_names(policy: nn.Module) -> tuple[dict[str, str], tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(the caller's parameter name -> rlinfluence's ``ActorCritic`` name, the actor's and the critic's hidden sizes) of a
+def cleanrl_names(policy: nn.Module) -> tuple[dict[str, str], dict[str, Any]]:
+    """(the caller's parameter name -> rlinfluence's ``ActorCritic`` name, the architecture's
+    ``PPOConfig`` fields: ``hidden_sizes``, ``critic_hidden_sizes``, ``activation``) of a
     CleanRL-style agent: ``actor`` or ``actor_mean``, ``critic``, optional ``actor_logstd``."""
     actor_name = "actor_mean" if hasattr(policy, "actor_mean") else "actor"
     if not hasattr(policy, actor_name) or not hasattr(policy, "critic"):
         raise UserError(f"RunWriter: the policy ({type(policy).__name__}) is not rlinfluence's ActorCritic and has no "
                         "actor (or actor_mean) and critic to map; pass names= to map its parameters")
     names: dict[str, str] = {}
-    sizes = {}
+    sizes, activations = {}, set()
     for prefix, ours, head in ((actor_name, "actor", "action_head"), ("critic", "critic", "value_head")):
-        linears = _linears(getattr(policy, prefix), prefix)
+        linears, activation = _linears(getattr(policy, prefix), prefix)
+        activations |= {activation} - {None}
         sizes[ours] = tuple(layer.out_features for layer in linears[:-1])
         for i, layer in enumerate(linears):
             target = head if i == len(linears) - 1 else f"{ours}.{2 * i}"
             index = list(getattr(policy, prefix)).index(layer)
             names[f"{prefix}.{index}.weight"] = f"{target}.weight"
             names[f"{prefix}.{index}.bias"] = f"{target}.bias"
+    if len(activations) > 1:
+        raise UserError(f"RunWriter: the actor and the critic use {' and '.join(sorted(activations))}; rlinfluence's "
+                        "policy has one activation for both")
     for logstd in ("actor_logstd", "log_std"):
         if hasattr(policy, logstd):
             names[logstd] = "log_std"
-    return names, (sizes["actor"], sizes["critic"])
+    return names, {"hidden_sizes": sizes["actor"],
+                   "critic_hidden_sizes": None if sizes["critic"] == sizes["actor"] else sizes["critic"],
+                   "activation": next(iter(activations), "tanh")}
 
 
 class RunWriter:
@@ -172,22 +185,22 @@ class RunWriter:
         return cls(path, env, n_envs, n_steps, seed, names=names, written_by=written_by, **fields)
 
     # -- the policy -------------------------------------------------------------------
-    def _mapping(self, policy: nn.Module) -> tuple[dict[str, str], tuple[tuple[int, ...], tuple[int, ...]] | None]:
+    def _mapping(self, policy: nn.Module) -> tuple[dict[str, str], dict[str, Any]]:
         from rlinfluence.policies import ActorCritic
 
         if isinstance(policy, ActorCritic):
-            return {n: n for n, _ in policy.named_parameters()}, None
+            return {n: n for n, _ in policy.named_parameters()}, {}
         if self._names is None:
             return cleanrl_names(policy)
         lookup = self._names.get if isinstance(self._names, dict) else self._names
-        return {n: lookup(n) for n, _ in policy.named_parameters() if lookup(n) is not None}, None
+        return {n: lookup(n) for n, _ in policy.named_parameters() if lookup(n) is not None}, {}
 
     def _start(self, policy: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """The first round: the config (rate and eps from the optimiser, sizes from the policy), the
         trainer the analyses' policy lives in, the run directory."""
         from rlinfluence.ppo import PPO
 
-        names, sizes = self._mapping(policy)
+        names, architecture = self._mapping(policy)
         group = optimizer.param_groups[0]
         if type(optimizer) not in (torch.optim.Adam, torch.optim.SGD) or group.get("amsgrad") or group.get(
                 "weight_decay") or (type(optimizer) is torch.optim.SGD and group.get("momentum")):
@@ -198,9 +211,7 @@ class RunWriter:
                   "save_buffers": True, "progress": False, "tensorboard": False}
         if type(optimizer) is torch.optim.Adam:
             fields["adam_eps"] = float(group["eps"])
-        if sizes is not None:
-            fields["hidden_sizes"] = sizes[0]
-            fields["critic_hidden_sizes"] = None if sizes[1] == sizes[0] else sizes[1]
+        fields.update(architecture)
         fields.setdefault("total_timesteps", fields["n_envs"] * fields["n_steps"])
         self.config = PPOConfig(**fields)
         self.config.validate()

@@ -15,7 +15,7 @@ The callback writes what ``rlinfluence.ppo.PPO`` writes with ``save_buffers``: `
 and the final theta) and ``buffers/round_K.safetensors`` (round k's records after SB3's GAE).
 
 The policy is written as rlinfluence's ``ActorCritic``, the same network with the same weights
-(SB3's ``MlpPolicy`` with the default flatten extractor, ``net_arch`` pi and vf, tanh; the names map
+(SB3's ``MlpPolicy`` with the default flatten extractor, ``net_arch`` pi and vf, tanh or ReLU; the names map
 ``mlp_extractor.policy_net`` -> ``actor``, ``mlp_extractor.value_net`` -> ``critic``,
 ``action_net`` -> ``action_head``, ``value_net`` -> ``value_head``, ``log_std``), and SB3's Adam
 moments are carried to the same parameters. Anything else (a CNN, another activation, gSDE, a schedule for the learning rate or the clip range, another optimiser, an
@@ -123,9 +123,9 @@ def config_of(model: Any, total_timesteps: int, eval_episodes: int, env: str | N
     if not isinstance(policy.features_extractor, FlattenExtractor):
         raise UserError(f"RunDirectoryCallback: the features extractor is {type(policy.features_extractor).__name__}; "
                         "only MlpPolicy's FlattenExtractor maps onto rlinfluence's policy")
-    if policy.activation_fn is not nn.Tanh or getattr(policy, "squash_output", False):
+    if policy.activation_fn not in (nn.Tanh, nn.ReLU) or getattr(policy, "squash_output", False):
         raise UserError(f"RunDirectoryCallback: activation {policy.activation_fn.__name__} (rlinfluence's policy "
-                        "uses tanh)")
+                        "takes tanh or ReLU)")
     arch = policy.net_arch
     pi, vf = (arch.get("pi", []), arch.get("vf", [])) if isinstance(arch, dict) else (list(arch), list(arch))
     discrete_obs = isinstance(model.observation_space, spaces.Discrete)  # one-hot, in SB3 as in rlinfluence
@@ -150,6 +150,7 @@ def config_of(model: Any, total_timesteps: int, eval_episodes: int, env: str | N
         target_kl=float(model.target_kl) if model.target_kl is not None else None,
         hidden_sizes=tuple(int(h) for h in pi), encoder="flatten", eval_episodes=eval_episodes,
         critic_hidden_sizes=None if list(vf) == list(pi) else tuple(int(h) for h in vf),
+        activation="tanh" if policy.activation_fn is nn.Tanh else "relu",
         save_buffers=True, progress=False, tensorboard=False)
 
 
