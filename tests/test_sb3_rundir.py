@@ -217,3 +217,15 @@ def test_different_actor_and_critic_sizes_and_relu_are_written_as_they_are(tmp_p
     assert torch.allclose(values, saved.buffer.flat("values"), atol=1e-5)  # the critic is SB3's vf network
     assert cli.main(["validate", str(tmp_path / "run"), "--round", "1"]) == 0
     assert "error" not in capsys.readouterr().err
+
+
+def test_an_adamw_model_is_written_with_its_weight_decay_and_re_run(tmp_path, capsys):
+    model = sb3_model(policy_kwargs=dict(optimizer_class=torch.optim.AdamW, optimizer_kwargs=dict(weight_decay=0.05)))
+    model.learn(32 * 3 * 3, callback=RunDirectoryCallback(tmp_path / "run", eval_episodes=2))
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (config["optimizer"], config["weight_decay"]) == ("adamw", 0.05)
+    saved = load_round(tmp_path / "run", 1)
+    assert type(saved.trainer.optimizer) is torch.optim.AdamW
+    assert saved.trainer.optimizer.param_groups[0]["weight_decay"] == 0.05
+    assert cli.main(["validate", str(tmp_path / "run"), "--round", "1"]) == 0
+    assert "error" not in capsys.readouterr().err

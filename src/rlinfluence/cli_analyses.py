@@ -127,7 +127,7 @@ def attribute(a: AttributeArgs) -> int:
             trainer.policy, buffer, mode="full", schedule=saved.schedule, target=target,
             clip_range=cfg.clip_range, clip_range_vf=cfg.clip_range_vf, vf_coef=cfg.vf_coef,
             ent_coef=cfg.ent_coef, normalize_advantage=cfg.normalize_advantage,
-            max_grad_norm=cfg.max_grad_norm, optimizer=trainer.optimizer if cfg.optimizer == "adam" else None,
+            max_grad_norm=cfg.max_grad_norm, optimizer=trainer.optimizer if cfg.optimizer != "sgd" else None,
         )
     table = attribution_table(buffer, scores)
     table["kept"] = saved.keep.numpy()  # whether the run's update used the record

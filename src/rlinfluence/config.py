@@ -90,10 +90,13 @@ class PPOConfig:
     """passes over the kept records per round"""
     learning_rate: float = 3e-4
     """constant learning rate"""
-    optimizer: Literal["adam", "sgd"] = "adam"
-    """adam (eps adam_eps) or plain sgd (no momentum); state is carried across rounds"""
+    optimizer: Literal["adam", "sgd", "adamw"] = "adam"
+    """adam (eps adam_eps), plain sgd (no momentum) or adamw (Adam with decoupled weight_decay);
+    state is carried across rounds"""
     adam_eps: float = 1e-5
     """Adam's epsilon (SB3's default)"""
+    weight_decay: float = 0.01
+    """adamw: the decoupled weight decay (torch's default); the other optimisers take none"""
     gamma: float = 0.99
     """discount factor"""
     gae_lambda: float = 0.95
@@ -333,6 +336,8 @@ class PPOConfig:
                             f"round; at most {MAX_RECORDS} fit a round's buffer")
         if not self.learning_rate > 0:
             raise UserError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise UserError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if self.batch_size > self.rollout_size:
             raise UserError(
                 f"batch_size {self.batch_size} must be at most n_steps * n_envs = "

@@ -129,6 +129,9 @@ class PPO:
         self._policy_terms = torch.compile(policy_terms, dynamic=False) if config.compile else policy_terms
         if config.optimizer == "sgd":
             self.optimizer: torch.optim.Optimizer = torch.optim.SGD(self.policy.parameters(), lr=config.learning_rate)
+        elif config.optimizer == "adamw":
+            self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=config.learning_rate, eps=config.adam_eps,
+                                               weight_decay=config.weight_decay)
         else:
             self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.learning_rate, eps=config.adam_eps)
         self._numpy_update = NumpyUpdate(

@@ -168,7 +168,7 @@ def bytes_per_round(trainer: Restorable) -> dict[str, int]:
     cfg, n = trainer.config, trainer.config.rollout_size
     params = sum(p.numel() for p in trainer.policy.parameters())
     obs = int(np.prod(trainer.env.single_observation_space.shape or (1,)))
-    return {"checkpoints": (4 * params * (3 if cfg.optimizer == "adam" else 2) + 65536) * cfg.save_checkpoints,
+    return {"checkpoints": (4 * params * (2 if cfg.optimizer == "sgd" else 3) + 65536) * cfg.save_checkpoints,
             "buffers": n * (4 * obs + 12 * 8 + 8 * cfg.n_epochs) * cfg.save_buffers,
             "frames": 1024 * n * cfg.save_frames}  # compressed 96-px frames: 0.25-0.5 KB a record measured
 

@@ -73,6 +73,8 @@ LOGP_TOLERANCE = 1e-4
 """The largest gap allowed between a logged log-prob (or value) and rlinfluence's policy's, per record."""
 CHECKED_RECORDS = 256
 """Records per round whose log-probs and values are checked against the mapped policy."""
+OPTIMIZERS = {torch.optim.Adam: "adam", torch.optim.AdamW: "adamw", torch.optim.SGD: "sgd"}
+"""The optimisers a run's re-runs can take, by class (``PPOConfig.optimizer``)."""
 FIELDS = ("obs", "actions", "logp", "values", "rewards", "terminated", "truncated", "final_values")
 
 
@@ -201,16 +203,17 @@ class RunWriter:
         from rlinfluence.ppo import PPO
 
         names, architecture = self._mapping(policy)
-        group = optimizer.param_groups[0]
-        if type(optimizer) not in (torch.optim.Adam, torch.optim.SGD) or group.get("amsgrad") or group.get(
-                "weight_decay") or (type(optimizer) is torch.optim.SGD and group.get("momentum")):
-            raise UserError(f"RunWriter: optimiser {type(optimizer).__name__} with {group.get('weight_decay', 0)} weight "
-                            "decay; rlinfluence's re-runs take Adam (or plain SGD) without weight decay")
-        fields = {**self._given, "learning_rate": float(group["lr"]),
-                  "optimizer": "adam" if type(optimizer) is torch.optim.Adam else "sgd",
+        group, kind = optimizer.param_groups[0], OPTIMIZERS.get(type(optimizer))
+        if kind is None or group.get("amsgrad") or group.get("maximize") or len(optimizer.param_groups) > 1 or (
+                kind != "adamw" and group.get("weight_decay")) or (kind == "sgd" and group.get("momentum")):
+            raise UserError(f"RunWriter: optimiser {type(optimizer).__name__} (weight decay {group.get('weight_decay', 0)}, "
+                            "one parameter group); rlinfluence's re-runs take Adam, AdamW or plain SGD")
+        fields = {**self._given, "learning_rate": float(group["lr"]), "optimizer": kind,
                   "save_buffers": True, "progress": False, "tensorboard": False}
-        if type(optimizer) is torch.optim.Adam:
+        if kind != "sgd":
             fields["adam_eps"] = float(group["eps"])
+        if kind == "adamw":
+            fields["weight_decay"] = float(group["weight_decay"])
         fields.update(architecture)
         fields.setdefault("total_timesteps", fields["n_envs"] * fields["n_steps"])
         self.config = PPOConfig(**fields)

@@ -101,7 +101,7 @@ def score_round(saved: SavedRound, target: Target, scorer: str, seed: int) -> to
             clip_range=cfg.clip_range, clip_range_vf=cfg.clip_range_vf, vf_coef=cfg.vf_coef,
             ent_coef=cfg.ent_coef, normalize_advantage=cfg.normalize_advantage,
             max_grad_norm=cfg.max_grad_norm,
-            optimizer=trainer.optimizer if cfg.optimizer == "adam" else None,
+            optimizer=trainer.optimizer if cfg.optimizer != "sgd" else None,
         )
     norm = scorer.split("/", 1)[1]
     n = len(buffer)

@@ -18,7 +18,7 @@ The policy is written as rlinfluence's ``ActorCritic``, the same network with th
 (SB3's ``MlpPolicy`` with the default flatten extractor, ``net_arch`` pi and vf, tanh or ReLU; the names map
 ``mlp_extractor.policy_net`` -> ``actor``, ``mlp_extractor.value_net`` -> ``critic``,
 ``action_net`` -> ``action_head``, ``value_net`` -> ``value_head``, ``log_std``), and SB3's Adam
-moments are carried to the same parameters. Anything else (a CNN, another activation, gSDE, a schedule for the learning rate or the clip range, another optimiser, an
+moments are carried to the same parameters. Anything else (a CNN, another activation, gSDE, a schedule for the learning rate or the clip range, an optimiser but Adam or AdamW, an
 env gymnasium cannot make by id without ``env=``) is refused with one ``UserError`` at the start of ``learn()``.
 
 What re-runs of an update mean here: ``validate``, ``intervene`` and ``explain`` redo round k's
@@ -135,13 +135,15 @@ def config_of(model: Any, total_timesteps: int, eval_episodes: int, env: str | N
     if not isinstance(model.action_space, spaces.Discrete | spaces.Box):
         raise UserError(f"RunDirectoryCallback: action space {model.action_space} (Discrete or Box only)")
     optimizer = policy.optimizer
-    if type(optimizer) is not torch.optim.Adam:
-        raise UserError(f"RunDirectoryCallback: optimiser {type(optimizer).__name__} (Adam only)")
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise UserError(f"RunDirectoryCallback: optimiser {type(optimizer).__name__} (Adam or AdamW only)")
     clip_vf = _constant(model, "clip_range_vf") if model.clip_range_vf is not None else None
     return PPOConfig(
         env=env_id, seed=int(model.seed) if model.seed is not None else 0, total_timesteps=int(total_timesteps),
         n_envs=model.n_envs, n_steps=model.n_steps, batch_size=model.batch_size, n_epochs=model.n_epochs,
-        learning_rate=_constant(model, "lr_schedule", "learning_rate"), optimizer="adam",
+        learning_rate=_constant(model, "lr_schedule", "learning_rate"),
+        optimizer="adamw" if type(optimizer) is torch.optim.AdamW else "adam",
+        weight_decay=float(optimizer.param_groups[0]["weight_decay"]) if type(optimizer) is torch.optim.AdamW else 0.01,
         adam_eps=float(optimizer.param_groups[0]["eps"]), gamma=float(model.gamma),
         gae_lambda=float(model.gae_lambda), clip_range=_constant(model, "clip_range"), clip_range_vf=clip_vf,
         normalize_advantage=bool(model.normalize_advantage), ent_coef=float(model.ent_coef),
