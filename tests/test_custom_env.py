@@ -73,3 +73,26 @@ def test_the_sb3_callback_refuses_an_env_without_an_id_or_an_entry_point_that_bu
         model.learn(64, callback=RunDirectoryCallback(tmp_path / "a"))
     with pytest.raises(UserError, match="builds observation space .* the model's is"):
         model.learn(64, callback=RunDirectoryCallback(tmp_path / "b", env="CartPole-v1"))
+
+
+def test_a_run_whose_env_cannot_be_re_created_is_still_read_by_what_needs_no_env(tmp_path, monkeypatch, capsys):
+    """The env's module is gone (another machine, a renamed package): attribute, diagnose, timeline and
+    audit read the saved rounds with the spaces the run recorded; explain, which evaluates policies,
+    is one error naming the module."""
+    import sys
+
+    (tmp_path / "vanishing_env.py").write_text("from tests.custom_env import make_env  # noqa: F401\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = PPOConfig(env="vanishing_env:make_env", n_envs=3, n_steps=32, batch_size=32, n_epochs=2,
+                       total_timesteps=3 * 96, seed=2, eval_episodes=2, save_buffers=True,
+                       run_root=str(tmp_path / "runs"), progress=False, tensorboard=False)
+    path = PPO(config).learn().run.path
+    (tmp_path / "vanishing_env.py").unlink()
+    monkeypatch.delitem(sys.modules, "vanishing_env")
+    for command in EVERY_ANALYSIS:
+        if command[0] in ("attribute", "diagnose", "timeline", "audit"):
+            assert cli.main([c.format(run=path) for c in command]) == 0, command
+    capsys.readouterr()
+    assert cli.main(["explain", str(path), "--round", "1", "--episodes", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot import 'vanishing_env'" in err[0], err

@@ -84,7 +84,7 @@ def load_round(run_dir: str | Path, round_index: int) -> SavedRound:
     checkpoint = run.checkpoint_path(round_index)
     if not checkpoint.is_file():
         raise UserError(f"no checkpoint for theta({round_index}) ({str(checkpoint)!r})")
-    trainer = PPO(config, run_dir=False)
+    trainer = reading_trainer(run, config)
     _check_buffer_fits(tensors, trainer, run.buffer_path(round_index))
     state = run.read_checkpoint(checkpoint)
     trainer.load_state_dict(state, source=repr(str(checkpoint)))
@@ -97,6 +97,25 @@ def load_round(run_dir: str | Path, round_index: int) -> SavedRound:
             tensors["schedule_epochs"], tensors["schedule_indices"], tensors["schedule_lr"], strict=True)]
     return SavedRound(trainer, RolloutBuffer.from_tensors(tensors), tensors["keep"], schedule, state,
                       tensors.get("tracin"), tensors.get("filter_scores"))
+
+
+def reading_trainer(run: RunDirectory, config: PPOConfig) -> PPO:
+    """The trainer a saved round is read into; where the run's env cannot be re-created (an entry
+    point that is not importable here) and the run recorded its spaces, one whose envs stand in
+    (``envs.UnavailableEnv``): what reads saved rounds only runs, what acts in the env says why not."""
+    from rlinfluence.envs import UnavailableEnv, make_env
+
+    try:
+        return PPO(config, run_dir=False)
+    except UserError as exc:
+        spaces = run.read_spaces()
+        try:
+            make_env(config.env).close()
+        except UserError as env_error:
+            if spaces is None:
+                raise
+            return PPO(config, run_dir=False, stand_in=UnavailableEnv(config.n_envs, *spaces, str(env_error)))
+        raise exc from None
 
 
 def _check_buffer_fits(tensors: dict[str, torch.Tensor], trainer: PPO, path: Path) -> None:

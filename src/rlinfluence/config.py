@@ -306,8 +306,9 @@ class PPOConfig:
 
         resolve_device(self.device)
 
-    def validate(self) -> None:
-        """Raise ``UserError`` naming the first invalid value."""
+    def validate(self, check_env: bool = True) -> None:
+        """Raise ``UserError`` naming the first invalid value (``check_env`` False: the env is not
+        built, for a run read where its env cannot be re-created)."""
         check_field_types(self, FIELD_TYPES)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -407,6 +408,8 @@ class PPOConfig:
         from rlinfluence.frames import check_renders
         from rlinfluence.rundir import check_wandb_installed
 
+        if not check_env:
+            return
         check_env_id(self.env)
         if self.save_frames:
             check_renders(self.env)

@@ -130,7 +130,10 @@ def mc_unavailable_reason(env_id: str) -> str | None:
     They need discrete actions and a small discrete state space that the observation
     identifies: a ``Discrete`` observation (FrozenLake, one-hot encoded) or a MiniGrid image.
     """
-    env = make_env(env_id)
+    try:
+        env = make_env(env_id)
+    except UserError as exc:  # a read run whose env cannot be re-created here: no state space to tell
+        return f"the env cannot be re-created here ({exc})"
     try:
         if not isinstance(env.action_space, gym.spaces.Discrete):
             return f"{env_id} has continuous actions ({env.action_space})"
@@ -188,3 +191,44 @@ class EnvStream:
             self.episode_returns[i] = 0.0
             self.episode_ids[i] = self.next_episode_id
             self.next_episode_id += 1
+
+
+def space_to_json(space: gym.Space) -> dict[str, Any] | None:
+    """A ``Box`` or ``Discrete`` space as JSON (None for another kind): what a run records of the
+    spaces its policy was built for (``spaces.json``), so that the analyses that need no env can
+    build the policy where the env cannot be re-created."""
+    if isinstance(space, gym.spaces.Box):
+        return {"type": "Box", "low": space.low.tolist(), "high": space.high.tolist(), "dtype": str(space.dtype)}
+    if isinstance(space, gym.spaces.Discrete):
+        return {"type": "Discrete", "n": int(space.n), "start": int(space.start)}
+    return None
+
+
+def space_from_json(data: dict[str, Any]) -> gym.Space:
+    """The space ``space_to_json`` wrote."""
+    if data["type"] == "Box":
+        dtype = np.dtype(data["dtype"])
+        return gym.spaces.Box(np.asarray(data["low"], dtype=dtype), np.asarray(data["high"], dtype=dtype), dtype=dtype)
+    return gym.spaces.Discrete(int(data["n"]), start=int(data["start"]))
+
+
+class UnavailableEnv(gym.vector.VectorEnv):
+    """Stands in for a run's envs where they cannot be re-created (``reason``): it has the spaces the
+    policy was built for, resets to zeros, and refuses to step with one ``UserError`` naming why, so
+    the analyses that read saved rounds only (attribute, diagnose, timeline, audit) run and the ones
+    that act in the env say what they need."""
+
+    def __init__(self, n_envs: int, observation_space: gym.Space, action_space: gym.Space, reason: str):
+        self.num_envs, self.reason = n_envs, reason
+        self.single_observation_space, self.single_action_space = observation_space, action_space
+        self.observation_space = gym.vector.utils.batch_space(observation_space, n_envs)
+        self.action_space = gym.vector.utils.batch_space(action_space, n_envs)
+
+    def reset(self, *, seed: Any = None, options: Any = None) -> tuple[np.ndarray, dict]:
+        return np.zeros(self.observation_space.shape, dtype=self.observation_space.dtype), {}
+
+    def step(self, actions: Any) -> Any:
+        raise UserError(f"this needs the run's env, which cannot be re-created here: {self.reason}")
+
+    def close(self, **kwargs: Any) -> None:
+        pass

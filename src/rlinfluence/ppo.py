@@ -75,9 +75,9 @@ class PPO:
         self,
         config: PPOConfig,
         filter: Filter | None = None,
-        run_dir: str | Path | RunDirectory | None | Literal[False] = None,
+        run_dir: str | Path | RunDirectory | None | Literal[False] = None, stand_in: gym.vector.VectorEnv | None = None,
     ):
-        config.validate()
+        config.validate(check_env=stand_in is None)
         if filter is None:
             config.check_filter_options()
         self.config = config
@@ -100,10 +100,10 @@ class PPO:
 
         render_mode = "rgb_array" if config.save_frames else None
         asynchronous = config.vec_env == "async"
-        self.stream = EnvStream(make_vec_env(config.env, config.n_envs, render_mode, asynchronous), self.generator)
+        self.stream = EnvStream(stand_in or make_vec_env(config.env, config.n_envs, render_mode, asynchronous), self.generator)  # stand_in: checkpoint.load_round's, for a run whose envs cannot be re-created
         self.last_frames: FrameRecorder | None = None  # the last collection's frames (save_frames)
         self.env.action_space.seed(config.seed)
-        discrete_obs = isinstance(base_observation_space(config.env), gym.spaces.Discrete)
+        discrete_obs = stand_in is None and isinstance(base_observation_space(config.env), gym.spaces.Discrete)
         action_space = self.env.single_action_space
         self.corruptor = Corruptor(check_corruptions(config.corrupt, config.n_envs, config.trusted_envs, config.env,
                                                      discrete_obs, self.env.single_observation_space.shape[-1]),
@@ -158,7 +158,7 @@ class PPO:
                 else RunDirectory.create(config.run_root, config.env, config.method_label, config.seed, config.tensorboard)
                 if run_dir is None else RunDirectory.at(run_dir, config.tensorboard)
             )
-            self.run.write_config(config.to_dict())
+            self.run.write_config(config.to_dict(), spaces=(self.env.single_observation_space, self.env.single_action_space))
             if config.wandb:
                 self.run.log_to_wandb(config.wandb_project, config.to_dict())
 
@@ -174,10 +174,8 @@ class PPO:
         ``callback(trainer, metrics)`` runs after every round; returning False stops training.
         """
         cfg = self.config
-        if cfg.rollout_size % cfg.batch_size and self.round == 0:
-            warnings.warn(f"batch_size {cfg.batch_size} does not divide a round's {cfg.rollout_size} records: each epoch "
-                          f"trains on whole minibatches, and its last {cfg.rollout_size % cfg.batch_size} records (a new "
-                          "random draw each epoch) sit it out", stacklevel=2)
+        if cfg.rollout_size % cfg.batch_size and self.round == 0:  # the remainder is a new random draw each epoch
+            warnings.warn(f"batch_size {cfg.batch_size} does not divide a round's {cfg.rollout_size} records: each epoch's last {cfg.rollout_size % cfg.batch_size} sit it out", stacklevel=2)
         n_rounds = self.rounds_planned = math.ceil((total_timesteps or cfg.total_timesteps) / cfg.rollout_size)
         if self.run is not None:
             self.run.check_room(n_rounds - self.round, restore.bytes_per_round(self))

@@ -159,6 +159,8 @@ def round_name(round_index: int) -> str:
 AUDIT_SCORES = Path("audit") / "scores"
 """Where a run's harm tables go, one ``round_K.parquet`` per round (``rlinfluence.analysis.audit``
 reads them: written by the SB3 ``AuditCallback``, the LM trainer's ``--audit``, or a user)."""
+SPACES_FILE = "spaces.json"
+"""The spaces a run's policy was built for (``RunDirectory.write_spaces``)."""
 
 _ROUND_FILE = re.compile(r"round_(\d+)")
 
@@ -245,9 +247,13 @@ class RunDirectory:
                 raise UserError(f"run directory {str(folder)!r} is not writable: cannot resume")
 
     # -- config -----------------------------------------------------------------------
-    def write_config(self, config: dict[str, Any], written_by: str = identity.TRAIN) -> None:
+    def write_config(self, config: dict[str, Any], written_by: str = identity.TRAIN, spaces: tuple[Any, Any] | None = None
+                     ) -> None:
         """Write ``config.json`` and the run's identity (``rlinfluence.identity``: a new run gets its
-        id, which every checkpoint and buffer it writes will carry)."""
+        id, which every checkpoint and buffer it writes will carry); with ``spaces`` (observation,
+        action), ``spaces.json`` too (``write_spaces``)."""
+        if spaces is not None:
+            self.write_spaces(*spaces)
         text = json.dumps(config, indent=2, sort_keys=True)
         if (self.path / "config.json").is_file() and self.identity is None:  # a run from before run ids stays one
             atomic_write(self.path / "config.json", lambda p: p.write_text(text))
@@ -255,6 +261,25 @@ class RunDirectory:
         self._identity = identity.written(self.path, config, written_by)
         atomic_write_all([(self.path / "config.json", lambda p: p.write_text(text)),
                           (self.path / identity.RUN_FILE, lambda p: p.write_text(identity.text(self._identity)))])
+
+    def write_spaces(self, observation_space: Any, action_space: Any) -> None:
+        """``spaces.json``: the spaces the run's policy was built for (``envs.space_to_json``), from
+        which a run whose env cannot be re-created is still read (``checkpoint.load_round``)."""
+        from rlinfluence.envs import space_to_json
+
+        text = json.dumps({"observation": space_to_json(observation_space), "action": space_to_json(action_space)})
+        atomic_write(self.path / SPACES_FILE, lambda p: p.write_text(text))
+
+    def read_spaces(self) -> tuple[Any, Any] | None:
+        """The (observation, action) spaces of ``spaces.json``, or None (a run written before it, or of
+        spaces it does not record)."""
+        from rlinfluence.envs import space_from_json
+
+        try:
+            data = json.loads((self.path / SPACES_FILE).read_text())
+            return space_from_json(data["observation"]), space_from_json(data["action"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     @property
     def identity(self) -> dict[str, Any] | None:

@@ -235,7 +235,8 @@ class RunWriter:
         if missing:
             raise UserError(f"RunWriter: the optimiser does not hold the policy's parameter {missing[0]!r}")
         self.run = RunDirectory.at(self.path, tensorboard=False)
-        self.run.write_config(self.config.to_dict(), written_by=self.written_by)
+        self.run.write_config(self.config.to_dict(), written_by=self.written_by,
+                              spaces=(self.trainer.env.single_observation_space, self.trainer.env.single_action_space))
 
     def _sync(self, optimizer: torch.optim.Optimizer) -> None:
         """rlinfluence's policy and optimiser set to the caller's as they are now (shapes as ours:

@@ -105,12 +105,13 @@ def roughness(scores: np.ndarray, embeddings: np.ndarray, u: int = 50) -> float:
 # -- the policy and (s*, a*) ---------------------------------------------------------------
 def load_final(run_dir: str | Path):
     """The run's trainer restored to its last checkpoint theta(T), and T."""
-    from rlinfluence.ppo import PPO, PPOConfig
+    from rlinfluence.checkpoint import reading_trainer
+    from rlinfluence.ppo import PPOConfig
 
     run = RunDirectory.open_existing(run_dir, tensorboard=False)
     config = dataclasses.replace(PPOConfig.from_dict(run.read_config()), progress=False)
     path = run.latest_checkpoint()
-    trainer = PPO(config, run_dir=False)
+    trainer = reading_trainer(run, config)
     trainer.load_state_dict(run.read_checkpoint(path), source=repr(str(path)))
     return trainer, trainer.round
 
