@@ -60,7 +60,7 @@ def test_an_entry_point_builds_the_env_and_a_bad_one_is_one_user_error():
         make_env(ENTRY, render_mode="rgb_array")
 
 
-def test_the_sb3_callback_refuses_an_env_without_an_id_or_an_entry_point_that_builds_another(tmp_path):
+def test_the_sb3_callback_warns_on_an_env_without_an_id_and_refuses_an_entry_point_that_builds_another(tmp_path):
     pytest.importorskip("stable_baselines3")
     from stable_baselines3 import PPO as SB3PPO
     from stable_baselines3.common.vec_env import DummyVecEnv
@@ -69,7 +69,7 @@ def test_the_sb3_callback_refuses_an_env_without_an_id_or_an_entry_point_that_bu
     from tests.custom_env import make_env as factory
 
     model = SB3PPO("MlpPolicy", DummyVecEnv([factory] * 2), n_steps=32, batch_size=32, device="cpu")
-    with pytest.raises(UserError, match="no gymnasium id.*env='package.module:function'"):
+    with pytest.warns(UserWarning, match="no gymnasium id.*env='package.module:function'"):
         model.learn(64, callback=RunDirectoryCallback(tmp_path / "a"))
     with pytest.raises(UserError, match="builds observation space .* the model's is"):
         model.learn(64, callback=RunDirectoryCallback(tmp_path / "b", env="CartPole-v1"))

@@ -158,9 +158,10 @@ def test_time_limit_bootstraps_are_kept_apart_from_the_reward_and_the_thread_cou
     assert truncations > 0
 
 
-def test_a_vec_env_whose_envs_have_no_spec_attribute_is_one_user_error(tmp_path):
+def test_a_vec_env_without_a_gymnasium_id_is_written_for_what_needs_no_env(tmp_path, capsys):
     """A VecEnv whose envs have no ``spec`` attribute at all (SB3's own DictObsVecEnv): the callback
-    refuses it for what it lacks, a gymnasium id, with one UserError, not an AttributeError."""
+    warns and writes the run on the model's spaces; what needs no env reads it, explain says it needs
+    the env (one line), never an AttributeError."""
     from stable_baselines3.common.vec_env import DummyVecEnv
 
     class NoSpecVecEnv(DummyVecEnv):
@@ -169,10 +170,18 @@ def test_a_vec_env_whose_envs_have_no_spec_attribute_is_one_user_error(tmp_path)
                 raise AttributeError(f"no attribute {attr_name!r}")
             return super().get_attr(attr_name, indices)
 
-    model = SB3PPO("MlpPolicy", NoSpecVecEnv([lambda: gym.make("CartPole-v1")] * 2), n_steps=32, batch_size=32)
-    with pytest.raises(UserError, match="no gymnasium id"):
-        model.learn(64, callback=RunDirectoryCallback(tmp_path / "run"))
-    assert not (tmp_path / "run" / "config.json").exists()
+    model = SB3PPO("MlpPolicy", NoSpecVecEnv([lambda: gym.make("CartPole-v1")] * 3), n_steps=32, batch_size=32,
+                   n_epochs=2, seed=1, device="cpu")
+    with pytest.warns(UserWarning, match="no gymnasium id: the run is written for what needs no env"):
+        model.learn(96 * 3, callback=RunDirectoryCallback(tmp_path / "run"))
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["env"].startswith("unregistered:") and config["eval_episodes"] == 0
+    for command in (["attribute", "{run}", "--round", "1"], ["audit", "{run}"]):
+        assert cli.main([c.format(run=tmp_path / "run") for c in command]) == 0
+    capsys.readouterr()
+    assert cli.main(["explain", str(tmp_path / "run"), "--round", "1", "--episodes", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "recorded without a way to re-create it" in err[0], err
 
 
 def test_a_discrete_observation_run_is_written_one_hot_and_every_analysis_reads_it(tmp_path, capsys):

@@ -54,9 +54,17 @@ def env_factory(env_id: str) -> Callable[..., gym.Env] | None:
     return factory
 
 
+UNREGISTERED = "unregistered:"
+"""The env a run records (``unregistered:<its class>``) where a trainer's env had no gymnasium id and no
+entry point was given: the run is read without it (``checkpoint.reading_trainer``)."""
+
+
 def check_env_id(env_id: str) -> None:
     """Raise ``UserError`` naming ``env_id`` if gymnasium does not know it and it is not an entry
     point of an env (``env_factory``)."""
+    if env_id.startswith(UNREGISTERED):
+        raise UserError(f"this needs the run's env, which was recorded without a way to re-create it ({env_id}: it had "
+                        "no gymnasium id, and no entry point package.module:function was given)")
     if env_factory(env_id) is not None:
         return
     for prefix, module in _PLUGINS.items():

@@ -64,6 +64,7 @@ from torch import nn
 
 from rlinfluence.buffer import RolloutBuffer
 from rlinfluence.config import PPOConfig
+from rlinfluence.envs import UnavailableEnv
 from rlinfluence.errors import UserError
 from rlinfluence.rundir import RunDirectory
 
@@ -158,7 +159,7 @@ class RunWriter:
 
     def __init__(self, path: str | Path, env: str, n_envs: int, n_steps: int, seed: int = 0,
                  names: Callable[[str], str | None] | dict[str, str] | None = None, eval_episodes: int = 0,
-                 written_by: str = WRITTEN_BY, **hyperparameters: Any):
+                 written_by: str = WRITTEN_BY, check_env: bool = True, **hyperparameters: Any):
         self.path = Path(path)
         if (self.path / "config.json").exists():
             raise UserError(f"{str(self.path)!r} already holds a run: the analyses would mix the two trainings; give "
@@ -168,7 +169,8 @@ class RunWriter:
             raise UserError(f"RunWriter: unknown hyperparameter {unknown[0]!r} (PPOConfig's fields are accepted)")
         self._given = {"env": env, "n_envs": n_envs, "n_steps": n_steps, "seed": seed, "eval_episodes": eval_episodes,
                        **hyperparameters}
-        PPOConfig(**self._given).validate()  # a bad value is refused here, before the loop trains
+        PPOConfig(**self._given).validate(check_env)  # a bad value is refused here, before the loop trains
+        self._spaces: tuple[Any, Any] | None = None
         self._names, self.written_by = names, written_by
         self.trainer = None
         self.run: RunDirectory | None = None
@@ -180,11 +182,16 @@ class RunWriter:
 
     @classmethod
     def from_config(cls, path: str | Path, config: PPOConfig, names: Callable[[str], str | None] | None = None,
-                    written_by: str = WRITTEN_BY) -> RunWriter:
-        """A writer for a loop whose ``PPOConfig`` is known whole (``RunDirectoryCallback``)."""
+                    written_by: str = WRITTEN_BY, spaces: tuple[Any, Any] | None = None) -> RunWriter:
+        """A writer for a loop whose ``PPOConfig`` is known whole (``RunDirectoryCallback``); with
+        ``spaces`` (observation, action), for an env that cannot be built here: the policy is built on
+        them (``envs.UnavailableEnv``)."""
         fields = {k: v for k, v in config.to_dict().items() if k in PPOConfig.__dataclass_fields__}
         env, n_envs, n_steps, seed = (fields.pop(k) for k in ("env", "n_envs", "n_steps", "seed"))
-        return cls(path, env, n_envs, n_steps, seed, names=names, written_by=written_by, **fields)
+        writer = cls(path, env, n_envs, n_steps, seed, names=names, written_by=written_by, check_env=spaces is None,
+                     **fields)
+        writer._spaces = spaces
+        return writer
 
     # -- the policy -------------------------------------------------------------------
     def _mapping(self, policy: nn.Module) -> tuple[dict[str, str], dict[str, Any]]:
@@ -217,9 +224,10 @@ class RunWriter:
         fields.update(architecture)
         fields.setdefault("total_timesteps", fields["n_envs"] * fields["n_steps"])
         self.config = PPOConfig(**fields)
-        self.config.validate()
+        self.config.validate(check_env=self._spaces is None)
+        stand_in = None if self._spaces is None else UnavailableEnv(self.config.n_envs, *self._spaces, "no env recorded")
         with process_state_kept():
-            self.trainer = PPO(self.config, run_dir=False)
+            self.trainer = PPO(self.config, run_dir=False, stand_in=stand_in)
         ours = dict(self.trainer.policy.named_parameters())
         theirs = dict(policy.named_parameters())
         unmapped = sorted(set(ours) - set(names.values()))

@@ -31,11 +31,14 @@ plain re-run lands near SB3's theta(k+1), not on it bit for bit. Scores of recor
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import torch
 from gymnasium import spaces
@@ -50,6 +53,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from rlinfluence.buffer import RolloutBuffer as OurRolloutBuffer
 from rlinfluence.config import PPOConfig
+from rlinfluence.envs import UNREGISTERED
 from rlinfluence.errors import UserError
 from rlinfluence.integrations.sb3 import TimeLimitEnds, as_rollout_buffer
 from rlinfluence.writer import RunWriter
@@ -87,16 +91,19 @@ def _constant(model: Any, name: str, label: str | None = None) -> float:
 
 def _env_of(model: Any, env: str | None) -> str:
     """The env the run records: ``env`` (a gymnasium id or an entry point ``package.module:function``),
-    checked to build the model's spaces, else the model's env's gymnasium id."""
+    checked to build the model's spaces, else the model's env's gymnasium id, else ``UNREGISTERED``
+    and the env's class (warned: what needs the env will say so)."""
     if env is None:
         try:
             env_spec = model.env.get_attr("spec")[0]
         except AttributeError:  # a VecEnv of envs that are not gymnasium.Env (no spec attribute at all)
             env_spec = None
         if env_spec is None or not getattr(env_spec, "id", None):
-            raise UserError("RunDirectoryCallback: the model's env has no gymnasium id: pass "
-                            "env='package.module:function', an importable function that builds it, so that the "
-                            "analyses can re-create it")
+            kind = type(model.env.envs[0].unwrapped if hasattr(model.env, "envs") else model.env)
+            warnings.warn("RunDirectoryCallback: the model's env has no gymnasium id: the run is written for what needs "
+                          "no env (attribute, diagnose, timeline, audit); pass env='package.module:function', an "
+                          "importable function that builds it, for explain, intervene and the evaluations", stacklevel=2)
+            return f"{UNREGISTERED}{kind.__module__}.{kind.__qualname__}"
         return env_spec.id
     from rlinfluence.envs import make_env
 
@@ -190,7 +197,14 @@ class RunDirectoryCallback(BaseCallback):
             raise UserError(f"{str(self.path)!r} already holds a run: the analyses would mix the two trainings; give "
                             "this one its own path (or pass the same callback to a later learn() to continue)")
         config = config_of(self.model, self.model._total_timesteps, self.eval_episodes, self.env)
-        self.writer = RunWriter.from_config(self.path, config, names=our_name, written_by=WRITTEN_BY)
+        spaces_ = None
+        if config.env.startswith(UNREGISTERED):  # no env to build: the policy on the model's spaces, no evaluation
+            space = self.model.observation_space
+            observation = gym.spaces.Box(0.0, 1.0, (int(space.n),), np.float32) if isinstance(space, spaces.Discrete) \
+                else space
+            spaces_ = (observation, self.model.action_space)
+            config = dataclasses.replace(config, eval_episodes=0)
+        self.writer = RunWriter.from_config(self.path, config, names=our_name, written_by=WRITTEN_BY, spaces=spaces_)
 
     def _on_step(self) -> bool:
         self._time_limits.record(self.locals)
