@@ -8,7 +8,11 @@ pytest once per mode, each in its own process, this file loaded as a pytest plug
 - ``buffer``: every PPO built with ``rollout_buffer_class=FilteredRolloutBuffer`` when it would
   get SB3's plain ``RolloutBuffer`` (not for Dict observations, which need ``DictRolloutBuffer``);
 - ``callback``: ``buffer`` plus ``InfluenceFilterCallback(drop_pct=--drop-pct)`` appended to the
-  callbacks of every ``PPO.learn`` of such a model (as a user would plug it in).
+  callbacks of every ``PPO.learn`` of such a model (as a user would plug it in);
+- ``rundir``: ``RunDirectoryCallback`` (no evaluation episodes) appended to every ``PPO.learn``;
+  where it refuses the model (a ``UserError``), the test learns again without it. Each learn()
+  is a line of ``<out>/rundir_learns.jsonl``: written, or refused with the first line of the reason;
+  the driver prints ``sb3_suite_rundir_written: k/n`` and the refusals by reason.
 
 Only ``stable_baselines3.PPO`` is patched (``_setup_model`` and ``learn``); A2C, DQN, SAC, ... run
 as in ``plain``. Prints per mode ``sb3_suite_<mode>: <passed>/<failed>`` (failed = failed +
@@ -30,8 +34,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-MODES = ("plain", "buffer", "callback")
+MODES = ("plain", "buffer", "callback", "rundir")
 MODE_ENV, DROP_ENV = "RLINFLUENCE_SB3_SUITE_MODE", "RLINFLUENCE_SB3_SUITE_DROP_PCT"
+LEARNS_ENV = "RLINFLUENCE_SB3_SUITE_LEARNS"
 
 
 # -- the pytest plugin (loaded with ``-p sb3_suite`` in the child process) -------------------------
@@ -39,6 +44,9 @@ def pytest_configure(config: Any) -> None:
     """Patch ``stable_baselines3.PPO`` for the mode in ``$RLINFLUENCE_SB3_SUITE_MODE``."""
     mode = os.environ.get(MODE_ENV, "plain")
     if mode == "plain":
+        return
+    if mode == "rundir":
+        _patch_rundir(Path(os.environ[LEARNS_ENV]))
         return
     from gymnasium import spaces
     from stable_baselines3 import PPO
@@ -67,6 +75,38 @@ def pytest_configure(config: Any) -> None:
     PPO._setup_model, PPO.learn = patched_setup_model, patched_learn
 
 
+def _patch_rundir(learns: Path) -> None:
+    """``PPO.learn`` with ``RunDirectoryCallback`` appended; each call's outcome a line of ``learns``."""
+    import json
+    import tempfile
+
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback, CallbackList, ConvertCallback
+
+    from rlinfluence.errors import UserError
+    from rlinfluence.integrations.sb3_rundir import RunDirectoryCallback
+
+    learn = PPO.learn
+
+    def patched_learn(self: PPO, total_timesteps: int, callback: Any = None, *args: Any, **kwargs: Any) -> PPO:
+        folder = Path(tempfile.mkdtemp(prefix="sb3_rundir_")) / "run"
+        writer = RunDirectoryCallback(folder, eval_episodes=0)
+        given = CallbackList(callback) if isinstance(callback, list) else callback
+        if given is not None and not isinstance(given, BaseCallback):  # a plain function, as SB3 takes it
+            given = ConvertCallback(given)
+        try:
+            out = learn(self, total_timesteps, writer if given is None else CallbackList([given, writer]), *args, **kwargs)
+            outcome = "written" if (folder / "config.json").is_file() else "not written"
+        except UserError as exc:
+            outcome = f"refused: {str(exc).splitlines()[0]}"
+            out = learn(self, total_timesteps, callback, *args, **kwargs)
+        with open(learns, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "outcome": outcome}) + "\n")
+        return out
+
+    PPO.learn = patched_learn
+
+
 # -- the driver ---------------------------------------------------------------------------------------
 def outcomes(junit: Path) -> dict[str, str]:
     """test id -> passed / failed / error / skipped, from a junit xml report."""
@@ -81,7 +121,7 @@ def outcomes(junit: Path) -> dict[str, str]:
 
 def run_mode(mode: str, args: argparse.Namespace, out: Path) -> tuple[dict[str, str], float]:
     junit = out / f"{mode}.xml"
-    env = {**os.environ, MODE_ENV: mode, DROP_ENV: str(args.drop_pct),
+    env = {**os.environ, MODE_ENV: mode, DROP_ENV: str(args.drop_pct), LEARNS_ENV: str(out / f"{mode}_learns.jsonl"),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "pytest", "-p", "sb3_suite", "-q", "-p", "no:cacheprovider",
                f"--junitxml={junit}", *args.pytest_args, *(args.files or ["tests"])]
@@ -117,6 +157,16 @@ def main() -> None:
         counts = {k: sum(v == k for v in results[mode].values()) for k in ("passed", "failed", "error", "skipped")}
         print(f"sb3_suite_{mode}: {counts['passed']}/{counts['failed'] + counts['error']}  "
               f"(skipped {counts['skipped']}, {seconds:.0f} s, log {args.out / (mode + '.log')})", flush=True)
+    if "rundir" in results and (args.out / "rundir_learns.jsonl").is_file():
+        import json
+        from collections import Counter
+
+        learns = [json.loads(line) for line in (args.out / "rundir_learns.jsonl").read_text().splitlines()]
+        written = sum(r["outcome"] == "written" for r in learns)
+        print(f"sb3_suite_rundir_written: {written}/{len(learns)}")
+        reasons = Counter(re.sub(r"\d+(\.\d+)?", "N", r["outcome"])[:110] for r in learns if r["outcome"] != "written")
+        for reason, n in reasons.most_common():
+            print(f"  {n} {reason}")
     if "plain" in results:
         for mode in (m for m in modes if m != "plain"):
             for test, outcome in sorted(results[mode].items()):
