@@ -238,3 +238,24 @@ def test_an_adamw_model_is_written_with_its_weight_decay_and_re_run(tmp_path, ca
     assert saved.trainer.optimizer.param_groups[0]["weight_decay"] == 0.05
     assert cli.main(["validate", str(tmp_path / "run"), "--round", "1"]) == 0
     assert "error" not in capsys.readouterr().err
+
+
+def test_a_round_the_writer_refuses_stops_the_writing_not_the_training(tmp_path):
+    """Another callback changes the logged values after the rollout (as SB3's own GAE test does): the
+    records are not the policy's, so the round is not written; the callback warns and stops writing,
+    and SB3 trains on, as it would without it."""
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class ChangeValues(BaseCallback):
+        def _on_step(self) -> bool:
+            return True
+
+        def _on_rollout_end(self) -> None:
+            self.model.rollout_buffer.values += 1.0
+
+    model = sb3_model()
+    callback = RunDirectoryCallback(tmp_path / "run", eval_episodes=0)
+    with pytest.warns(UserWarning, match="stops writing .*training goes on.*logged values differ"):
+        model.learn(32 * 3 * 3, callback=[ChangeValues(), callback])
+    assert model.num_timesteps == 32 * 3 * 3 and callback.stopped is not None
+    assert not (tmp_path / "run" / "buffers").exists() or not any((tmp_path / "run" / "buffers").iterdir())

@@ -35,6 +35,7 @@ import dataclasses
 import math
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +185,7 @@ class RunDirectoryCallback(BaseCallback):
         self._returns: list[float] = []
         self._pending: OurRolloutBuffer | None = None  # the round collected, ended after its train()
         self._time_limits = TimeLimitEnds()
+        self.stopped: str | None = None  # why the writing stopped (``_writing``)
 
     @property
     def round(self) -> int:
@@ -230,10 +232,25 @@ class RunDirectoryCallback(BaseCallback):
                               metrics, last_values=buffer.last_values)
         self._pending, self._returns = None, []
 
+    def _writing(self, step: Callable[[], None]) -> None:
+        """A step of the writer; a round it refuses (records the mapped policy did not compute, say
+        values another callback changed) stops the writing with a warning, never the user's training:
+        the rounds written so far stay readable."""
+        if self.stopped is not None:
+            return
+        try:
+            step()
+        except UserError as exc:
+            self.stopped = str(exc)
+            warnings.warn(f"RunDirectoryCallback stops writing {str(self.path)!r} (training goes on): {exc}", stacklevel=2)
+
     def _on_rollout_start(self) -> None:
-        self._end_round()
+        self._writing(self._end_round)
 
     def _on_rollout_end(self) -> None:
+        self._writing(self._record_round)
+
+    def _record_round(self) -> None:
         buffer = self.model.rollout_buffer
         if self._episodes is None:
             self._episodes = np.zeros(buffer.n_envs, dtype=np.int64)
@@ -250,7 +267,7 @@ class RunDirectoryCallback(BaseCallback):
         self._pending = ours
 
     def _on_training_end(self) -> None:
-        self._end_round()
+        self._writing(self._end_round)
         self.writer.close()
 
 
