@@ -216,8 +216,10 @@ def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path, wind
 def sequential_alpha(alpha: float, look: int) -> float:
     """The level of a run's ``look``-th audit (1, 2, ...) that keeps its chance of any false flag, over
     every audit, at most ``alpha``: alpha / (look (look + 1)), whose sum over all looks is alpha
-    (fixed in the held-out protocol before it was measured)."""
-    return alpha / (look * (look + 1))
+    (fixed in the held-out protocol before it was measured; the library's ``audit --guarantee run``)."""
+    from rlinfluence.sources import audit_level
+
+    return audit_level(alpha, look, "run")
 
 
 def looks_alpha(alpha: float, audit: int) -> float | None:
