@@ -31,3 +31,21 @@ class LineWalk(gym.Env):
 
 def make_env() -> gym.Env:
     return gym.wrappers.TimeLimit(LineWalk(), max_episode_steps=40)
+
+
+class DictLineWalk(gym.ObservationWrapper):
+    """LineWalk observed as a Dict (SB3's MultiInputPolicy): the position, which side of 0 it
+    is on (Discrete), and whether it is past each quarter mark (MultiBinary)."""
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        self.observation_space = gym.spaces.Dict({"position": env.observation_space, "side": gym.spaces.Discrete(2),
+                                                  "marks": gym.spaces.MultiBinary(2)})
+
+    def observation(self, observation):
+        x = float(observation[0])
+        return {"position": observation, "side": int(x > 0), "marks": np.array([x > 0.25, x > 0.75], dtype=np.int8)}
+
+
+def make_dict_env() -> gym.Env:
+    return DictLineWalk(make_env())

@@ -241,21 +241,66 @@ def test_an_adamw_model_is_written_with_its_weight_decay_and_re_run(tmp_path, ca
 
 
 def test_a_round_the_writer_refuses_stops_the_writing_not_the_training(tmp_path):
-    """Another callback changes the logged values after the rollout (as SB3's own GAE test does): the
-    records are not the policy's, so the round is not written; the callback warns and stops writing,
-    and SB3 trains on, as it would without it."""
+    """Another callback changes the logged log-probs after the rollout: the records are not the
+    policy's, so the round is not written; the callback warns and stops writing, and SB3 trains on,
+    as it would without it."""
     from stable_baselines3.common.callbacks import BaseCallback
 
-    class ChangeValues(BaseCallback):
+    class ChangeLogProbs(BaseCallback):
         def _on_step(self) -> bool:
             return True
 
         def _on_rollout_end(self) -> None:
-            self.model.rollout_buffer.values += 1.0
+            self.model.rollout_buffer.log_probs += 1.0
 
     model = sb3_model()
     callback = RunDirectoryCallback(tmp_path / "run", eval_episodes=0)
-    with pytest.warns(UserWarning, match="stops writing .*training goes on.*logged values differ"):
-        model.learn(32 * 3 * 3, callback=[ChangeValues(), callback])
+    with pytest.warns(UserWarning, match="stops writing .*training goes on.*logged log-probs differ"):
+        model.learn(32 * 3 * 3, callback=[ChangeLogProbs(), callback])
     assert model.num_timesteps == 32 * 3 * 3 and callback.stopped is not None
-    assert not (tmp_path / "run" / "buffers").exists() or not any((tmp_path / "run" / "buffers").iterdir())
+
+
+def test_values_that_are_not_the_critics_are_kept_as_logged_and_the_critic_checked_against_sb3s(tmp_path, capsys):
+    """A policy whose forward returns other values than its critic (SB3's GAE tests): SB3's advantages
+    come from them, so the run keeps them (warned once); the log-probs and the critic's mapping (against
+    SB3's predict_values) are still checked, and a re-run trains the critic as SB3 does."""
+    from stable_baselines3.common.policies import ActorCriticPolicy
+
+    class ConstantValuePolicy(ActorCriticPolicy):
+        def forward(self, obs, deterministic=False):
+            actions, values, log_prob = super().forward(obs, deterministic)
+            return actions, torch.full_like(values, 2.5), log_prob
+
+    model = SB3PPO(ConstantValuePolicy, make_vec_env("CartPole-v1", n_envs=3, seed=1), n_steps=32, batch_size=32,
+                   n_epochs=2, seed=1, device="cpu")
+    with pytest.warns(UserWarning, match="values are not ConstantValuePolicy's critic's") as warned:
+        model.learn(32 * 3 * 3, callback=RunDirectoryCallback(tmp_path / "run", eval_episodes=0))
+    assert sum("critic's" in str(w.message) for w in warned) == 1
+    saved = load_round(tmp_path / "run", 2)
+    assert (saved.buffer.values == 2.5).all()
+    logp = saved.trainer.policy.log_prob(saved.buffer.flat("obs"), saved.buffer.flat("actions"))
+    assert torch.allclose(logp, saved.buffer.flat("logp"), atol=1e-5)
+    assert cli.main(["validate", str(tmp_path / "run"), "--round", "1"]) == 0
+    assert "error" not in capsys.readouterr().err
+
+
+def test_dict_observations_are_written_flat_as_sb3s_extractor_gives_them_and_the_env_re_created(tmp_path, capsys):
+    """MultiInputPolicy on a Dict of a Box, a Discrete and a MultiBinary: SB3 one-hots and concatenates
+    them in the space's order, as gymnasium's flatten does; the run holds those vectors, their
+    log-probs are SB3's, and explain re-creates the env from its entry point, flattened the same way."""
+    from stable_baselines3.common.env_util import make_vec_env as sb3_vec_env
+
+    from tests.custom_env import make_dict_env
+
+    model = SB3PPO("MultiInputPolicy", sb3_vec_env(make_dict_env, n_envs=3, seed=1), n_steps=32, batch_size=32,
+                   n_epochs=2, seed=1, device="cpu")
+    model.learn(32 * 3 * 3, callback=RunDirectoryCallback(tmp_path / "run", eval_episodes=2,
+                                                          env="tests.custom_env:make_dict_env"))
+    saved = load_round(tmp_path / "run", 1)
+    assert saved.buffer.obs.shape == (32, 3, 2 + 2 + 2)
+    assert torch.equal(saved.buffer.obs[..., 4:].sum(-1), torch.ones(32, 3))  # "side" (keys sorted), one-hot
+    logp = saved.trainer.policy.log_prob(saved.buffer.flat("obs"), saved.buffer.flat("actions"))
+    assert torch.allclose(logp, saved.buffer.flat("logp"), atol=1e-5)
+    for command in (["audit", "{run}"], ["explain", "{run}", "--round", "1", "--episodes", "4", "--draws", "2"]):
+        assert cli.main([c.format(run=tmp_path / "run") for c in command]) == 0
+    assert "error" not in capsys.readouterr().err

@@ -86,18 +86,23 @@ def check_env_id(env_id: str) -> None:
                             f"(pip install {exc.name})") from None
 
 
-class OneHotObservation(gym.ObservationWrapper):
-    """Discrete(n) observation -> one-hot float32 vector of length n (SB3's preprocessing)."""
+class FlatObservation(gym.ObservationWrapper):
+    """A ``Discrete``, ``MultiDiscrete``, ``MultiBinary`` or ``Dict`` observation as a float32 vector:
+    gymnasium's ``spaces.flatten`` (one-hot per discrete component, concatenated in the space's key
+    order), which is SB3's preprocessing and flattening of the same spaces."""
 
     def __init__(self, env: gym.Env):
         super().__init__(env)
-        self.n = int(env.observation_space.n)
-        self.observation_space = gym.spaces.Box(0.0, 1.0, (self.n,), np.float32)
+        self.observation_space = flat_observation_space(env.observation_space)
 
-    def observation(self, observation: int) -> np.ndarray:
-        out = np.zeros(self.n, dtype=np.float32)
-        out[int(observation)] = 1.0
-        return out
+    def observation(self, observation: Any) -> np.ndarray:
+        return gym.spaces.flatten(self.env.observation_space, observation).astype(np.float32)
+
+
+def flat_observation_space(space: gym.Space) -> gym.spaces.Box:
+    """The float32 ``Box`` that ``FlatObservation`` makes of ``space``."""
+    flat = gym.spaces.flatten_space(space)
+    return gym.spaces.Box(flat.low.astype(np.float32), flat.high.astype(np.float32), dtype=np.float32)
 
 
 def make_env(env_id: str, **kwargs: Any) -> gym.Env:
@@ -118,12 +123,12 @@ def make_env(env_id: str, **kwargs: Any) -> gym.Env:
         preset = PRESETS.get(env_id)
         env = gym.make(env_id, **{**(preset.make_kwargs if preset else {}), **kwargs})
     space = env.observation_space
-    if isinstance(space, gym.spaces.Discrete):
-        env = OneHotObservation(env)
-    elif _is_image_dict(space):
+    if _is_image_dict(space):
         from minigrid.wrappers import ImgObsWrapper  # only MiniGrid's envs have such spaces
 
         env = ImgObsWrapper(env)
+    elif not isinstance(space, gym.spaces.Box):
+        env = FlatObservation(env)
     return env
 
 

@@ -488,14 +488,16 @@ class TimeLimitEnds:
 
 
 def as_rollout_buffer(model: Any, buffer: RolloutBuffer, round_index: int, episode_offsets: np.ndarray,
-                      time_limits: tuple[np.ndarray, np.ndarray] | None = None) -> OurRolloutBuffer:
+                      time_limits: tuple[np.ndarray, np.ndarray] | None = None, obs: torch.Tensor | None = None
+                      ) -> OurRolloutBuffer:
     """SB3's rollout buffer (after GAE) as rlinfluence's ``RolloutBuffer`` of round ``round_index``:
     the same records in ``[n_steps, n_envs]`` layout; an episode ends where the next step starts one;
     episode ids count from ``episode_offsets`` [n_envs]; ``last_values`` are V of the model's last
     observations. With ``time_limits`` (``TimeLimitEnds.take``: the env's rewards and the time-limit
     ends), a time-limit end is ``truncated`` with its bootstrap V(final observation) in
     ``final_values`` = (SB3's reward - the env's) / gamma, and ``rewards`` are the env's; without
-    them, every end is ``terminated`` and the reward carries SB3's bootstrap."""
+    them, every end is ``terminated`` and the reward carries SB3's bootstrap. ``obs``: the records'
+    observations as rlinfluence's policy takes them, ``[n_steps, n_envs, ...]`` (default: the buffer's)."""
     n_steps, n_envs = buffer.buffer_size, buffer.n_envs
 
     def layout(name: str, per_record: bool = False) -> torch.Tensor:
@@ -518,7 +520,7 @@ def as_rollout_buffer(model: Any, buffer: RolloutBuffer, round_index: int, episo
         env_rewards, truncated = torch.as_tensor(time_limits[0]), torch.as_tensor(time_limits[1]) & ends
         final_values = torch.where(truncated, (rewards - env_rewards) / model.gamma, final_values)
         rewards = env_rewards
-    out = OurRolloutBuffer(round=round_index, obs=layout("observations"), actions=actions,
+    out = OurRolloutBuffer(round=round_index, obs=layout("observations") if obs is None else obs, actions=actions,
                            rewards=rewards.float(), terminated=ends & ~truncated,
                            truncated=truncated, logp=layout("log_probs", True).float(),
                            values=layout("values", True).float(),

@@ -39,7 +39,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import gymnasium as gym
 import numpy as np
 import torch
 from gymnasium import spaces
@@ -47,17 +46,18 @@ from torch import nn
 
 try:
     from stable_baselines3.common.callbacks import BaseCallback
-    from stable_baselines3.common.torch_layers import FlattenExtractor
+    from stable_baselines3.common.preprocessing import is_image_space, preprocess_obs
+    from stable_baselines3.common.torch_layers import CombinedExtractor, FlattenExtractor
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("rlinfluence.integrations.sb3_rundir needs stable-baselines3: "
                       "pip install 'rlinfluence[sb3]'") from exc
 
 from rlinfluence.buffer import RolloutBuffer as OurRolloutBuffer
 from rlinfluence.config import PPOConfig
-from rlinfluence.envs import UNREGISTERED
+from rlinfluence.envs import UNREGISTERED, FlatObservation, flat_observation_space
 from rlinfluence.errors import UserError
 from rlinfluence.integrations.sb3 import TimeLimitEnds, as_rollout_buffer
-from rlinfluence.writer import RunWriter
+from rlinfluence.writer import LOGP_TOLERANCE, RunWriter
 
 WRITTEN_BY = "stable-baselines3 (RunDirectoryCallback)"
 """``written_by`` of the run's identity (``rlinfluence.identity``): analyses read it, ``train --resume`` refuses it."""
@@ -109,9 +109,8 @@ def _env_of(model: Any, env: str | None) -> str:
     from rlinfluence.envs import make_env
 
     built = make_env(env)
-    try:  # a Discrete observation is one-hot in rlinfluence's env and SB3's policy alike: compared before that
-        observation_space = built.unwrapped.observation_space if isinstance(
-            model.observation_space, spaces.Discrete) else built.observation_space
+    try:  # a Discrete, Dict, ... observation is flat in rlinfluence's env and SB3's policy alike: compared before that
+        observation_space = built.env.observation_space if isinstance(built, FlatObservation) else built.observation_space
         for what, ours, theirs in (("observation", observation_space, model.observation_space),
                                    ("action", built.action_space, model.action_space)):
             if ours != theirs:
@@ -128,18 +127,20 @@ def config_of(model: Any, total_timesteps: int, eval_episodes: int, env: str | N
     env_id = _env_of(model, env)
     if model.use_sde:
         raise UserError("RunDirectoryCallback: gSDE (use_sde=True) has no counterpart in rlinfluence's policy")
-    if not isinstance(policy.features_extractor, FlattenExtractor):
-        raise UserError(f"RunDirectoryCallback: the features extractor is {type(policy.features_extractor).__name__}; "
-                        "only MlpPolicy's FlattenExtractor maps onto rlinfluence's policy")
+    extractor = policy.features_extractor
+    if not isinstance(extractor, FlattenExtractor) and not (isinstance(extractor, CombinedExtractor) and all(
+            isinstance(part, nn.Flatten) for part in extractor.extractors.values())):
+        raise UserError(f"RunDirectoryCallback: the features extractor is {type(extractor).__name__}"
+                        f"{' with a CNN' if isinstance(extractor, CombinedExtractor) else ''}; only a flattening one "
+                        "(MlpPolicy's, or MultiInputPolicy's on observations without images) maps onto rlinfluence's policy")
     if policy.activation_fn not in (nn.Tanh, nn.ReLU) or getattr(policy, "squash_output", False):
         raise UserError(f"RunDirectoryCallback: activation {policy.activation_fn.__name__} (rlinfluence's policy "
                         "takes tanh or ReLU)")
     arch = policy.net_arch
     pi, vf = (arch.get("pi", []), arch.get("vf", [])) if isinstance(arch, dict) else (list(arch), list(arch))
-    discrete_obs = isinstance(model.observation_space, spaces.Discrete)  # one-hot, in SB3 as in rlinfluence
-    if not discrete_obs and (not isinstance(model.observation_space, spaces.Box) or len(model.observation_space.shape) != 1):
-        raise UserError(f"RunDirectoryCallback: observation space {model.observation_space} (vectors, or Discrete "
-                        "one-hot, only)")
+    if is_image_space(model.observation_space) and policy.normalize_images:
+        raise UserError(f"RunDirectoryCallback: observation space {model.observation_space} is an image that SB3's "
+                        "MlpPolicy divides by 255; rlinfluence's flat policy takes it as it is")
     if not isinstance(model.action_space, spaces.Discrete | spaces.Box):
         raise UserError(f"RunDirectoryCallback: action space {model.action_space} (Discrete or Box only)")
     optimizer = policy.optimizer
@@ -148,7 +149,8 @@ def config_of(model: Any, total_timesteps: int, eval_episodes: int, env: str | N
     clip_vf = _constant(model, "clip_range_vf") if model.clip_range_vf is not None else None
     return PPOConfig(
         env=env_id, seed=int(model.seed) if model.seed is not None else 0, total_timesteps=int(total_timesteps),
-        n_envs=model.n_envs, n_steps=model.n_steps, batch_size=model.batch_size, n_epochs=model.n_epochs,
+        n_envs=model.n_envs, n_steps=model.n_steps,
+        batch_size=min(model.batch_size, model.n_steps * model.n_envs),  # SB3: one minibatch of every record n_epochs=model.n_epochs,
         learning_rate=_constant(model, "lr_schedule", "learning_rate"),
         optimizer="adamw" if type(optimizer) is torch.optim.AdamW else "adam",
         weight_decay=float(optimizer.param_groups[0]["weight_decay"]) if type(optimizer) is torch.optim.AdamW else 0.01,
@@ -162,6 +164,29 @@ def config_of(model: Any, total_timesteps: int, eval_episodes: int, env: str | N
         critic_hidden_sizes=None if list(vf) == list(pi) else tuple(int(h) for h in vf),
         activation="tanh" if policy.activation_fn is nn.Tanh else "relu",
         save_buffers=True, progress=False, tensorboard=False)
+
+
+def _observations(model: Any, buffer: Any) -> Any:
+    """The round's observations as SB3's policy takes them (a tensor, or a dict of tensors for a
+    Dict space), one record per row in step-major order, on the policy's device."""
+    n_steps, n_envs = buffer.buffer_size, buffer.n_envs
+
+    def records(array: np.ndarray) -> torch.Tensor:  # [n_steps, n_envs, ...] -> [n_steps * n_envs, ...]
+        return torch.as_tensor(array.reshape(n_steps * n_envs, *array.shape[2:]), device=model.policy.device)
+
+    observations = buffer.observations
+    return {k: records(v) for k, v in observations.items()} if isinstance(observations, dict) else records(observations)
+
+
+def _flat_observations(model: Any, buffer: Any) -> torch.Tensor | None:
+    """The round's observations as SB3's (parameter-free) extractor gives them to the policy,
+    ``[n_steps, n_envs, features]``: ``FlatObservation``'s vectors (SB3 stores a Discrete observation
+    as its index, a Dict as its parts); None for a Box, which is recorded as it is."""
+    if isinstance(model.observation_space, spaces.Box):
+        return None
+    with torch.no_grad():
+        features = model.policy.features_extractor(preprocess_obs(_observations(model, buffer), model.observation_space))
+    return features.float().cpu().reshape(buffer.buffer_size, buffer.n_envs, -1)
 
 
 class RunDirectoryCallback(BaseCallback):
@@ -202,9 +227,7 @@ class RunDirectoryCallback(BaseCallback):
         spaces_ = None
         if config.env.startswith(UNREGISTERED):  # no env to build: the policy on the model's spaces, no evaluation
             space = self.model.observation_space
-            observation = gym.spaces.Box(0.0, 1.0, (int(space.n),), np.float32) if isinstance(space, spaces.Discrete) \
-                else space
-            spaces_ = (observation, self.model.action_space)
+            spaces_ = (space if isinstance(space, spaces.Box) else flat_observation_space(space), self.model.action_space)
             config = dataclasses.replace(config, eval_episodes=0)
         self.writer = RunWriter.from_config(self.path, config, names=our_name, written_by=WRITTEN_BY, spaces=spaces_)
 
@@ -255,16 +278,34 @@ class RunDirectoryCallback(BaseCallback):
         if self._episodes is None:
             self._episodes = np.zeros(buffer.n_envs, dtype=np.int64)
         ours = as_rollout_buffer(self.model, buffer, self.writer.round, self._episodes,
-                                 self._time_limits.take(buffer.buffer_size))
+                                 self._time_limits.take(buffer.buffer_size), obs=_flat_observations(self.model, buffer))
         self._episodes = ours.episode_ids[-1].numpy() + ours.dones[-1].long().numpy()
-        if isinstance(self.model.observation_space, spaces.Discrete):  # SB3 stores the index, its policy sees it one-hot
-            space = self.model.observation_space
-            ours.obs = torch.nn.functional.one_hot(ours.obs.reshape(ours.obs.shape[:2]).long() - int(space.start),
-                                                   int(space.n)).float()
         self.writer.begin_round(self.model.policy, self.model.policy.optimizer)  # theta(k): it collected the round
         self.writer.add_rollout(ours.obs, ours.actions, ours.logp, ours.values, ours.rewards, ours.terminated,
                                 ours.truncated, ours.final_values)
+        if self.writer.check_values:
+            self._check_logged_values(ours, buffer)
         self._pending = ours
+
+    def _check_logged_values(self, ours: OurRolloutBuffer, buffer: Any) -> None:
+        """SB3's rollout values against its critic's (``predict_values``). A policy whose ``forward``
+        returns values its critic does not (SB3's GAE tests) trains on advantages computed from them:
+        the run keeps them as logged (warned once) and rlinfluence's critic is checked against SB3's
+        critic instead of against them."""
+        with torch.no_grad():
+            critic = self.model.policy.predict_values(_observations(self.model, buffer)).flatten().cpu().float()
+            logged, mapped = ours.values.flatten(), self.writer.trainer.policy.value(ours.obs.flatten(0, 1))
+        scale = max(1.0, float(critic.abs().max()))
+        if float((critic - logged).abs().max()) <= LOGP_TOLERANCE * scale:
+            return  # the usual case: the writer checks its critic against the logged values
+        gap = float((mapped - critic).abs().max())
+        if not gap <= LOGP_TOLERANCE * scale:
+            raise UserError(f"RunDirectoryCallback: rlinfluence's critic differs from SB3's predict_values by up to "
+                            f"{gap:.3g}: the policy does not map as assumed")
+        self.writer.check_values = False
+        warnings.warn(f"RunDirectoryCallback: the rollout's values are not {type(self.model.policy).__name__}'s critic's "
+                      f"(up to {float((critic - logged).abs().max()):.3g} apart; its forward returns others): the run "
+                      "keeps them as SB3 logged them, the values its advantages were computed from", stacklevel=2)
 
     def _on_training_end(self) -> None:
         self._writing(self._end_round)
