@@ -10,8 +10,10 @@ pytest once per mode, each in its own process, this file loaded as a pytest plug
 - ``callback``: ``buffer`` plus ``InfluenceFilterCallback(drop_pct=--drop-pct)`` appended to the
   callbacks of every ``PPO.learn`` of such a model (as a user would plug it in);
 - ``rundir``: ``RunDirectoryCallback`` (no evaluation episodes) appended to every ``PPO.learn``;
-  where it refuses the model (a ``UserError``), the test learns again without it. Each learn()
-  is a line of ``<out>/rundir_learns.jsonl``: written, or refused with the first line of the reason;
+  where it refuses the model (a ``UserError``, asked with ``config_of`` before ``learn``), the test
+  learns without it. Each learn() is a line of ``<out>/rundir_learns.jsonl``: written (a round or
+  more on disk), not written, stopped (the writer refused a round later), or refused with the first
+  line of the reason;
   the driver prints ``sb3_suite_rundir_written: k/n`` and the refusals by reason.
 
 Only ``stable_baselines3.PPO`` is patched (``_setup_model`` and ``learn``); A2C, DQN, SAC, ... run
@@ -84,7 +86,7 @@ def _patch_rundir(learns: Path) -> None:
     from stable_baselines3.common.callbacks import BaseCallback, CallbackList, ConvertCallback
 
     from rlinfluence.errors import UserError
-    from rlinfluence.integrations.sb3_rundir import RunDirectoryCallback
+    from rlinfluence.integrations.sb3_rundir import RunDirectoryCallback, config_of
 
     learn = PPO.learn
 
@@ -94,9 +96,13 @@ def _patch_rundir(learns: Path) -> None:
         given = CallbackList(callback) if isinstance(callback, list) else callback
         if given is not None and not isinstance(given, BaseCallback):  # a plain function, as SB3 takes it
             given = ConvertCallback(given)
-        try:
+        try:  # what the callback refuses at the start of learn(), asked before it: the test learns once
+            config_of(self, total_timesteps, 0)
             out = learn(self, total_timesteps, writer if given is None else CallbackList([given, writer]), *args, **kwargs)
-            outcome = "written" if (folder / "config.json").is_file() else "not written"
+            rounds = len(list((folder / "buffers").glob("round_*.safetensors")))
+            outcome = "written" if rounds else "not written"
+            if writer.stopped is not None:
+                outcome = f"stopped after {rounds} round(s): {writer.stopped.splitlines()[0]}"
         except UserError as exc:
             outcome = f"refused: {str(exc).splitlines()[0]}"
             out = learn(self, total_timesteps, callback, *args, **kwargs)

@@ -49,3 +49,21 @@ class DictLineWalk(gym.ObservationWrapper):
 
 def make_dict_env() -> gym.Env:
     return DictLineWalk(make_env())
+
+
+class ImageLineWalk(gym.ObservationWrapper):
+    """LineWalk seen as a 36 x 36 grey image (height x width x 1, uint8; SB3's CnnPolicy takes it):
+    a bright column where the walker is."""
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        self.observation_space = gym.spaces.Box(0, 255, (36, 36, 1), np.uint8)
+
+    def observation(self, observation):
+        image = np.zeros((36, 36, 1), dtype=np.uint8)
+        image[:, int(np.clip((observation[0] + 2.0) / 4.0 * 35, 0, 35))] = 255
+        return image
+
+
+def make_image_env() -> gym.Env:
+    return ImageLineWalk(make_env())

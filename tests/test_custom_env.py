@@ -1,9 +1,12 @@
 """An env gymnasium cannot make by id, given by its entry point (``package.module:function``):
-trained natively and by Stable-Baselines3, and every analysis run on each run, which re-creates the
+trained natively, by Stable-Baselines3 and by a CleanRL-style loop, and every analysis run on each run, which re-creates the
 env from the entry point; what cannot be imported is one clear error."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import gymnasium as gym
 import pytest
 import torch
 
@@ -41,8 +44,23 @@ def sb3_run(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def cleanrl_run(tmp_path_factory):
+    """The CleanRL-style example's loop on the custom env: its make_env builds the env as the user's
+    own loop would, and the writer is given the entry point the analyses re-create it from."""
+    from tests.custom_env import make_env as factory
+    from tests.test_run_writer import example, example_args
+
+    module = example()
+    module.make_env = lambda env_id: (lambda: gym.wrappers.RecordEpisodeStatistics(factory()))
+    path = tmp_path_factory.mktemp("cleanrl") / "run"
+    torch.set_num_threads(1)
+    module.train(dataclasses.replace(example_args(module, path), env_id=ENTRY))
+    return path
+
+
 @pytest.mark.parametrize("command", EVERY_ANALYSIS)
-@pytest.mark.parametrize("trainer", ["native_run", "sb3_run"])
+@pytest.mark.parametrize("trainer", ["native_run", "sb3_run", "cleanrl_run"])
 def test_every_analysis_runs_on_a_custom_env_run(trainer, command, request, capsys):
     path = request.getfixturevalue(trainer)
     assert cli.main([c.format(run=path) for c in command]) == 0
@@ -96,3 +114,22 @@ def test_a_run_whose_env_cannot_be_re_created_is_still_read_by_what_needs_no_env
     assert cli.main(["explain", str(path), "--round", "1", "--episodes", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot import 'vanishing_env'" in err[0], err
+
+
+def test_a_run_records_its_envs_package_and_a_reader_with_another_version_is_warned(tmp_path, capsys):
+    """An env from an installed package: the run records the package and its version (run.json); read
+    where another version is installed, a command says so in one warning line."""
+    import json
+
+    pytest.importorskip("stable_baselines3")
+    config = PPOConfig(env="stable_baselines3.common.envs:IdentityEnvBox", n_envs=2, n_steps=16, batch_size=16,
+                       n_epochs=1, total_timesteps=32, eval_episodes=0, save_buffers=True, run_root=str(tmp_path),
+                       progress=False, tensorboard=False)
+    path = PPO(config).learn().run.path
+    identity = json.loads((path / "run.json").read_text())
+    assert identity["env_package"]["name"] == "stable_baselines3"
+    identity["env_package"]["version"] = "0.0.1"
+    (path / "run.json").write_text(json.dumps(identity))
+    assert cli.main(["attribute", str(path), "--round", "0"]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "comes from" in line]
+    assert len(err) == 1 and "stable_baselines3 0.0.1; here it is 2." in err[0], err

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 
@@ -172,7 +173,7 @@ def test_a_vec_env_without_a_gymnasium_id_is_written_for_what_needs_no_env(tmp_p
 
     model = SB3PPO("MlpPolicy", NoSpecVecEnv([lambda: gym.make("CartPole-v1")] * 3), n_steps=32, batch_size=32,
                    n_epochs=2, seed=1, device="cpu")
-    with pytest.warns(UserWarning, match="no gymnasium id: the run is written for what needs no env"):
+    with pytest.warns(UserWarning, match="no gymnasium id that gymnasium can make: the run is written for what needs no env"):
         model.learn(96 * 3, callback=RunDirectoryCallback(tmp_path / "run"))
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["env"].startswith("unregistered:") and config["eval_episodes"] == 0
@@ -304,3 +305,96 @@ def test_dict_observations_are_written_flat_as_sb3s_extractor_gives_them_and_the
     for command in (["audit", "{run}"], ["explain", "{run}", "--round", "1", "--episodes", "4", "--draws", "2"]):
         assert cli.main([c.format(run=tmp_path / "run") for c in command]) == 0
     assert "error" not in capsys.readouterr().err
+
+
+def test_a_cnn_policy_is_written_with_sb3s_nature_cnn_in_the_envs_own_image_layout(tmp_path, capsys):
+    """CnnPolicy (NatureCNN shared by actor and critic) on a height x width x channels image, which SB3
+    transposes (VecTransposeImage): the run holds the env's own layout, rlinfluence's NatureCNN
+    transposes it back, its log-probs are SB3's, and explain re-creates the env from its entry point."""
+    from stable_baselines3.common.env_util import make_vec_env as sb3_vec_env
+
+    from tests.custom_env import make_image_env
+
+    model = SB3PPO("CnnPolicy", sb3_vec_env(make_image_env, n_envs=2, seed=1), n_steps=32, batch_size=32, n_epochs=1,
+                   seed=1, device="cpu", policy_kwargs=dict(features_extractor_kwargs=dict(features_dim=16)))
+    model.learn(32 * 2 * 3, callback=RunDirectoryCallback(tmp_path / "run", eval_episodes=2,
+                                                          env="tests.custom_env:make_image_env"))
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (config["encoder"], config["features_dim"]) == ("nature", 16)
+    saved = load_round(tmp_path / "run", 1)
+    assert saved.buffer.obs.shape == (32, 2, 36, 36, 1) and saved.buffer.obs.dtype == torch.uint8
+    logp = saved.trainer.policy.log_prob(saved.buffer.flat("obs"), saved.buffer.flat("actions"))
+    assert torch.allclose(logp, saved.buffer.flat("logp"), atol=1e-5)
+    for command in (["attribute", "{run}", "--round", "1"],
+                    ["explain", "{run}", "--round", "1", "--episodes", "4", "--draws", "2"]):
+        assert cli.main([c.format(run=tmp_path / "run") for c in command]) == 0
+    assert "error" not in capsys.readouterr().err
+
+
+def test_vec_normalize_statistics_are_saved_with_each_round_and_evaluations_apply_them(tmp_path, capsys):
+    """VecNormalize's running statistics normalise what the policy observes: each saved round holds
+    them, and the env the analyses re-create normalises its observations with them (frozen), so the
+    run's policy acts on a fresh observation as SB3's policy does on VecNormalize's."""
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    from rlinfluence.envs import make_env
+
+    venv = VecNormalize(make_vec_env("CartPole-v1", n_envs=3, seed=1), clip_obs=5.0)
+    model = SB3PPO("MlpPolicy", venv, n_steps=32, batch_size=32, n_epochs=2, seed=1, device="cpu")
+    model.learn(32 * 3 * 3, callback=RunDirectoryCallback(tmp_path / "run", eval_episodes=2))
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (config["env"], config["obs_norm_clip"]) == ("CartPole-v1", 5.0)
+    final = load_round(tmp_path / "run", 2).trainer
+    final.load_state_dict(load_checkpoint(tmp_path / "run" / "checkpoints" / "round_0003.pt"))  # theta(3), SB3's last
+    assert np.allclose(final.obs_statistics["mean"], venv.obs_rms.mean)
+    raw, _ = gym.make("CartPole-v1").reset(seed=7)
+    ours = make_env("CartPole-v1", obs_statistics=final.obs_statistics)
+    seen, _ = ours.reset(seed=7)
+    assert np.allclose(seen, venv.normalize_obs(raw), atol=1e-5)
+    action = torch.tensor([1])
+    with torch.no_grad():
+        _, theirs, _ = model.policy.evaluate_actions(torch.as_tensor(venv.normalize_obs(raw))[None].float(), action)
+    assert torch.allclose(final.policy.log_prob(torch.as_tensor(seen)[None], action), theirs, atol=1e-5)
+    assert cli.main(["explain", str(tmp_path / "run"), "--round", "1", "--episodes", "4", "--draws", "2"]) == 0
+    assert "error" not in capsys.readouterr().err
+
+
+def test_a_frame_stacked_model_is_written_for_what_needs_no_env(tmp_path, capsys):
+    """A frame stack changes what the policy observes in a way the run does not redo: an env re-created
+    from the id would observe one frame, so the run is written (warned) without one, as for an
+    unregistered env."""
+    from stable_baselines3.common.vec_env import VecFrameStack
+
+    model = SB3PPO("MlpPolicy", VecFrameStack(make_vec_env("CartPole-v1", n_envs=3, seed=1), 2), n_steps=32,
+                   batch_size=32, n_epochs=2, seed=1, device="cpu")
+    with pytest.warns(UserWarning, match="wrapped in VecFrameStack, which changes what the policy observes"):
+        model.learn(32 * 3 * 3, callback=RunDirectoryCallback(tmp_path / "run"))
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["env"] == "unregistered:VecFrameStack" and config["eval_episodes"] == 0
+    assert cli.main(["audit", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    assert cli.main(["explain", str(tmp_path / "run"), "--round", "1", "--episodes", "4"]) == 2
+
+
+def test_float64_observations_and_a_vec_env_that_gives_fewer_infos_are_written(tmp_path):
+    """Two shapes SB3's own tests use: a float64 Box (SB3's policy casts it to float32, so does the run)
+    and a VecEnv whose step returns fewer infos than envs (SB3's DictObsVecEnv: no time-limit end is
+    known for the others)."""
+    from stable_baselines3.common.env_util import make_vec_env as sb3_vec_env
+
+    from rlinfluence.integrations.sb3 import TimeLimitEnds
+
+    ends = TimeLimitEnds()
+    ends.record({"rewards": np.zeros(3), "dones": np.array([True, False, True]), "infos": [{}]})
+    assert ends.take(1)[1].tolist() == [[False, False, False]]
+
+    def float64_cartpole():
+        return gym.wrappers.DtypeObservation(gym.make("CartPole-v1"), np.float64)
+
+    model = SB3PPO("MlpPolicy", sb3_vec_env(float64_cartpole, n_envs=3, seed=1), n_steps=32, batch_size=32,
+                   n_epochs=2, seed=1, device="cpu")
+    with pytest.warns(UserWarning, match="is CartPole-v1 wrapped in DtypeObservation: the run is written for what"):
+        model.learn(32 * 3 * 3, callback=RunDirectoryCallback(tmp_path / "run", eval_episodes=0))
+    saved = load_round(tmp_path / "run", 1)
+    logp = saved.trainer.policy.log_prob(saved.buffer.flat("obs"), saved.buffer.flat("actions"))
+    assert torch.allclose(logp, saved.buffer.flat("logp"), atol=1e-5)

@@ -103,10 +103,12 @@ def reading_trainer(run: RunDirectory, config: PPOConfig) -> PPO:
     """The trainer a saved round is read into; where the run's env cannot be re-created (an entry
     point that is not importable here) and the run recorded its spaces, one whose envs stand in
     (``envs.UnavailableEnv``): what reads saved rounds only runs, what acts in the env says why not."""
-    from rlinfluence.envs import UnavailableEnv, make_env
+    from rlinfluence.envs import UnavailableEnv, check_env_package, make_env
 
     try:
-        return PPO(config, run_dir=False)
+        trainer = PPO(config, run_dir=False)
+        check_env_package((run.identity or {}).get("env_package"), config.env)
+        return trainer
     except UserError as exc:
         spaces = run.read_spaces()
         try:

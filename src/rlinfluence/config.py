@@ -81,6 +81,9 @@ class PPOConfig:
     """sync: the envs step in this process, one after the other (gymnasium SyncVectorEnv); async:
     each in its own process (AsyncVectorEnv), for envs whose step is slow; the same numbers either way
     (the CPU clock then counts this process only, not the env workers)"""
+    obs_norm_clip: float | None = None
+    """observations normalised by running statistics, clipped to +-this (SB3's VecNormalize clip_obs):
+    each saved round holds the statistics, which its evaluations and collections apply; None = raw"""
     n_steps: int = 2048
     """steps per environment per round"""
     batch_size: int = 64
@@ -190,8 +193,11 @@ class PPOConfig:
     """hidden layers of the critic MLP (None: hidden_sizes)"""
     activation: Literal["tanh", "relu"] = "tanh"
     """the actor's and critic's hidden activation"""
-    encoder: Literal["auto", "flatten", "cnn"] = "auto"
-    """observation encoder; auto = CNN for HWC uint8 images, else flatten"""
+    encoder: Literal["auto", "flatten", "cnn", "nature"] = "auto"
+    """observation encoder; auto = CNN for HWC uint8 images, else flatten; nature = SB3's CnnPolicy
+    extractor (NatureCNN) with features_dim features"""
+    features_dim: int = 512
+    """the nature encoder's features (SB3's features_dim)"""
     eval_episodes: int = 50
     """stochastic-policy evaluation episodes per round (0 = no evaluation)"""
     eval_every: int = 1
@@ -317,11 +323,14 @@ class PPOConfig:
             choices = literal_choices(FIELD_TYPES[f.name])  # the Python API, where tyro checked nothing
             if choices and value not in choices:
                 raise UserError(f"{f.name} must be one of {', '.join(map(str, choices))}, got {value!r}")
-        positive_ints = ("total_timesteps", "n_envs", "n_steps", "batch_size", "n_epochs",
+        positive_ints = ("total_timesteps", "n_envs", "n_steps", "batch_size", "n_epochs", "features_dim",
                          "eval_envs", "torch_threads", "eval_every")
         for name in positive_ints:
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.obs_norm_clip is not None and (self.obs_norm_clip <= 0 or self.vec_env == "async"):
+            raise UserError(f"obs_norm_clip {self.obs_norm_clip} with vec_env {self.vec_env}: the clip must be > 0, "
+                            "and the statistics live in this process (vec_env sync)")
         # sizes that would take the machine down (minutes of env building, an allocator error,
         # a thread pool out of memory) are refused up front with the limit
         for name, limit in LIMITS.items():

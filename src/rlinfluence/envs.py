@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,7 @@ def env_factory(env_id: str) -> Callable[..., gym.Env] | None:
     stays gymnasium's). ``UserError`` naming it when the module cannot be imported or has no such
     function."""
     module_name, sep, name = env_id.partition(":")
-    if not sep or not module_name or not name.isidentifier():
+    if not sep or not module_name or not name.isidentifier() or env_id.startswith(UNREGISTERED):
         return None
     try:
         module = importlib.import_module(module_name)
@@ -52,6 +53,40 @@ def env_factory(env_id: str) -> Callable[..., gym.Env] | None:
     if not callable(factory):
         raise UserError(f"env {env_id!r}: {module_name} has no function {name!r} to build the env")
     return factory
+
+
+def env_package(env_id: str) -> dict[str, str] | None:
+    """The installed distribution an entry point's module comes from, ``{"name", "version"}`` (what
+    a run records beside its env: ``identity.written``), or None (a gymnasium id, a module on the
+    path that no installed package provides)."""
+    module_name, sep, _ = env_id.partition(":")
+    if not sep or env_factory(env_id) is None:
+        return None
+    from importlib import metadata
+
+    names = metadata.packages_distributions().get(module_name.split(".")[0], [])
+    return {"name": names[0], "version": metadata.version(names[0])} if names else None
+
+
+def check_env_package(recorded: dict[str, str] | None, env_id: str) -> None:
+    """Warn (one line on stderr) where the env's package here is not the version the run recorded:
+    what acts in the env (explain, intervene, evaluations) may act in another env."""
+    if not recorded:
+        return
+    from importlib import metadata
+
+    try:
+        here = metadata.version(recorded["name"])
+    except metadata.PackageNotFoundError:
+        here = "not installed"
+    if here != recorded["version"]:
+        _warn_once(f"warning: the run's env {env_id!r} comes from {recorded['name']} {recorded['version']}; here it is "
+                   f"{here}: what acts in the env may act in another one")
+
+
+@functools.cache
+def _warn_once(line: str) -> None:  # a command reads many rounds of one run
+    print(line, file=sys.stderr)
 
 
 UNREGISTERED = "unregistered:"
@@ -99,15 +134,34 @@ class FlatObservation(gym.ObservationWrapper):
         return gym.spaces.flatten(self.env.observation_space, observation).astype(np.float32)
 
 
+class NormalizedObservation(gym.ObservationWrapper):
+    """Observations normalised by the run's saved running statistics, frozen (SB3's ``VecNormalize``
+    with ``training=False``): clip((obs - mean) / sqrt(var + epsilon), -clip, clip). ``statistics`` is
+    the trainer's dict (``clip``, ``mean``, ``var``, ``epsilon``; the identity until a round's are
+    loaded), shared, so every env sees the round the trainer holds."""
+
+    def __init__(self, env: gym.Env, statistics: dict[str, Any]):
+        super().__init__(env)
+        self.statistics = statistics
+        clip = float(statistics["clip"])
+        self.observation_space = gym.spaces.Box(-clip, clip, env.observation_space.shape, np.float32)
+
+    def observation(self, observation: Any) -> np.ndarray:
+        s = self.statistics
+        return np.clip((observation - s["mean"]) / np.sqrt(s["var"] + s["epsilon"]), -s["clip"], s["clip"]
+                       ).astype(np.float32)
+
+
 def flat_observation_space(space: gym.Space) -> gym.spaces.Box:
     """The float32 ``Box`` that ``FlatObservation`` makes of ``space``."""
     flat = gym.spaces.flatten_space(space)
     return gym.spaces.Box(flat.low.astype(np.float32), flat.high.astype(np.float32), dtype=np.float32)
 
 
-def make_env(env_id: str, **kwargs: Any) -> gym.Env:
+def make_env(env_id: str, *, obs_statistics: dict[str, Any] | None = None, **kwargs: Any) -> gym.Env:
     """Build ``env_id`` (a gymnasium id, or an entry point ``package.module:function``:
-    ``env_factory``) with its preset arguments (overridden by ``kwargs``) and obs wrappers."""
+    ``env_factory``) with its preset arguments (overridden by ``kwargs``) and obs wrappers
+    (``obs_statistics``: the trainer's, for a run with ``obs_norm_clip``: ``NormalizedObservation``)."""
     factory = env_factory(env_id)
     if factory is not None:
         try:
@@ -129,7 +183,7 @@ def make_env(env_id: str, **kwargs: Any) -> gym.Env:
         env = ImgObsWrapper(env)
     elif not isinstance(space, gym.spaces.Box):
         env = FlatObservation(env)
-    return env
+    return env if obs_statistics is None else NormalizedObservation(env, obs_statistics)
 
 
 def _is_image_dict(space: gym.Space) -> bool:
@@ -159,15 +213,15 @@ def mc_unavailable_reason(env_id: str) -> str | None:
         env.close()
 
 
-def make_vec_env(env_id: str, n_envs: int, render_mode: str | None = None, asynchronous: bool = False
-                 ) -> gym.vector.VectorEnv:
+def make_vec_env(env_id: str, n_envs: int, render_mode: str | None = None, asynchronous: bool = False,
+                 obs_statistics: dict[str, Any] | None = None) -> gym.vector.VectorEnv:
     """``n_envs`` copies, stepped in this process (SyncVectorEnv) or, ``asynchronous``, each in its
     own process (AsyncVectorEnv: for envs whose step is slow; the same transitions). SAME_STEP
     autoreset, as SB3: a finished episode's last observation comes in ``info["final_obs"]`` and the
     returned observation starts the next one. ``render_mode="rgb_array"``: ``render()`` returns
     every copy's frame (``--save-frames``)."""
     kwargs = {"render_mode": render_mode} if render_mode else {}
-    factories = [functools.partial(make_env, env_id, **kwargs) for _ in range(n_envs)]
+    factories = [functools.partial(make_env, env_id, obs_statistics=obs_statistics, **kwargs) for _ in range(n_envs)]
     if asynchronous:
         return gym.vector.AsyncVectorEnv(factories, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     return gym.vector.SyncVectorEnv(factories, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
@@ -245,3 +299,14 @@ class UnavailableEnv(gym.vector.VectorEnv):
 
     def close(self, **kwargs: Any) -> None:
         pass
+
+
+def check_finite(values: np.ndarray, what: str, round_index: int) -> None:
+    """``UserError`` naming the first non-finite entry of a collected ``[n_steps, n_envs, ...]`` array."""
+    if values.dtype.kind != "f":
+        return
+    bad = ~np.isfinite(values)
+    if bad.any():
+        where = tuple(np.argwhere(bad)[0])
+        raise UserError(f"round {round_index}: the env returned a non-finite {what} ({values[where]}) "
+                        f"at step {where[0]} of env {where[1]}")

@@ -46,9 +46,14 @@ def read(run_path: Path) -> dict[str, Any] | None:
 
 
 def written(run_path: Path, config: dict[str, Any], written_by: str) -> dict[str, Any]:
-    """The identity to write with ``config``: a new run gets a fresh id; a run keeps its id and writer."""
+    """The identity to write with ``config``: a new run gets a fresh id (and, for an env given as an
+    entry point, the package it comes from with its version: ``envs.env_package``); a run keeps its
+    id and writer."""
+    from rlinfluence.envs import env_package
+
     as_read = json.loads(json.dumps(config))  # as config.json reads back: tuples as lists
-    return {**(read(run_path) or {"run_id": uuid.uuid4().hex, "written_by": written_by}), "config": as_read}
+    new = {"run_id": uuid.uuid4().hex, "written_by": written_by, "env_package": env_package(config.get("env", ""))}
+    return {**(read(run_path) or new), "config": as_read}
 
 
 def text(identity: dict[str, Any]) -> str:

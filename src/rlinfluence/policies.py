@@ -86,6 +86,34 @@ class MiniGridCNN(nn.Module):
         return self.linear(self.convs(x))
 
 
+class NatureCNN(nn.Module):
+    """SB3's ``NatureCNN`` (Mnih et al. 2015; ``CnnPolicy``'s extractor), the same layers in the
+    same order: conv 32 k8 s4, conv 64 k4 s2, conv 64 k3 s1 (ReLU after each), flatten, linear ->
+    ``features_dim``, ReLU. Images channels-first unless the space's smallest axis is its last (SB3's
+    rule; then transposed here, as SB3's ``VecTransposeImage`` does), divided by 255 when uint8."""
+
+    def __init__(self, observation_space: gym.spaces.Box, features_dim: int = 512):
+        super().__init__()
+        shape = tuple(observation_space.shape)
+        self.channels_last = int(np.argmin(shape)) == 2
+        channels, height, width = (shape[2], shape[0], shape[1]) if self.channels_last else shape
+        self.scale = 255.0 if observation_space.dtype == np.uint8 else 1.0
+        self.cnn = nn.Sequential(
+            nn.Conv2d(channels, 32, kernel_size=8, stride=4), nn.ReLU(),
+            nn.Conv2d(32, 64, kernel_size=4, stride=2), nn.ReLU(),
+            nn.Conv2d(64, 64, kernel_size=3, stride=1), nn.ReLU(),
+            nn.Flatten(),
+        )
+        with torch.no_grad():
+            n_flat = self.cnn(torch.zeros(1, channels, height, width)).shape[1]
+        self.linear = nn.Sequential(nn.Linear(n_flat, features_dim), nn.ReLU())
+        self.out_dim = features_dim
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        x = obs.to(self.linear[0].weight.dtype) / self.scale
+        return self.linear(self.cnn(x.permute(0, 3, 1, 2) if self.channels_last else x))
+
+
 class ActorCritic(nn.Module):
     """Actor-critic: ``encoder`` (shared) -> separate actor / critic MLPs -> heads.
 
@@ -101,6 +129,7 @@ class ActorCritic(nn.Module):
         encoder: str = "flatten",
         critic_hidden_sizes: Sequence[int] | None = None,
         activation: str = "tanh",
+        features_dim: int = 512,
     ):
         super().__init__()
         critic_sizes = hidden_sizes if critic_hidden_sizes is None else critic_hidden_sizes
@@ -111,8 +140,10 @@ class ActorCritic(nn.Module):
             self.encoder: nn.Module = MiniGridCNN(obs_shape)
         elif encoder == "flatten":
             self.encoder = FlattenEncoder(obs_shape)
+        elif encoder == "nature":
+            self.encoder = NatureCNN(observation_space, features_dim)
         else:
-            raise ValueError(f"unknown encoder {encoder!r} (expected 'flatten' or 'cnn')")
+            raise ValueError(f"unknown encoder {encoder!r} (expected 'flatten', 'cnn' or 'nature')")
         feat_dim = self.encoder.out_dim
         latent_dim = hidden_sizes[-1] if hidden_sizes else feat_dim
         self.actor = mlp(feat_dim, hidden_sizes, ACTIVATIONS[activation])
@@ -213,6 +244,7 @@ def make_policy(
     encoder: str = "auto",
     critic_hidden_sizes: Sequence[int] | None = None,
     activation: str = "tanh",
+    features_dim: int = 512,
 ) -> ActorCritic:
     """Build the actor-critic for a space pair; ``encoder='auto'`` picks the CNN for HWC uint8 images.
 
@@ -228,10 +260,11 @@ def make_policy(
     if encoder == "auto":
         is_image = observation_space.dtype == np.uint8 and len(observation_space.shape) == 3
         encoder = "cnn" if is_image else "flatten"
-    if encoder == "cnn" and len(observation_space.shape) != 3:
-        raise UserError(f"--encoder cnn needs an image observation (height x width x channels), got shape "
+    if encoder in ("cnn", "nature") and len(observation_space.shape) != 3:
+        raise UserError(f"--encoder {encoder} needs an image observation (height x width x channels), got shape "
                         f"{observation_space.shape}: use --encoder flatten (or auto)")
-    return ActorCritic(observation_space, action_space, hidden_sizes, encoder, critic_hidden_sizes, activation)
+    return ActorCritic(observation_space, action_space, hidden_sizes, encoder, critic_hidden_sizes, activation,
+                       features_dim)
 
 
 class NumpyActorCritic:

@@ -39,7 +39,7 @@ from rlinfluence.buffer import MinibatchStep, RolloutBuffer
 from rlinfluence.config import FIELD_TYPES, ROBUST_IIF, PPOConfig, coerce  # noqa: F401  (importable from here)
 from rlinfluence.corruptions import Corruptor, check_corruptions
 from rlinfluence.device import resolve_device
-from rlinfluence.envs import EnvStream, base_observation_space, make_env, make_vec_env
+from rlinfluence.envs import EnvStream, base_observation_space, check_finite, make_env, make_vec_env
 from rlinfluence.errors import UserError
 from rlinfluence.evaluation import Evaluator
 from rlinfluence.filters import Filter, FilterContext, make_filter
@@ -100,7 +100,8 @@ class PPO:
 
         render_mode = "rgb_array" if config.save_frames else None
         asynchronous = config.vec_env == "async"
-        self.stream = EnvStream(stand_in or make_vec_env(config.env, config.n_envs, render_mode, asynchronous), self.generator)  # stand_in: checkpoint.load_round's, for a run whose envs cannot be re-created
+        self.obs_statistics = None if config.obs_norm_clip is None else {"clip": config.obs_norm_clip, "mean": 0.0, "var": 1.0, "epsilon": 0.0}  # restore sets a round's
+        self.stream = EnvStream(stand_in or make_vec_env(config.env, config.n_envs, render_mode, asynchronous, self.obs_statistics), self.generator)  # stand_in: checkpoint.load_round's, for a run whose envs cannot be re-created
         self.last_frames: FrameRecorder | None = None  # the last collection's frames (save_frames)
         self.env.action_space.seed(config.seed)
         discrete_obs = stand_in is None and isinstance(base_observation_space(config.env), gym.spaces.Discrete)
@@ -116,14 +117,14 @@ class PPO:
         self.past_policies: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=lag + 1)
         # the validation rollout has its own envs and noise, so the training stream stays the same
         self.validation_stream = (
-            EnvStream(make_vec_env(config.env, config.n_envs, asynchronous=asynchronous),
+            EnvStream(make_vec_env(config.env, config.n_envs, asynchronous=asynchronous, obs_statistics=self.obs_statistics),
                       torch.Generator().manual_seed(derived_seed(config.seed, 0, 3)))
             if config.validation_steps and getattr(self.filter, "uses_validation", False) else None
         )
         self.device = resolve_device(config.device)
         self.policy: ActorCritic = make_policy(
             self.env.single_observation_space, self.env.single_action_space,
-            config.hidden_sizes, config.encoder, config.critic_hidden_sizes, config.activation,
+            config.hidden_sizes, config.encoder, config.critic_hidden_sizes, config.activation, config.features_dim,
         ).to(self.device)  # initialised on the CPU (the same weights on every device), then moved
         # --compile: the minibatch loss of the trainer's own policy, compiled on its first step
         self._policy_terms = torch.compile(policy_terms, dynamic=False) if config.compile else policy_terms
@@ -174,6 +175,8 @@ class PPO:
         ``callback(trainer, metrics)`` runs after every round; returning False stops training.
         """
         cfg = self.config
+        if cfg.obs_norm_clip is not None:
+            raise UserError("obs_norm_clip is for runs another trainer wrote (SB3's VecNormalize): this trainer keeps no running statistics")
         if cfg.rollout_size % cfg.batch_size and self.round == 0:  # the remainder is a new random draw each epoch
             warnings.warn(f"batch_size {cfg.batch_size} does not divide a round's {cfg.rollout_size} records: each epoch's last {cfg.rollout_size % cfg.batch_size} sit it out", stacklevel=2)
         n_rounds = self.rounds_planned = math.ceil((total_timesteps or cfg.total_timesteps) / cfg.rollout_size)
@@ -358,8 +361,8 @@ class PPO:
         stream.obs = obs
         if frames is not None:
             self.last_frames = frames
-        _check_finite(b_rew, "reward", self.round)
-        _check_finite(b_obs, "observation", self.round)
+        check_finite(b_rew, "reward", self.round)
+        check_finite(b_obs, "observation", self.round)
         last_seen = corruptor.observe_final(obs, np.arange(cfg.n_envs)) if corruptor is not None else obs
         buf.last_values = self._values(last_seen)
         if stream is self.stream:
@@ -560,7 +563,8 @@ class PPO:
         if n_episodes == 0:
             return np.zeros(0)
         if self._evaluator is None:
-            self._evaluator = Evaluator(lambda: make_env(self.config.env), self.config.eval_envs, self.config.eval_seed)
+            self._evaluator = Evaluator(lambda: make_env(self.config.env, obs_statistics=self.obs_statistics),
+                                        self.config.eval_envs, self.config.eval_seed)
         generator = torch.Generator().manual_seed(derived_seed(self.config.seed, self.round, 1))
         return self._evaluator.evaluate(self.policy, n_episodes, generator)
 
@@ -588,13 +592,3 @@ class PPO:
         """Continue a run from its newest loadable checkpoint (``restore.resume``)."""
         return restore.resume(cls, run_dir, filter)
 
-
-def _check_finite(values: np.ndarray, what: str, round_index: int) -> None:
-    """``UserError`` naming the first non-finite entry of a collected ``[n_steps, n_envs, ...]`` array."""
-    if values.dtype.kind != "f":
-        return
-    bad = ~np.isfinite(values)
-    if bad.any():
-        where = tuple(np.argwhere(bad)[0])
-        raise UserError(f"round {round_index}: the env returned a non-finite {what} ({values[where]}) "
-                        f"at step {where[0]} of env {where[1]}")

@@ -53,6 +53,7 @@ class Restorable(Protocol):
     train_cpu_seconds: float
     validation_stream: EnvStream | None
     past_policies: deque[Any]
+    obs_statistics: dict[str, Any] | None
     tracin: TracInRecorder | None
     schedule: list[MinibatchStep]
 
@@ -67,6 +68,8 @@ class Restorable(Protocol):
 TrainerT = TypeVar("TrainerT", bound=Restorable)
 
 STATE_KEYS = ("round", "env_steps", "train_seconds", "policy", "optimizer", "generator")
+OBS_STATISTICS = ("mean", "var", "epsilon")
+"""A round's observation statistics (``obs_norm_clip``): ``envs.NormalizedObservation``'s."""
 CHECKPOINT_FORMAT = "rlinfluence-ppo-v1"
 """The layout of ``PPO.state_dict`` this version writes and reads (a checkpoint without the key
 predates it and is read as this one); another is refused rather than half-restored."""
@@ -189,6 +192,8 @@ def state_of(trainer: Restorable) -> dict[str, Any]:
         "filter_class": filter_class(trainer.filter),
         **({"validation_generator": trainer.validation_stream.generator.get_state()} if trainer.validation_stream else {}),
         **({"past_policies": list(trainer.past_policies)} if trainer.past_policies else {}),
+        **({"obs_statistics": {k: torch.as_tensor(trainer.obs_statistics[k]) for k in OBS_STATISTICS}}
+           if trainer.obs_statistics is not None else {}),
     }
 
 def filter_class(filter: Filter) -> str:
@@ -229,4 +234,8 @@ def restore_state(trainer: Restorable, state: dict[str, Any], source: str = "che
     trainer.train_cpu_seconds = float(state.get("train_cpu_seconds", 0.0))
     trainer.past_policies.clear()
     trainer.past_policies.extend(state.get("past_policies", []))
+    if trainer.obs_statistics is not None:  # the round's, for its evaluations and collections
+        if "obs_statistics" not in state:
+            raise CheckpointError(f"{source} holds no observation statistics, and the run normalises its observations")
+        trainer.obs_statistics.update({k: state["obs_statistics"][k].double().numpy() for k in OBS_STATISTICS})
     trainer._reset_envs(derived_seed(trainer.config.seed, trainer.round, 0))

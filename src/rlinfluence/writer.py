@@ -249,10 +249,16 @@ class RunWriter:
         self.run.write_config(self.config.to_dict(), written_by=self.written_by,
                               spaces=(self.trainer.env.single_observation_space, self.trainer.env.single_action_space))
 
-    def _sync(self, optimizer: torch.optim.Optimizer) -> None:
-        """rlinfluence's policy and optimiser set to the caller's as they are now (shapes as ours:
-        CleanRL's ``actor_logstd`` is [1, d] where ``log_std`` is [d])."""
+    def _sync(self, optimizer: torch.optim.Optimizer, obs_statistics: dict[str, Any] | None = None) -> None:
+        """rlinfluence's policy, optimiser and observation statistics set to the caller's as they are
+        now (shapes as ours: CleanRL's ``actor_logstd`` is [1, d] where ``log_std`` is [d])."""
         trainer = self.trainer
+        if (obs_statistics is None) != (trainer.obs_statistics is None):
+            raise UserError(f"RunWriter: obs_statistics {'given' if obs_statistics is not None else 'missing'}, "
+                            f"obs_norm_clip is {self.config.obs_norm_clip}: give both or neither")
+        if obs_statistics is not None:
+            trainer.obs_statistics.update({k: np.asarray(obs_statistics[k], dtype=np.float64)
+                                           for k in ("mean", "var", "epsilon")})
         our_index = {id(p): i for i, p in enumerate(trainer.policy.parameters())}
         state: dict[int, dict[str, Any]] = {}
         with torch.no_grad():
@@ -275,13 +281,16 @@ class RunWriter:
         trainer.round = self.round
 
     # -- the loop's calls -------------------------------------------------------------
-    def begin_round(self, policy: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Round k starts: ``policy`` and ``optimizer`` as they are before collecting (theta(k))."""
+    def begin_round(self, policy: nn.Module, optimizer: torch.optim.Optimizer,
+                    obs_statistics: dict[str, Any] | None = None) -> None:
+        """Round k starts: ``policy`` and ``optimizer`` as they are before collecting (theta(k));
+        ``obs_statistics``: with ``obs_norm_clip``, the running statistics that normalise the
+        observations now (``mean``, ``var``, ``epsilon``: ``envs.NormalizedObservation``)."""
         if self._begun:
             raise UserError(f"RunWriter: begin_round called twice without end_round (round {self.round})")
         if self.trainer is None:
             self._start(policy, optimizer)
-        self._sync(optimizer)
+        self._sync(optimizer, obs_statistics)
         if not self.run.checkpoint_path(self.round).exists():
             self.run.save_checkpoint(self.round, self.trainer.state_dict())
         self._steps, self._begun = [], True
@@ -307,11 +316,12 @@ class RunWriter:
             self.add_step(*(None if a is None else a[t] for a in arrays))
 
     def end_round(self, advantages: Any, returns: Any, policy: nn.Module, optimizer: torch.optim.Optimizer,
-                  metrics: dict[str, float] | None = None, last_values: Any = None) -> None:
+                  metrics: dict[str, float] | None = None, last_values: Any = None,
+                  obs_statistics: dict[str, Any] | None = None) -> None:
         """Round k ends: the advantages and returns the update used (``[n_steps, n_envs]``), the
         policy and optimiser after the update (theta(k+1)), the loop's own scalars for metrics.csv,
-        and V(s_T) of the observations after the last step (``last_values``, [n_envs]; the audit's
-        one-step checks read it)."""
+        V(s_T) of the observations after the last step (``last_values``, [n_envs]; the audit's
+        one-step checks read it), and the observation statistics now (as ``begin_round``)."""
         if not self._begun:
             raise UserError("RunWriter: end_round before begin_round")
         buffer = self._buffer(advantages, returns, last_values)
@@ -321,7 +331,7 @@ class RunWriter:
         self.run.save_buffer(self.round, tensors)
         self._begun = False
         self.round += 1
-        self._sync(optimizer)  # theta(k+1)
+        self._sync(optimizer, obs_statistics)  # theta(k+1)
         self.run.save_checkpoint(self.round, self.trainer.state_dict())
         row: dict[str, Any] = {"round": self.round - 1, "env_steps": self.round * self.config.rollout_size,
                                "kept_fraction": 1.0}

@@ -471,10 +471,11 @@ class TimeLimitEnds:
     def record(self, step_locals: dict[str, Any]) -> None:
         """One step of ``collect_rollouts``'s locals (``rewards``, ``dones``, ``infos``)."""
         self._rewards.append(np.asarray(step_locals["rewards"], dtype=np.float64).copy())  # SB3 adds in place later
+        dones, infos = step_locals["dones"], list(step_locals["infos"])
+        infos += [{}] * (len(dones) - len(infos))  # a VecEnv may give fewer infos than envs: no time limit known
         self._truncated.append(np.array([bool(done) and info.get("terminal_observation") is not None
                                          and bool(info.get("TimeLimit.truncated", False))
-                                         for done, info in zip(step_locals["dones"], step_locals["infos"],
-                                                               strict=True)]))
+                                         for done, info in zip(dones, infos, strict=False)]))
 
     def take(self, n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         """(env rewards, truncated), each [n_steps, n_envs], of the rollout just collected (its last

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import torch
 from gymnasium import spaces
@@ -47,7 +48,15 @@ from torch import nn
 try:
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.preprocessing import is_image_space, preprocess_obs
-    from stable_baselines3.common.torch_layers import CombinedExtractor, FlattenExtractor
+    from stable_baselines3.common.torch_layers import CombinedExtractor, FlattenExtractor, NatureCNN
+    from stable_baselines3.common.vec_env import (
+        VecCheckNan,
+        VecEnvWrapper,
+        VecMonitor,
+        VecNormalize,
+        VecTransposeImage,
+        VecVideoRecorder,
+    )
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("rlinfluence.integrations.sb3_rundir needs stable-baselines3: "
                       "pip install 'rlinfluence[sb3]'") from exc
@@ -57,7 +66,7 @@ from rlinfluence.config import PPOConfig
 from rlinfluence.envs import UNREGISTERED, FlatObservation, flat_observation_space
 from rlinfluence.errors import UserError
 from rlinfluence.integrations.sb3 import TimeLimitEnds, as_rollout_buffer
-from rlinfluence.writer import LOGP_TOLERANCE, RunWriter
+from rlinfluence.writer import CHECKED_RECORDS, LOGP_TOLERANCE, RunWriter
 
 WRITTEN_BY = "stable-baselines3 (RunDirectoryCallback)"
 """``written_by`` of the run's identity (``rlinfluence.identity``): analyses read it, ``train --resume`` refuses it."""
@@ -66,7 +75,8 @@ _NAMES = ((re.compile(r"^mlp_extractor\.policy_net\.(.*)"), r"actor.\1"),
           (re.compile(r"^mlp_extractor\.value_net\.(.*)"), r"critic.\1"),
           (re.compile(r"^action_net\.(.*)"), r"action_head.\1"),
           (re.compile(r"^value_net\.(.*)"), r"value_head.\1"),
-          (re.compile(r"^log_std$"), "log_std"))
+          (re.compile(r"^log_std$"), "log_std"),
+          (re.compile(r"^features_extractor\.(.*)"), r"encoder.\1"))  # NatureCNN, shared by actor and critic
 
 
 def our_name(sb3_name: str) -> str | None:
@@ -90,20 +100,80 @@ def _constant(model: Any, name: str, label: str | None = None) -> float:
     return start
 
 
+def _wrappers(model: Any) -> list[Any]:
+    """The VecEnv wrappers around the model's envs, outermost first."""
+    found, env = [], model.env
+    while isinstance(env, VecEnvWrapper):
+        found.append(env)
+        env = env.venv
+    return found
+
+
+def _observation_wrappers(model: Any) -> list[str]:
+    """The VecEnv wrappers around the model's envs that change what its policy observes in a way a
+    run does not redo (a frame stack, VecNormalize on Dict observations, ...): an env re-created from
+    its id would observe otherwise. Not ``VecTransposeImage`` (the run records the env's own image
+    layout, its NatureCNN transposes) nor ``VecNormalize`` on a Box (each round saves its statistics)."""
+    box = isinstance(model.observation_space, spaces.Box)
+    return [type(env).__name__ for env in _wrappers(model)
+            if not isinstance(env, VecMonitor | VecTransposeImage | VecCheckNan | VecVideoRecorder)
+            and not (isinstance(env, VecNormalize) and (box or not env.norm_obs))]
+
+
+def _env_observation_space(model: Any) -> spaces.Space:
+    """The observation space the run records for the model's envs: theirs, as the env makes them
+    (images height x width x channels, observations before VecNormalize), or the model's where a
+    wrapper the run does not redo changes them (``_observation_wrappers``)."""
+    if _observation_wrappers(model):
+        return model.observation_space
+    wrappers = _wrappers(model)
+    return wrappers[-1].venv.observation_space if wrappers else model.observation_space
+
+
+def _obs_normalization(model: Any) -> Any:
+    """The model's ``VecNormalize`` where it normalises (Box) observations, else None."""
+    normalize = model.get_vec_normalize_env()
+    return normalize if normalize is not None and normalize.norm_obs and \
+        isinstance(model.observation_space, spaces.Box) else None
+
+
+def _not_made_by_id(env_spec: Any) -> str | None:
+    """Why ``gym.make(env_spec.id)`` would not make the model's env (wrappers its spec records beyond
+    SB3's Monitor, arguments or a time limit other than the id's), or None."""
+    wrappers = [w.name for w in env_spec.additional_wrappers if w.name not in ("Monitor", "RecordEpisodeStatistics")]
+    registered = gym.spec(env_spec.id)
+    kwargs = {k: v for k, v in env_spec.kwargs.items() if k != "render_mode"}
+    if wrappers:
+        return f"is {env_spec.id} wrapped in {', '.join(wrappers)}"
+    if kwargs != {k: v for k, v in registered.kwargs.items() if k != "render_mode"} or \
+            env_spec.max_episode_steps != registered.max_episode_steps:
+        return f"is {env_spec.id} made with other arguments or time limit than the id's"
+    return None
+
+
 def _env_of(model: Any, env: str | None) -> str:
     """The env the run records: ``env`` (a gymnasium id or an entry point ``package.module:function``),
     checked to build the model's spaces, else the model's env's gymnasium id, else ``UNREGISTERED``
-    and the env's class (warned: what needs the env will say so)."""
+    and the env's class (warned: what needs the env will say so); ``UNREGISTERED`` too where a VecEnv
+    wrapper changes the observations (``_observation_wrappers``)."""
+    wrappers = _observation_wrappers(model)
+    if wrappers:
+        warnings.warn(f"RunDirectoryCallback: the model's env is wrapped in {', '.join(wrappers)}, which changes what the "
+                      "policy observes: the run is written for what needs no env (attribute, diagnose, timeline, "
+                      "audit); explain, intervene and the evaluations would need those observations", stacklevel=2)
+        return f"{UNREGISTERED}{'+'.join(wrappers)}"
     if env is None:
         try:
             env_spec = model.env.get_attr("spec")[0]
         except AttributeError:  # a VecEnv of envs that are not gymnasium.Env (no spec attribute at all)
             env_spec = None
-        if env_spec is None or not getattr(env_spec, "id", None):
+        registered = env_spec is not None and getattr(env_spec, "id", None) in gym.registry
+        reason = _not_made_by_id(env_spec) if registered else "has no gymnasium id that gymnasium can make"
+        if reason:
             kind = type(model.env.envs[0].unwrapped if hasattr(model.env, "envs") else model.env)
-            warnings.warn("RunDirectoryCallback: the model's env has no gymnasium id: the run is written for what needs "
-                          "no env (attribute, diagnose, timeline, audit); pass env='package.module:function', an "
-                          "importable function that builds it, for explain, intervene and the evaluations", stacklevel=2)
+            warnings.warn(f"RunDirectoryCallback: the model's env {reason}: the run is written for what needs no env "
+                          "(attribute, diagnose, timeline, audit); pass env='package.module:function', an importable "
+                          "function that builds it, for explain, intervene and the evaluations", stacklevel=2)
             return f"{UNREGISTERED}{kind.__module__}.{kind.__qualname__}"
         return env_spec.id
     from rlinfluence.envs import make_env
@@ -111,7 +181,7 @@ def _env_of(model: Any, env: str | None) -> str:
     built = make_env(env)
     try:  # a Discrete, Dict, ... observation is flat in rlinfluence's env and SB3's policy alike: compared before that
         observation_space = built.env.observation_space if isinstance(built, FlatObservation) else built.observation_space
-        for what, ours, theirs in (("observation", observation_space, model.observation_space),
+        for what, ours, theirs in (("observation", observation_space, _env_observation_space(model)),
                                    ("action", built.action_space, model.action_space)):
             if ours != theirs:
                 raise UserError(f"RunDirectoryCallback: env {env!r} builds {what} space {ours}; the model's is {theirs}")
@@ -128,17 +198,25 @@ def config_of(model: Any, total_timesteps: int, eval_episodes: int, env: str | N
     if model.use_sde:
         raise UserError("RunDirectoryCallback: gSDE (use_sde=True) has no counterpart in rlinfluence's policy")
     extractor = policy.features_extractor
-    if not isinstance(extractor, FlattenExtractor) and not (isinstance(extractor, CombinedExtractor) and all(
+    nature = type(extractor) is NatureCNN
+    if not nature and not isinstance(extractor, FlattenExtractor) and not (isinstance(extractor, CombinedExtractor) and all(
             isinstance(part, nn.Flatten) for part in extractor.extractors.values())):
         raise UserError(f"RunDirectoryCallback: the features extractor is {type(extractor).__name__}"
-                        f"{' with a CNN' if isinstance(extractor, CombinedExtractor) else ''}; only a flattening one "
-                        "(MlpPolicy's, or MultiInputPolicy's on observations without images) maps onto rlinfluence's policy")
+                        f"{' with a CNN' if isinstance(extractor, CombinedExtractor) else ''}; a flattening one "
+                        "(MlpPolicy's, MultiInputPolicy's on observations without images) or CnnPolicy's NatureCNN "
+                        "maps onto rlinfluence's policy")
+    if nature and not policy.share_features_extractor:
+        raise UserError("RunDirectoryCallback: share_features_extractor=False (a CNN for the actor and another for the "
+                        "critic); rlinfluence's policy shares one")
+    if nature and policy.normalize_images != (model.observation_space.dtype == np.uint8):
+        raise UserError(f"RunDirectoryCallback: normalize_images={policy.normalize_images} on {model.observation_space}; "
+                        "rlinfluence's NatureCNN divides uint8 images by 255 and others by nothing")
     if policy.activation_fn not in (nn.Tanh, nn.ReLU) or getattr(policy, "squash_output", False):
         raise UserError(f"RunDirectoryCallback: activation {policy.activation_fn.__name__} (rlinfluence's policy "
                         "takes tanh or ReLU)")
     arch = policy.net_arch
     pi, vf = (arch.get("pi", []), arch.get("vf", [])) if isinstance(arch, dict) else (list(arch), list(arch))
-    if is_image_space(model.observation_space) and policy.normalize_images:
+    if not nature and is_image_space(model.observation_space) and policy.normalize_images:
         raise UserError(f"RunDirectoryCallback: observation space {model.observation_space} is an image that SB3's "
                         "MlpPolicy divides by 255; rlinfluence's flat policy takes it as it is")
     if not isinstance(model.action_space, spaces.Discrete | spaces.Box):
@@ -160,7 +238,9 @@ def config_of(model: Any, total_timesteps: int, eval_episodes: int, env: str | N
         vf_coef=float(model.vf_coef),
         max_grad_norm=float(model.max_grad_norm) if math.isfinite(model.max_grad_norm) else None,
         target_kl=float(model.target_kl) if model.target_kl is not None else None,
-        hidden_sizes=tuple(int(h) for h in pi), encoder="flatten", eval_episodes=eval_episodes,
+        hidden_sizes=tuple(int(h) for h in pi), encoder="nature" if nature else "flatten",
+        features_dim=int(extractor.features_dim) if nature else 512, eval_episodes=eval_episodes,
+        obs_norm_clip=float(_obs_normalization(model).clip_obs) if _obs_normalization(model) else None,
         critic_hidden_sizes=None if list(vf) == list(pi) else tuple(int(h) for h in vf),
         activation="tanh" if policy.activation_fn is nn.Tanh else "relu",
         save_buffers=True, progress=False, tensorboard=False)
@@ -178,15 +258,19 @@ def _observations(model: Any, buffer: Any) -> Any:
     return {k: records(v) for k, v in observations.items()} if isinstance(observations, dict) else records(observations)
 
 
-def _flat_observations(model: Any, buffer: Any) -> torch.Tensor | None:
-    """The round's observations as SB3's (parameter-free) extractor gives them to the policy,
-    ``[n_steps, n_envs, features]``: ``FlatObservation``'s vectors (SB3 stores a Discrete observation
-    as its index, a Dict as its parts); None for a Box, which is recorded as it is."""
+def _recorded_observations(model: Any, buffer: Any) -> torch.Tensor | None:
+    """The round's observations as the run records them, ``[n_steps, n_envs, ...]``: a Discrete, Dict,
+    ... observation as SB3's (parameter-free) extractor flattens it for the policy (``FlatObservation``'s
+    vectors; SB3 stores a Discrete one as its index, a Dict as its parts), an image in the env's own
+    layout (SB3 stores it transposed); None for a Box the run records as SB3 stores it."""
+    n_steps, n_envs = buffer.buffer_size, buffer.n_envs
     if isinstance(model.observation_space, spaces.Box):
-        return None
+        if not any(isinstance(env, VecTransposeImage) for env in _wrappers(model)):
+            return None
+        return torch.as_tensor(buffer.observations).permute(0, 1, 3, 4, 2)  # VecTransposeImage's CHW -> HWC
     with torch.no_grad():
         features = model.policy.features_extractor(preprocess_obs(_observations(model, buffer), model.observation_space))
-    return features.float().cpu().reshape(buffer.buffer_size, buffer.n_envs, -1)
+    return features.float().cpu().reshape(n_steps, n_envs, -1)
 
 
 class RunDirectoryCallback(BaseCallback):
@@ -226,7 +310,7 @@ class RunDirectoryCallback(BaseCallback):
         config = config_of(self.model, self.model._total_timesteps, self.eval_episodes, self.env)
         spaces_ = None
         if config.env.startswith(UNREGISTERED):  # no env to build: the policy on the model's spaces, no evaluation
-            space = self.model.observation_space
+            space = _env_observation_space(self.model)
             spaces_ = (space if isinstance(space, spaces.Box) else flat_observation_space(space), self.model.action_space)
             config = dataclasses.replace(config, eval_episodes=0)
         self.writer = RunWriter.from_config(self.path, config, names=our_name, written_by=WRITTEN_BY, spaces=spaces_)
@@ -252,7 +336,7 @@ class RunDirectoryCallback(BaseCallback):
             if theirs in values:
                 metrics[ours] = -float(values[theirs]) if ours == "entropy" else float(values[theirs])
         self.writer.end_round(buffer.advantages, buffer.returns, self.model.policy, self.model.policy.optimizer,
-                              metrics, last_values=buffer.last_values)
+                              metrics, last_values=buffer.last_values, obs_statistics=self._obs_statistics())
         self._pending, self._returns = None, []
 
     def _writing(self, step: Callable[[], None]) -> None:
@@ -278,9 +362,10 @@ class RunDirectoryCallback(BaseCallback):
         if self._episodes is None:
             self._episodes = np.zeros(buffer.n_envs, dtype=np.int64)
         ours = as_rollout_buffer(self.model, buffer, self.writer.round, self._episodes,
-                                 self._time_limits.take(buffer.buffer_size), obs=_flat_observations(self.model, buffer))
+                                 self._time_limits.take(buffer.buffer_size), obs=_recorded_observations(self.model, buffer))
         self._episodes = ours.episode_ids[-1].numpy() + ours.dones[-1].long().numpy()
-        self.writer.begin_round(self.model.policy, self.model.policy.optimizer)  # theta(k): it collected the round
+        self.writer.begin_round(self.model.policy, self.model.policy.optimizer,  # theta(k): it collected the round
+                                self._obs_statistics())
         self.writer.add_rollout(ours.obs, ours.actions, ours.logp, ours.values, ours.rewards, ours.terminated,
                                 ours.truncated, ours.final_values)
         if self.writer.check_values:
@@ -292,9 +377,15 @@ class RunDirectoryCallback(BaseCallback):
         returns values its critic does not (SB3's GAE tests) trains on advantages computed from them:
         the run keeps them as logged (warned once) and rlinfluence's critic is checked against SB3's
         critic instead of against them."""
+        rows = torch.linspace(0, len(ours) - 1, min(len(ours), CHECKED_RECORDS)).long()  # step-major, as both hold them
+        observations = _observations(self.model, buffer)
+        sample = {k: v[rows.to(v.device)] for k, v in observations.items()} if isinstance(observations, dict) else \
+            observations[rows.to(observations.device)]
         with torch.no_grad():
-            critic = self.model.policy.predict_values(_observations(self.model, buffer)).flatten().cpu().float()
-            logged, mapped = ours.values.flatten(), self.writer.trainer.policy.value(ours.obs.flatten(0, 1))
+            critic = self.model.policy.predict_values(sample).flatten().cpu().float()
+            obs = ours.obs.flatten(0, 1)[rows]
+            logged = ours.values.flatten()[rows]
+            mapped = self.writer.trainer.policy.value(obs.float() if obs.is_floating_point() else obs)
         scale = max(1.0, float(critic.abs().max()))
         if float((critic - logged).abs().max()) <= LOGP_TOLERANCE * scale:
             return  # the usual case: the writer checks its critic against the logged values
@@ -306,6 +397,12 @@ class RunDirectoryCallback(BaseCallback):
         warnings.warn(f"RunDirectoryCallback: the rollout's values are not {type(self.model.policy).__name__}'s critic's "
                       f"(up to {float((critic - logged).abs().max()):.3g} apart; its forward returns others): the run "
                       "keeps them as SB3 logged them, the values its advantages were computed from", stacklevel=2)
+
+    def _obs_statistics(self) -> dict[str, Any] | None:
+        """VecNormalize's running statistics as they are now (None without observation normalisation)."""
+        normalize = _obs_normalization(self.model)
+        return None if normalize is None else {"mean": normalize.obs_rms.mean.copy(), "var": normalize.obs_rms.var.copy(),
+                                               "epsilon": normalize.epsilon}
 
     def _on_training_end(self) -> None:
         self._writing(self._end_round)
