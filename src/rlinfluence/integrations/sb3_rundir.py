@@ -15,11 +15,17 @@ The callback writes what ``rlinfluence.ppo.PPO`` writes with ``save_buffers``: `
 and the final theta) and ``buffers/round_K.safetensors`` (round k's records after SB3's GAE).
 
 The policy is written as rlinfluence's ``ActorCritic``, the same network with the same weights
-(SB3's ``MlpPolicy`` with the default flatten extractor, ``net_arch`` pi and vf, tanh or ReLU; the names map
-``mlp_extractor.policy_net`` -> ``actor``, ``mlp_extractor.value_net`` -> ``critic``,
-``action_net`` -> ``action_head``, ``value_net`` -> ``value_head``, ``log_std``), and SB3's Adam
-moments are carried to the same parameters. Anything else (a CNN, another activation, gSDE, a schedule for the learning rate or the clip range, an optimiser but Adam or AdamW, an
-env gymnasium cannot make by id without ``env=``) is refused with one ``UserError`` at the start of ``learn()``.
+(``MlpPolicy``'s MLPs, ``net_arch`` pi and vf, tanh or ReLU; ``MultiInputPolicy`` on Dict
+observations without images and Discrete / MultiDiscrete / MultiBinary observations, recorded as
+the flat vectors SB3's extractor gives the policy; ``CnnPolicy``'s shared ``NatureCNN`` as the
+``nature`` encoder; the names map ``mlp_extractor.policy_net`` -> ``actor``,
+``mlp_extractor.value_net`` -> ``critic``, ``action_net`` -> ``action_head``, ``value_net`` ->
+``value_head``, ``features_extractor`` -> ``encoder``, ``log_std``), and SB3's Adam moments are
+carried to the same parameters; ``VecNormalize``'s running statistics are saved with each round.
+What has no counterpart (gSDE, other extractors, another activation, a schedule for the learning
+rate or the clip range, an optimiser but Adam or AdamW) is refused with one ``UserError`` at the
+start of ``learn()``; an env the analyses cannot re-create (no gymnasium id and no ``env=``, or
+wrappers the id does not make) is written, warned, for what needs no env (docs/sb3.md).
 
 What re-runs of an update mean here: ``validate``, ``intervene`` and ``explain`` redo round k's
 update with rlinfluence's PPO update and SB3's hyperparameters from theta(k) and its Adam state
@@ -309,9 +315,12 @@ class RunDirectoryCallback(BaseCallback):
                             "this one its own path (or pass the same callback to a later learn() to continue)")
         config = config_of(self.model, self.model._total_timesteps, self.eval_episodes, self.env)
         spaces_ = None
-        if config.env.startswith(UNREGISTERED):  # no env to build: the policy on the model's spaces, no evaluation
+        if config.env.startswith(UNREGISTERED):  # no env to build: the policy on the spaces it sees, no evaluation
             space = _env_observation_space(self.model)
-            spaces_ = (space if isinstance(space, spaces.Box) else flat_observation_space(space), self.model.action_space)
+            space = space if isinstance(space, spaces.Box) else flat_observation_space(space)
+            if config.obs_norm_clip is not None:  # as envs.NormalizedObservation makes it
+                space = spaces.Box(-config.obs_norm_clip, config.obs_norm_clip, space.shape, np.float32)
+            spaces_ = (space, self.model.action_space)
             config = dataclasses.replace(config, eval_episodes=0)
         self.writer = RunWriter.from_config(self.path, config, names=our_name, written_by=WRITTEN_BY, spaces=spaces_)
 
