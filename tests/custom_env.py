@@ -67,3 +67,20 @@ class ImageLineWalk(gym.ObservationWrapper):
 
 def make_image_env() -> gym.Env:
     return ImageLineWalk(make_env())
+
+
+class ImageDictLineWalk(gym.ObservationWrapper):
+    """LineWalk observed as a Dict of its image (ImageLineWalk's) and the side of 0 it is on: SB3's
+    MultiInputPolicy takes the image through a NatureCNN and the rest flat."""
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        self.image = ImageLineWalk(env)
+        self.observation_space = gym.spaces.Dict({"image": self.image.observation_space, "side": gym.spaces.Discrete(2)})
+
+    def observation(self, observation):
+        return {"image": self.image.observation(observation), "side": int(observation[0] > 0)}
+
+
+def make_image_dict_env() -> gym.Env:
+    return ImageDictLineWalk(make_env())

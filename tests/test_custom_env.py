@@ -133,3 +133,14 @@ def test_a_run_records_its_envs_package_and_a_reader_with_another_version_is_war
     assert cli.main(["attribute", str(path), "--round", "0"]) == 0
     err = [line for line in capsys.readouterr().err.splitlines() if "comes from" in line]
     assert len(err) == 1 and "stable_baselines3 0.0.1; here it is 2." in err[0], err
+
+
+def test_a_dict_observation_env_trains_natively_on_its_flattened_vector(tmp_path):
+    """make_env flattens a Dict (Box, Discrete, MultiBinary) as SB3's extractor does: gymnasium's flatten,
+    one-hot per discrete part, in the space's key order."""
+    config = PPOConfig(env="tests.custom_env:make_dict_env", n_envs=2, n_steps=16, batch_size=16, n_epochs=1,
+                       total_timesteps=32, eval_episodes=2, save_buffers=True, run_root=str(tmp_path),
+                       progress=False, tensorboard=False)
+    trainer = PPO(config).learn()
+    assert trainer.env.single_observation_space.shape == (6,)
+    assert cli.main(["attribute", str(trainer.run.path), "--round", "0"]) == 0

@@ -33,18 +33,18 @@ from rlinfluence.rundir import load_checkpoint
 from .conftest import TINY, only_run, overriding, tiny_config
 
 
-class DictObservation(gym.Env):
-    """A Dict observation space without an ``image`` entry (no policy for it)."""
+class TextObservation(gym.Env):
+    """A Text observation space (no vector a policy could take)."""
 
-    observation_space = gym.spaces.Dict({"position": gym.spaces.Box(-1.0, 1.0, (2,), np.float32)})
+    observation_space = gym.spaces.Text(8)
     action_space = gym.spaces.Discrete(2)
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
-        return {"position": np.zeros(2, np.float32)}, {}
+        return "start", {}
 
     def step(self, action):
-        return {"position": np.zeros(2, np.float32)}, 0.0, False, False, {}
+        return "step", 0.0, False, False, {}
 
 
 class ScheduledReward(gym.Env):
@@ -67,7 +67,7 @@ class ScheduledReward(gym.Env):
         return np.array([self.t / 100], np.float32), reward, False, False, {}
 
 
-gym.register("DictObservation-v0", entry_point=DictObservation, max_episode_steps=20)
+gym.register("TextObservation-v0", entry_point=TextObservation, max_episode_steps=20)
 gym.register("NanReward-v0", entry_point=ScheduledReward, max_episode_steps=20)
 # finite rewards, but returns so large that the value loss overflows float32 ...
 gym.register("HugeReward-v0", entry_point=ScheduledReward, max_episode_steps=20,
@@ -109,7 +109,7 @@ def assert_refused(capsys, args, *fragments) -> str:
     (["--method", "../../x"], ["method", "../../x"]),
     (["--method", ".."], ["method", ".."]),
     (["--eval-episodes", "-1"], ["eval_episodes", "-1"]),
-    (["--env", "DictObservation-v0"], ["Dict", "not supported", "Box", "Discrete", "image"]),
+    (["--env", "TextObservation-v0"], ["Text", "not supported", "Box", "Discrete", "Dict"]),
     (["--env", "NanReward-v0", "--filter", "iif"], ["round 0", "non-finite reward", "nan"]),
     (["--env", "HugeReward-v0"], ["round 0", "non-finite loss", "inf"]),
     (["--env", "Acrobot-v1", "--filter", "advantage"], ["--filter advantage", "continuous observations"]),

@@ -398,3 +398,28 @@ def test_float64_observations_and_a_vec_env_that_gives_fewer_infos_are_written(t
     saved = load_round(tmp_path / "run", 1)
     logp = saved.trainer.policy.log_prob(saved.buffer.flat("obs"), saved.buffer.flat("actions"))
     assert torch.allclose(logp, saved.buffer.flat("logp"), atol=1e-5)
+
+
+def test_dict_observations_with_an_image_are_written_with_a_nature_cnn_per_image(tmp_path, capsys):
+    """MultiInputPolicy on a Dict of a height x width x channels image (NatureCNN, SB3 transposes it)
+    and a Discrete: the run holds each part flat in key order (the image in the env's own layout),
+    rlinfluence's policy takes the image through its NatureCNN and the rest as it is, and gives SB3's
+    log-probs; explain re-creates the env from its entry point."""
+    from stable_baselines3.common.env_util import make_vec_env as sb3_vec_env
+
+    from tests.custom_env import make_image_dict_env
+
+    model = SB3PPO("MultiInputPolicy", sb3_vec_env(make_image_dict_env, n_envs=2, seed=1), n_steps=32, batch_size=32,
+                   n_epochs=1, seed=1, device="cpu", policy_kwargs=dict(features_extractor_kwargs=dict(cnn_output_dim=8)))
+    model.learn(32 * 2 * 3, callback=RunDirectoryCallback(tmp_path / "run", eval_episodes=2,
+                                                          env="tests.custom_env:make_image_dict_env"))
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["observation_parts"] == ["image:image:36x36x1", "side:flat:2"] and config["features_dim"] == 8
+    saved = load_round(tmp_path / "run", 1)
+    assert saved.buffer.obs.shape == (32, 2, 36 * 36 + 2)
+    logp = saved.trainer.policy.log_prob(saved.buffer.flat("obs"), saved.buffer.flat("actions"))
+    assert torch.allclose(logp, saved.buffer.flat("logp"), atol=1e-5)
+    for command in (["attribute", "{run}", "--round", "1"],
+                    ["explain", "{run}", "--round", "1", "--episodes", "4", "--draws", "2"]):
+        assert cli.main([c.format(run=tmp_path / "run") for c in command]) == 0
+    assert "error" not in capsys.readouterr().err

@@ -63,6 +63,16 @@ def check_drop_pct(drop_pct: float | str, auto: bool = False) -> None:
         raise UserError(f"drop_pct must be in (0, 100], got {drop_pct}" + (" (or auto)" if auto else ""))
 
 
+def observation_part(text: str) -> tuple[str, str, tuple[int, ...]]:
+    """(key, "image" or "flat", shape) of a ``PPOConfig.observation_parts`` entry; ``UserError`` naming
+    a malformed one."""
+    match = re.fullmatch(r"([^:.]+):(image|flat):(\d+(?:x\d+)*)", text)
+    shape = tuple(int(n) for n in match.group(3).split("x")) if match else ()
+    if not match or min(shape) < 1 or len(shape) != (3 if match.group(2) == "image" else 1):
+        raise UserError(f"observation part {text!r}: expected KEY:image:HxWxC or KEY:flat:N")
+    return match.group(1), match.group(2), shape
+
+
 @dataclass
 class PPOConfig:
     """PPO hyperparameters. Defaults are Stable-Baselines3's; ``PPOConfig.for_env`` applies the
@@ -197,7 +207,10 @@ class PPOConfig:
     """observation encoder; auto = CNN for HWC uint8 images, else flatten; nature = SB3's CnnPolicy
     extractor (NatureCNN) with features_dim features"""
     features_dim: int = 512
-    """the nature encoder's features (SB3's features_dim)"""
+    """the nature encoder's features per image (SB3's features_dim, or cnn_output_dim of a Dict's images)"""
+    observation_parts: Annotated[tuple[str, ...], EmptyMeansNone] = ()
+    """for the nature encoder on a flattened Dict observation (SB3's MultiInputPolicy with images): its
+    parts in order, each KEY:image:HxWxC (its own NatureCNN) or KEY:flat:N (as it is); empty: one image"""
     eval_episodes: int = 50
     """stochastic-policy evaluation episodes per round (0 = no evaluation)"""
     eval_every: int = 1
@@ -328,6 +341,8 @@ class PPOConfig:
         for name in positive_ints:
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for part in self.observation_parts:
+            observation_part(part)
         if self.obs_norm_clip is not None and (self.obs_norm_clip <= 0 or self.vec_env == "async"):
             raise UserError(f"obs_norm_clip {self.obs_norm_clip} with vec_env {self.vec_env}: the clip must be > 0, "
                             "and the statistics live in this process (vec_env sync)")

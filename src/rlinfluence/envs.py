@@ -153,7 +153,18 @@ class NormalizedObservation(gym.ObservationWrapper):
 
 
 def flat_observation_space(space: gym.Space) -> gym.spaces.Box:
-    """The float32 ``Box`` that ``FlatObservation`` makes of ``space``."""
+    """The float32 ``Box`` that ``FlatObservation`` makes of ``space``; ``UserError`` for a space with
+    no such vector (Text, Sequence, Graph, ...)."""
+
+    def flattenable(part: gym.Space) -> bool:
+        if isinstance(part, gym.spaces.Dict | gym.spaces.Tuple):
+            return all(flattenable(p) for p in part.spaces.values()) if isinstance(part, gym.spaces.Dict) \
+                else all(flattenable(p) for p in part.spaces)
+        return isinstance(part, gym.spaces.Box | gym.spaces.Discrete | gym.spaces.MultiDiscrete | gym.spaces.MultiBinary)
+
+    if not flattenable(space):
+        raise UserError(f"observation space {space} is not supported; supported: Box, Discrete, MultiDiscrete, "
+                        "MultiBinary (one-hot / as floats), and Dict or Tuple of those (flattened), MiniGrid's image dict")
     flat = gym.spaces.flatten_space(space)
     return gym.spaces.Box(flat.low.astype(np.float32), flat.high.astype(np.float32), dtype=np.float32)
 
@@ -187,8 +198,9 @@ def make_env(env_id: str, *, obs_statistics: dict[str, Any] | None = None, **kwa
 
 
 def _is_image_dict(space: gym.Space) -> bool:
-    """A dict observation with an ``image`` entry (MiniGrid's), which ``make_env`` reduces to the image."""
-    return isinstance(space, gym.spaces.Dict) and "image" in space.spaces
+    """MiniGrid's dict observation (``image`` and ``mission`` entries), which ``make_env`` reduces to the
+    image; another Dict is flattened whole (``FlatObservation``)."""
+    return isinstance(space, gym.spaces.Dict) and {"image", "mission"} <= set(space.spaces)
 
 
 def mc_unavailable_reason(env_id: str) -> str | None:

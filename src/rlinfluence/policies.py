@@ -114,6 +114,30 @@ class NatureCNN(nn.Module):
         return self.linear(self.cnn(x.permute(0, 3, 1, 2) if self.channels_last else x))
 
 
+class CombinedEncoder(nn.Module):
+    """SB3's ``CombinedExtractor`` on a flattened Dict observation (``PPOConfig.observation_parts``, in
+    the Dict's key order): each image part through its own ``NatureCNN``, each flat part as it is,
+    the results concatenated."""
+
+    def __init__(self, parts: Sequence[str], features_dim: int, obs_dim: int):
+        super().__init__()
+        from rlinfluence.config import observation_part
+
+        self.parts = [observation_part(part) for part in parts]
+        sizes = [int(np.prod(shape)) for _, _, shape in self.parts]
+        if sum(sizes) != obs_dim:
+            raise UserError(f"observation parts {list(parts)} hold {sum(sizes)} numbers; the observation has {obs_dim}")
+        self.extractors = nn.ModuleDict({key: NatureCNN(gym.spaces.Box(0, 255, shape, np.uint8), features_dim)
+                                         for key, kind, shape in self.parts if kind == "image"})
+        self.out_dim = sum(features_dim if kind == "image" else size for (_, kind, _), size in zip(self.parts, sizes, strict=True))
+        self._sizes = sizes
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        pieces = torch.split(obs.reshape(obs.shape[0], -1), self._sizes, dim=1)
+        return torch.cat([self.extractors[key](piece.reshape(-1, *shape)) if kind == "image" else piece.float()
+                          for (key, kind, shape), piece in zip(self.parts, pieces, strict=True)], dim=1)
+
+
 class ActorCritic(nn.Module):
     """Actor-critic: ``encoder`` (shared) -> separate actor / critic MLPs -> heads.
 
@@ -130,6 +154,7 @@ class ActorCritic(nn.Module):
         critic_hidden_sizes: Sequence[int] | None = None,
         activation: str = "tanh",
         features_dim: int = 512,
+        observation_parts: Sequence[str] = (),
     ):
         super().__init__()
         critic_sizes = hidden_sizes if critic_hidden_sizes is None else critic_hidden_sizes
@@ -140,6 +165,8 @@ class ActorCritic(nn.Module):
             self.encoder: nn.Module = MiniGridCNN(obs_shape)
         elif encoder == "flatten":
             self.encoder = FlattenEncoder(obs_shape)
+        elif encoder == "nature" and observation_parts:
+            self.encoder = CombinedEncoder(observation_parts, features_dim, int(np.prod(obs_shape)))
         elif encoder == "nature":
             self.encoder = NatureCNN(observation_space, features_dim)
         else:
@@ -245,6 +272,7 @@ def make_policy(
     critic_hidden_sizes: Sequence[int] | None = None,
     activation: str = "tanh",
     features_dim: int = 512,
+    observation_parts: Sequence[str] = (),
 ) -> ActorCritic:
     """Build the actor-critic for a space pair; ``encoder='auto'`` picks the CNN for HWC uint8 images.
 
@@ -260,11 +288,11 @@ def make_policy(
     if encoder == "auto":
         is_image = observation_space.dtype == np.uint8 and len(observation_space.shape) == 3
         encoder = "cnn" if is_image else "flatten"
-    if encoder in ("cnn", "nature") and len(observation_space.shape) != 3:
+    if encoder in ("cnn", "nature") and len(observation_space.shape) != 3 and not observation_parts:
         raise UserError(f"--encoder {encoder} needs an image observation (height x width x channels), got shape "
                         f"{observation_space.shape}: use --encoder flatten (or auto)")
     return ActorCritic(observation_space, action_space, hidden_sizes, encoder, critic_hidden_sizes, activation,
-                       features_dim)
+                       features_dim, observation_parts)
 
 
 class NumpyActorCritic:

@@ -124,7 +124,7 @@ class PPO:
         self.device = resolve_device(config.device)
         self.policy: ActorCritic = make_policy(
             self.env.single_observation_space, self.env.single_action_space,
-            config.hidden_sizes, config.encoder, config.critic_hidden_sizes, config.activation, config.features_dim,
+            config.hidden_sizes, config.encoder, config.critic_hidden_sizes, config.activation, config.features_dim, config.observation_parts,
         ).to(self.device)  # initialised on the CPU (the same weights on every device), then moved
         # --compile: the minibatch loss of the trainer's own policy, compiled on its first step
         self._policy_terms = torch.compile(policy_terms, dynamic=False) if config.compile else policy_terms

@@ -136,6 +136,12 @@ def _env_observation_space(model: Any) -> spaces.Space:
     return wrappers[-1].venv.observation_space if wrappers else model.observation_space
 
 
+def _transposing(model: Any) -> list[Any]:
+    """SB3's ``VecTransposeImage`` around the model's envs where the run records images in the env's
+    own layout (none where another wrapper makes the run record what the policy sees)."""
+    return [] if _observation_wrappers(model) else [e for e in _wrappers(model) if isinstance(e, VecTransposeImage)]
+
+
 def _obs_normalization(model: Any) -> Any:
     """The model's ``VecNormalize`` where it normalises (Box) observations, else None."""
     normalize = model.get_vec_normalize_env()
@@ -196,6 +202,47 @@ def _env_of(model: Any, env: str | None) -> str:
     return env
 
 
+def _encoder_of(model: Any) -> dict[str, Any]:
+    """``PPOConfig``'s encoder fields for the model's features extractor (``UserError`` for one with no
+    counterpart): a flattening one -> ``flatten``; CnnPolicy's ``NatureCNN``, or MultiInputPolicy's
+    ``CombinedExtractor`` with NatureCNNs for its images -> ``nature`` (with the Dict's parts, in the
+    env's own image layout)."""
+    policy, extractor = model.policy, model.policy.features_extractor
+    parts = getattr(extractor, "extractors", {})
+    combined = isinstance(extractor, CombinedExtractor) and all(type(e) in (NatureCNN, nn.Flatten) for e in parts.values())
+    if isinstance(extractor, FlattenExtractor) or (combined and all(type(e) is nn.Flatten for e in parts.values())):
+        if is_image_space(model.observation_space) and policy.normalize_images:
+            raise UserError(f"RunDirectoryCallback: observation space {model.observation_space} is an image that SB3's "
+                            "MlpPolicy divides by 255; rlinfluence's flat policy takes it as it is")
+        return {"encoder": "flatten"}
+    images = {key: e for key, e in parts.items() if type(e) is NatureCNN} if combined else \
+        {None: extractor} if type(extractor) is NatureCNN else {}
+    if not images:
+        raise UserError(f"RunDirectoryCallback: the features extractor is {type(extractor).__name__}; a flattening one "
+                        "(MlpPolicy's, MultiInputPolicy's), CnnPolicy's NatureCNN or MultiInputPolicy's with NatureCNNs "
+                        "for its images maps onto rlinfluence's policy")
+    if not policy.share_features_extractor:
+        raise UserError("RunDirectoryCallback: share_features_extractor=False (a CNN for the actor and another for the "
+                        "critic); rlinfluence's policy shares one")
+    space = model.observation_space
+    for key in images:
+        image = space if key is None else space.spaces[key]
+        if policy.normalize_images != (image.dtype == np.uint8):
+            raise UserError(f"RunDirectoryCallback: normalize_images={policy.normalize_images} on {image}; "
+                            "rlinfluence's NatureCNN divides uint8 images by 255 and others by nothing")
+    features = {int(e.features_dim) for e in images.values()}
+    if not combined:
+        return {"encoder": "nature", "features_dim": features.pop()}
+    own = _env_observation_space(model)  # the Dict as the env makes it: images before VecTransposeImage
+    transposed = {k for env in _transposing(model) for k in env.image_space_keys}
+    if any(int(np.argmin(own.spaces[k].shape)) != 2 for k in transposed) or len(features) > 1:
+        raise UserError("RunDirectoryCallback: a Dict's images that SB3 transposes though channels-first, or CNNs of "
+                        "different sizes: rlinfluence's parts take channels-last images transposed and one size")
+    return {"encoder": "nature", "features_dim": features.pop(), "observation_parts": tuple(
+        f"{k}:image:{'x'.join(map(str, sub.shape))}" if k in images else f"{k}:flat:{spaces.flatdim(sub)}"
+        for k, sub in own.spaces.items())}
+
+
 def config_of(model: Any, total_timesteps: int, eval_episodes: int, env: str | None = None) -> PPOConfig:
     """The ``PPOConfig`` of an SB3 PPO model (``UserError`` for what has no counterpart); ``env``: the
     env to record where the model's has no gymnasium id (``_env_of``)."""
@@ -203,28 +250,12 @@ def config_of(model: Any, total_timesteps: int, eval_episodes: int, env: str | N
     env_id = _env_of(model, env)
     if model.use_sde:
         raise UserError("RunDirectoryCallback: gSDE (use_sde=True) has no counterpart in rlinfluence's policy")
-    extractor = policy.features_extractor
-    nature = type(extractor) is NatureCNN
-    if not nature and not isinstance(extractor, FlattenExtractor) and not (isinstance(extractor, CombinedExtractor) and all(
-            isinstance(part, nn.Flatten) for part in extractor.extractors.values())):
-        raise UserError(f"RunDirectoryCallback: the features extractor is {type(extractor).__name__}"
-                        f"{' with a CNN' if isinstance(extractor, CombinedExtractor) else ''}; a flattening one "
-                        "(MlpPolicy's, MultiInputPolicy's on observations without images) or CnnPolicy's NatureCNN "
-                        "maps onto rlinfluence's policy")
-    if nature and not policy.share_features_extractor:
-        raise UserError("RunDirectoryCallback: share_features_extractor=False (a CNN for the actor and another for the "
-                        "critic); rlinfluence's policy shares one")
-    if nature and policy.normalize_images != (model.observation_space.dtype == np.uint8):
-        raise UserError(f"RunDirectoryCallback: normalize_images={policy.normalize_images} on {model.observation_space}; "
-                        "rlinfluence's NatureCNN divides uint8 images by 255 and others by nothing")
+    encoder = _encoder_of(model)
     if policy.activation_fn not in (nn.Tanh, nn.ReLU) or getattr(policy, "squash_output", False):
         raise UserError(f"RunDirectoryCallback: activation {policy.activation_fn.__name__} (rlinfluence's policy "
                         "takes tanh or ReLU)")
     arch = policy.net_arch
     pi, vf = (arch.get("pi", []), arch.get("vf", [])) if isinstance(arch, dict) else (list(arch), list(arch))
-    if not nature and is_image_space(model.observation_space) and policy.normalize_images:
-        raise UserError(f"RunDirectoryCallback: observation space {model.observation_space} is an image that SB3's "
-                        "MlpPolicy divides by 255; rlinfluence's flat policy takes it as it is")
     if not isinstance(model.action_space, spaces.Discrete | spaces.Box):
         raise UserError(f"RunDirectoryCallback: action space {model.action_space} (Discrete or Box only)")
     optimizer = policy.optimizer
@@ -244,8 +275,7 @@ def config_of(model: Any, total_timesteps: int, eval_episodes: int, env: str | N
         vf_coef=float(model.vf_coef),
         max_grad_norm=float(model.max_grad_norm) if math.isfinite(model.max_grad_norm) else None,
         target_kl=float(model.target_kl) if model.target_kl is not None else None,
-        hidden_sizes=tuple(int(h) for h in pi), encoder="nature" if nature else "flatten",
-        features_dim=int(extractor.features_dim) if nature else 512, eval_episodes=eval_episodes,
+        hidden_sizes=tuple(int(h) for h in pi), **encoder, eval_episodes=eval_episodes,
         obs_norm_clip=float(_obs_normalization(model).clip_obs) if _obs_normalization(model) else None,
         critic_hidden_sizes=None if list(vf) == list(pi) else tuple(int(h) for h in vf),
         activation="tanh" if policy.activation_fn is nn.Tanh else "relu",
@@ -270,10 +300,18 @@ def _recorded_observations(model: Any, buffer: Any) -> torch.Tensor | None:
     vectors; SB3 stores a Discrete one as its index, a Dict as its parts), an image in the env's own
     layout (SB3 stores it transposed); None for a Box the run records as SB3 stores it."""
     n_steps, n_envs = buffer.buffer_size, buffer.n_envs
+    transposed = _transposing(model)
     if isinstance(model.observation_space, spaces.Box):
-        if not any(isinstance(env, VecTransposeImage) for env in _wrappers(model)):
+        if not transposed:
             return None
         return torch.as_tensor(buffer.observations).permute(0, 1, 3, 4, 2)  # VecTransposeImage's CHW -> HWC
+    if isinstance(model.observation_space, spaces.Dict):  # each part flat, in key order: gymnasium's flatten
+        keys = set(transposed[0].image_space_keys) if transposed else set()
+        observations, parts = _observations(model, buffer), []
+        for key, sub in model.observation_space.spaces.items():
+            part = observations[key].permute(0, 2, 3, 1) if key in keys else observations[key]
+            parts.append((part.float() if is_image_space(sub) else preprocess_obs(part, sub)).reshape(len(part), -1))
+        return torch.cat(parts, dim=1).float().cpu().reshape(n_steps, n_envs, -1)
     with torch.no_grad():
         features = model.policy.features_extractor(preprocess_obs(_observations(model, buffer), model.observation_space))
     return features.float().cpu().reshape(n_steps, n_envs, -1)
