@@ -32,6 +32,22 @@ def sb3_model(**kwargs) -> SB3PPO:
     return SB3PPO("MlpPolicy", env, n_steps=32, batch_size=32, n_epochs=2, seed=1, device="cpu", **kwargs)
 
 
+AUDIT_AND_EXPLAIN = (["audit", "{run}"], ["explain", "{run}", "--round", "1", "--episodes", "4", "--draws", "2"])
+ATTRIBUTE_AND_EXPLAIN = (["attribute", "{run}", "--round", "1"], AUDIT_AND_EXPLAIN[1])
+
+
+def assert_read_as_logged(run, capsys, commands=()):
+    """Round 1 of ``run`` gives its logged log-probs under the saved policy, and ``commands`` exit 0
+    on the run without an error line; the saved round is returned."""
+    saved = load_round(run, 1)
+    logp = saved.trainer.policy.log_prob(saved.buffer.flat("obs"), saved.buffer.flat("actions"))
+    assert torch.allclose(logp, saved.buffer.flat("logp"), atol=1e-5)
+    for command in commands:
+        assert cli.main([c.format(run=run) for c in command]) == 0
+    assert "error" not in capsys.readouterr().err
+    return saved
+
+
 @pytest.fixture(scope="module")
 def sb3_run(tmp_path_factory):
     torch.set_num_threads(1)
@@ -191,13 +207,8 @@ def test_a_discrete_observation_run_is_written_one_hot_and_every_analysis_reads_
     model = SB3PPO("MlpPolicy", make_vec_env("FrozenLake-v1", n_envs=3, seed=1), n_steps=32, batch_size=32, n_epochs=2,
                    seed=1, device="cpu")
     model.learn(32 * 3 * 3, callback=RunDirectoryCallback(tmp_path / "run", eval_episodes=2))
-    saved = load_round(tmp_path / "run", 1)
+    saved = assert_read_as_logged(tmp_path / "run", capsys, AUDIT_AND_EXPLAIN)
     assert saved.buffer.obs.shape == (32, 3, 16) and (saved.buffer.obs.sum(-1) == 1).all()
-    logp = saved.trainer.policy.log_prob(saved.buffer.flat("obs"), saved.buffer.flat("actions"))
-    assert torch.allclose(logp, saved.buffer.flat("logp"), atol=1e-5)
-    for command in (["audit", "{run}"], ["explain", "{run}", "--round", "1", "--episodes", "4", "--draws", "2"]):
-        assert cli.main([c.format(run=tmp_path / "run") for c in command]) == 0
-    assert "error" not in capsys.readouterr().err
 
 
 def test_a_batch_size_that_does_not_divide_the_rollout_is_written_and_re_run(tmp_path, capsys):
@@ -297,14 +308,9 @@ def test_dict_observations_are_written_flat_as_sb3s_extractor_gives_them_and_the
                    n_epochs=2, seed=1, device="cpu")
     model.learn(32 * 3 * 3, callback=RunDirectoryCallback(tmp_path / "run", eval_episodes=2,
                                                           env="tests.custom_env:make_dict_env"))
-    saved = load_round(tmp_path / "run", 1)
+    saved = assert_read_as_logged(tmp_path / "run", capsys, AUDIT_AND_EXPLAIN)
     assert saved.buffer.obs.shape == (32, 3, 2 + 2 + 2)
     assert torch.equal(saved.buffer.obs[..., 4:].sum(-1), torch.ones(32, 3))  # "side" (keys sorted), one-hot
-    logp = saved.trainer.policy.log_prob(saved.buffer.flat("obs"), saved.buffer.flat("actions"))
-    assert torch.allclose(logp, saved.buffer.flat("logp"), atol=1e-5)
-    for command in (["audit", "{run}"], ["explain", "{run}", "--round", "1", "--episodes", "4", "--draws", "2"]):
-        assert cli.main([c.format(run=tmp_path / "run") for c in command]) == 0
-    assert "error" not in capsys.readouterr().err
 
 
 def test_a_cnn_policy_is_written_with_sb3s_nature_cnn_in_the_envs_own_image_layout(tmp_path, capsys):
@@ -321,14 +327,8 @@ def test_a_cnn_policy_is_written_with_sb3s_nature_cnn_in_the_envs_own_image_layo
                                                           env="tests.custom_env:make_image_env"))
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert (config["encoder"], config["features_dim"]) == ("nature", 16)
-    saved = load_round(tmp_path / "run", 1)
+    saved = assert_read_as_logged(tmp_path / "run", capsys, ATTRIBUTE_AND_EXPLAIN)
     assert saved.buffer.obs.shape == (32, 2, 36, 36, 1) and saved.buffer.obs.dtype == torch.uint8
-    logp = saved.trainer.policy.log_prob(saved.buffer.flat("obs"), saved.buffer.flat("actions"))
-    assert torch.allclose(logp, saved.buffer.flat("logp"), atol=1e-5)
-    for command in (["attribute", "{run}", "--round", "1"],
-                    ["explain", "{run}", "--round", "1", "--episodes", "4", "--draws", "2"]):
-        assert cli.main([c.format(run=tmp_path / "run") for c in command]) == 0
-    assert "error" not in capsys.readouterr().err
 
 
 def test_vec_normalize_statistics_are_saved_with_each_round_and_evaluations_apply_them(tmp_path, capsys):
@@ -376,7 +376,7 @@ def test_a_frame_stacked_model_is_written_for_what_needs_no_env(tmp_path, capsys
     assert cli.main(["explain", str(tmp_path / "run"), "--round", "1", "--episodes", "4"]) == 2
 
 
-def test_float64_observations_and_a_vec_env_that_gives_fewer_infos_are_written(tmp_path):
+def test_float64_observations_and_a_vec_env_that_gives_fewer_infos_are_written(tmp_path, capsys):
     """Two shapes SB3's own tests use: a float64 Box (SB3's policy casts it to float32, so does the run)
     and a VecEnv whose step returns fewer infos than envs (SB3's DictObsVecEnv: no time-limit end is
     known for the others)."""
@@ -395,9 +395,7 @@ def test_float64_observations_and_a_vec_env_that_gives_fewer_infos_are_written(t
                    n_epochs=2, seed=1, device="cpu")
     with pytest.warns(UserWarning, match="is CartPole-v1 wrapped in DtypeObservation: the run is written for what"):
         model.learn(32 * 3 * 3, callback=RunDirectoryCallback(tmp_path / "run", eval_episodes=0))
-    saved = load_round(tmp_path / "run", 1)
-    logp = saved.trainer.policy.log_prob(saved.buffer.flat("obs"), saved.buffer.flat("actions"))
-    assert torch.allclose(logp, saved.buffer.flat("logp"), atol=1e-5)
+    assert_read_as_logged(tmp_path / "run", capsys)
 
 
 def test_dict_observations_with_an_image_are_written_with_a_nature_cnn_per_image(tmp_path, capsys):
@@ -415,11 +413,5 @@ def test_dict_observations_with_an_image_are_written_with_a_nature_cnn_per_image
                                                           env="tests.custom_env:make_image_dict_env"))
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["observation_parts"] == ["image:image:36x36x1", "side:flat:2"] and config["features_dim"] == 8
-    saved = load_round(tmp_path / "run", 1)
+    saved = assert_read_as_logged(tmp_path / "run", capsys, ATTRIBUTE_AND_EXPLAIN)
     assert saved.buffer.obs.shape == (32, 2, 36 * 36 + 2)
-    logp = saved.trainer.policy.log_prob(saved.buffer.flat("obs"), saved.buffer.flat("actions"))
-    assert torch.allclose(logp, saved.buffer.flat("logp"), atol=1e-5)
-    for command in (["attribute", "{run}", "--round", "1"],
-                    ["explain", "{run}", "--round", "1", "--episodes", "4", "--draws", "2"]):
-        assert cli.main([c.format(run=tmp_path / "run") for c in command]) == 0
-    assert "error" not in capsys.readouterr().err
