@@ -61,7 +61,7 @@ def cpu_seconds(call) -> float:
 
 
 def measure(env: str, out: Path, rounds: int) -> dict[str, float]:
-    config = PPOConfig.for_env(env, n_envs=8, n_steps=256, batch_size=256, total_timesteps=rounds * 8 * 256,
+    config = PPOConfig.for_env(env, update_engine="torch", n_envs=8, n_steps=256, batch_size=256, total_timesteps=rounds * 8 * 256,
                                save_buffers=True, eval_episodes=0, progress=False, tensorboard=False,
                                run_root=str(out / "runs"))
     run = PPO(config).learn().run.path

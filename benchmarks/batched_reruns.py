@@ -45,7 +45,7 @@ def main() -> None:
     from rlinfluence.reruns import Variant, batched_retrain
 
     root = tempfile.mkdtemp()
-    config = PPOConfig.for_env(args.env, total_timesteps=2 * 2048, eval_episodes=0, save_buffers=True, seed=1,
+    config = PPOConfig.for_env(args.env, update_engine="torch", total_timesteps=2 * 2048, eval_episodes=0, save_buffers=True, seed=1,
                                run_root=root, progress=False, tensorboard=False)
     run = PPO(config).learn().run.path
     saved = load_round(run, 1)

@@ -52,7 +52,7 @@ def score_run(run_dir: Path, rounds: int, scorers: tuple[str, ...] = tuple(SCORE
 def run_seed(condition: str, env: str, seed: int, rounds: int, out: Path) -> list[dict]:
     study = STUDIES / f"{env}.json"
     lr = {"learning_rate": json.loads(study.read_text())["chosen"]["ppo"]["learning_rate"]} if study.is_file() else {}
-    config = PPOConfig.for_env(env, n_envs=8, n_steps=256, batch_size=64, **lr, seed=seed,
+    config = PPOConfig.for_env(env, update_engine="torch", n_envs=8, n_steps=256, batch_size=64, **lr, seed=seed,
                                total_timesteps=rounds * 2048, eval_episodes=10, eval_envs=10,
                                corrupt=CONDITIONS[condition](env), trusted_envs=1, save_buffers=True,
                                run_root=str(out / "runs"), method=f"{condition}__seed{seed}", progress=False,

@@ -132,7 +132,7 @@ def run_one(cause: str, seed: int, args: argparse.Namespace, out: Path, rows: st
 
     scratch = out / "scratch" / f"{args.env}_{cause}_{seed}"
     shutil.rmtree(scratch, ignore_errors=True)
-    config = PPOConfig.for_env(args.env, n_envs=8, n_steps=256, batch_size=64, learning_rate=args.lr, seed=seed,
+    config = PPOConfig.for_env(args.env, update_engine="torch", n_envs=8, n_steps=256, batch_size=64, learning_rate=args.lr, seed=seed,
                                total_timesteps=(args.at + 1) * 2048, eval_episodes=20, save_buffers=True,
                                run_root=str(scratch), progress=False, tensorboard=False)
     try:
@@ -261,7 +261,7 @@ def train_ours(args: argparse.Namespace, lr: float, seed: int, scratch: Path) ->
     from rlinfluence.ppo import PPO, PPOConfig
 
     preset = PPOConfig.for_env(args.env)
-    config = PPOConfig.for_env(args.env, learning_rate=lr, seed=seed, save_buffers=True, eval_episodes=EVAL_EPISODES,
+    config = PPOConfig.for_env(args.env, update_engine="torch", learning_rate=lr, seed=seed, save_buffers=True, eval_episodes=EVAL_EPISODES,
                                run_root=str(scratch), progress=False, tensorboard=False,
                                **({"total_timesteps": args.rounds * preset.n_steps * preset.n_envs}
                                   if args.rounds else {}))
@@ -345,7 +345,7 @@ def slide_one(env: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     shutil.rmtree(scratch, ignore_errors=True)
     study = Path(__file__).parent / "studies" / f"{env}.json"
     lr = {"learning_rate": json.loads(study.read_text())["chosen"]["ppo"]["learning_rate"]} if study.is_file() else {}
-    config = PPOConfig.for_env(env, n_envs=8, n_steps=256, batch_size=64, seed=seed, **lr,
+    config = PPOConfig.for_env(env, update_engine="torch", n_envs=8, n_steps=256, batch_size=64, seed=seed, **lr,
                                total_timesteps=args.rounds * 2048, eval_episodes=SLIDE_EPISODES, corrupt=(args.fault,),
                                save_buffers=True, run_root=str(scratch), progress=False, tensorboard=False)
     trainer = PPO(config).learn()

@@ -73,7 +73,7 @@ def kept_fraction(name: str, scratch: Path, seeds: tuple[int, ...], workers: int
     s = study(name)
     env = s["env"]
     preset = PPOConfig.for_env(env)
-    configs = [PPOConfig.for_env(env, filter="iif", drop_pct="auto", seed=seed, eval_episodes=0,
+    configs = [PPOConfig.for_env(env, update_engine="torch", filter="iif", drop_pct="auto", seed=seed, eval_episodes=0,
                                  learning_rate=s["chosen"]["iif-robust"]["learning_rate"],
                                  total_timesteps=s["rounds"] * preset.n_steps * preset.n_envs,
                                  run_root=str(scratch), progress=False, tensorboard=False).to_dict()

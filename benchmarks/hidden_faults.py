@@ -71,7 +71,7 @@ def _config(env: str, fault: str | None, seed: int, rounds: int, scratch: Path, 
                 "eval_episodes": 0, "corrupt": (fault,) if fault else (), "trusted_envs": 1, "save_buffers": True,
                 "tracin": True, "run_root": str(scratch), "method": f"s{seed}", "progress": False,
                 "tensorboard": False}
-    return PPOConfig.for_env(env, **{**settings, **overrides})
+    return PPOConfig.for_env(env, **{"update_engine": "torch", **settings, **overrides})  # the engine of its published runs
 
 
 def append_row(path: Path, row: dict) -> None:

@@ -90,7 +90,7 @@ def run_ours(env_id: str, seed: int, timesteps: int, eval_episodes: int, eval_se
 
     config = PPOConfig(
         env=env_id, seed=seed, total_timesteps=timesteps, n_envs=1, optimizer="adam",
-        adam_eps=1e-5, hidden_sizes=(64, 64), encoder="flatten", eval_episodes=0,
+        adam_eps=1e-5, hidden_sizes=(64, 64), encoder="flatten", eval_episodes=0, update_engine="torch",
         eval_seed=eval_seed, torch_threads=threads, progress=False, tensorboard=False,
         save_checkpoints=False, save_buffers=False, record_minibatches=False, **HPARAMS,
     )

@@ -39,7 +39,7 @@ from rlinfluence.ppo import PPO, PPOConfig
 
 def train(env: str, rounds: int, tracin: bool, out: Path, seed: int) -> PPO:
     rollout = 2048  # the preset's n_steps * n_envs
-    config = PPOConfig.for_env(env, total_timesteps=rounds * rollout, eval_episodes=0, save_buffers=True,
+    config = PPOConfig.for_env(env, update_engine="torch", total_timesteps=rounds * rollout, eval_episodes=0, save_buffers=True,
                                tracin=tracin, tensorboard=False, progress=False, seed=seed, torch_threads=1,
                                run_root=str(out / ("tracin" if tracin else "plain")))
     return PPO(config).learn()

@@ -170,3 +170,35 @@ def test_what_it_does_not_cover_is_refused():
     for option in ("tracin", "compile"):
         with pytest.raises(UserError, match=f"update_engine numpy and {option}"):
             tiny_config(update_engine="numpy", **{option: True}).validate()
+
+
+def test_auto_takes_numpy_where_it_covers_the_run_torch_elsewhere_and_records_the_choice(tmp_path, capsys):
+    """The default (``update_engine`` auto): NumPy for an MLP with SGD or Adam, torch for AdamW, tracin or
+    a CNN; said once on stderr with progress, and the run's config.json holds the engine chosen."""
+    import json
+
+    trainer = PPO(tiny_config(run_root=str(tmp_path / "auto"), progress=True))
+    assert trainer.config.update_engine == "numpy" and trainer._numpy_update is not None
+    assert json.loads((trainer.run.path / "config.json").read_text())["update_engine"] == "numpy"
+    said = [line for line in capsys.readouterr().err.splitlines() if "update_engine auto" in line]
+    assert len(said) == 1 and "the numpy update" in said[0], said
+    for settings, why in ((dict(optimizer="adamw"), "AdamW"), (dict(tracin=True, save_buffers=True), "tracin"),
+                          (dict(env="MiniGrid-Empty-5x5-v0"), "MiniGridCNN")):
+        trainer = PPO(tiny_config(progress=True, **settings), run_dir=False)
+        assert trainer.config.update_engine == "torch", settings
+        assert why in capsys.readouterr().err
+
+
+def test_studies_another_trainers_runs_and_runs_from_before_the_choice_keep_the_torch_update():
+    """A comparison pins torch (its published figures were trained with it) unless --set says otherwise;
+    a run's config.json without the key was written by the torch update."""
+    from rlinfluence.config import PPOConfig
+    from rlinfluence.experiments.specs import CompareConfig
+
+    study = CompareConfig(env="CartPole-v1", methods=("ppo",))
+    assert study.run_config("ppo", 1).update_engine == "torch"
+    study = CompareConfig(env="CartPole-v1", methods=("ppo",), set=("update_engine=auto",))
+    assert study.run_config("ppo", 1).update_engine == "auto"
+    saved = PPOConfig().to_dict()
+    del saved["update_engine"]
+    assert PPOConfig.from_dict(saved).update_engine == "torch"

@@ -248,11 +248,13 @@ class PPOConfig:
     """torch.compile the update's minibatch loss, forward and backward (on the CPU it needs a C++
     compiler): its updates about 30% faster once compiled, a few seconds to compile, so it pays on
     long runs; float rounding differs from the eager update (not bit for bit); not with tracin"""
-    update_engine: Literal["torch", "numpy"] = "torch"
+    update_engine: Literal["auto", "torch", "numpy"] = "auto"
     """how the update's minibatch steps run: torch (autograd), or numpy (the same loss, its gradient
     written out, the optimiser's step on one flat vector: several times faster steps at small
     minibatches; MLP policies on the CPU with SGD or Adam; float32 rounding differs from torch's,
-    so not bit for bit; not with tracin or compile)"""
+    so not bit for bit; not with tracin or compile); auto: numpy wherever it covers the run, torch
+    elsewhere (tracin and compile included: such a run is not the same run without them), said once
+    and recorded in config.json; comparisons pin torch unless --set"""
     tensorboard: bool = True
     """write TensorBoard event files"""
     wandb: bool = False
@@ -457,9 +459,11 @@ class PPOConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> PPOConfig:
         """The config ``to_dict`` wrote, every value type-checked against its field
-        (``UserError`` naming ``source`` and the first bad key)."""
+        (``UserError`` naming ``source`` and the first bad key). A config without ``update_engine``
+        was written before it existed, by a run of the torch update."""
         if not isinstance(data, dict):
             raise UserError(f"{source} is not a JSON object of PPOConfig keys")
+        data = {"update_engine": "torch", **data}
         unknown = sorted(set(data) - set(FIELD_TYPES))
         if unknown:
             raise UserError(f"{source}: unknown config keys {unknown}")

@@ -29,12 +29,15 @@ analyses see them as always.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
 
 import numpy as np
 import torch
 from torch import nn
 
+from rlinfluence.config import PPOConfig
 from rlinfluence.errors import UserError
 from rlinfluence.influence.tracin import clip_coefficient
 from rlinfluence.losses import PPOTerms
@@ -198,6 +201,20 @@ class NumpyUpdate:
 
 
 Layer = tuple  # ("linear", W, b, gW, gb) or ("tanh",) or ("relu",)
+
+
+def resolve_update_engine(config: PPOConfig, policy: ActorCritic, optimizer: torch.optim.Optimizer) -> PPOConfig:
+    """``config`` with ``update_engine`` auto resolved, said once on stderr (with ``progress``): numpy
+    wherever this engine covers the run, torch wherever it does not (another encoder, a GPU, AdamW,
+    ``tracin`` or ``compile``, which record or compile the torch update). The run's config.json
+    records the engine chosen, so its re-runs take the same arithmetic."""
+    problem = "tracin and compile need the torch update" if config.tracin or config.compile else \
+        _uncovered(policy, optimizer)
+    resolved = dataclasses.replace(config, update_engine="torch" if problem else "numpy")
+    if config.progress:
+        print(f"{config.env}: the {resolved.update_engine} update (update_engine auto: "
+              f"{problem or 'it covers this MLP policy and optimiser'})", file=sys.stderr)
+    return resolved
 
 
 def _uncovered(policy: ActorCritic, optimizer: torch.optim.Optimizer) -> str | None:

@@ -53,7 +53,7 @@ from rlinfluence.losses import (
     policy_terms,
     update_diagnostics,
 )
-from rlinfluence.numpy_update import NumpyUpdate
+from rlinfluence.numpy_update import NumpyUpdate, resolve_update_engine
 from rlinfluence.policies import ActorCritic, make_policy, rollout_actor, tempered
 from rlinfluence.progress import progress_bar
 from rlinfluence.rundir import RunDirectory
@@ -135,6 +135,8 @@ class PPO:
                                                weight_decay=config.weight_decay)
         else:
             self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.learning_rate, eps=config.adam_eps)
+        if config.update_engine == "auto":  # the fastest update that covers the run, said once
+            self.config = config = resolve_update_engine(config, self.policy, self.optimizer)
         self._numpy_update = NumpyUpdate(
             self.policy, self.optimizer, clip_range=config.clip_range, clip_range_vf=config.clip_range_vf,
             vf_coef=config.vf_coef, ent_coef=config.ent_coef, normalize_advantage=config.normalize_advantage,

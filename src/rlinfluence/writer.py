@@ -218,7 +218,8 @@ class RunWriter:
                 kind != "adamw" and group.get("weight_decay")) or (kind == "sgd" and group.get("momentum")):
             raise UserError(f"RunWriter: optimiser {type(optimizer).__name__} (weight decay {group.get('weight_decay', 0)}, "
                             "one parameter group); rlinfluence's re-runs take Adam, AdamW or plain SGD")
-        fields = {**self._given, "learning_rate": float(group["lr"]), "optimizer": kind,
+        fields = {"update_engine": "torch",  # re-runs of another trainer's update: the engine its gaps were measured with
+                  **self._given, "learning_rate": float(group["lr"]), "optimizer": kind,
                   "save_buffers": True, "progress": False, "tensorboard": False}
         if kind != "sgd":
             fields["adam_eps"] = float(group["eps"])

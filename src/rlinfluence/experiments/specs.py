@@ -227,7 +227,7 @@ def config_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str
     ``drop_pct`` where neither filter drops p % (``PPOConfig.to_dict`` leaves it out there). A key one
     side lacks (a config saved before that option existed) counts as the option's default, which is
     what that run did."""
-    defaults = json.loads(json.dumps(dataclasses.asdict(PPOConfig())))
+    defaults = {**json.loads(json.dumps(dataclasses.asdict(PPOConfig()))), "update_engine": "torch"}  # PPOConfig.from_dict
     saved, wanted = ({**defaults, **json.loads(json.dumps(d))} for d in (saved, wanted))  # tuples -> lists
     unused = {"drop_pct"} if saved["filter"] not in DROP_FILTERS and wanted["filter"] not in DROP_FILTERS else set()
     keys = (set(saved) | set(wanted)) - set(PRESENTATION_KEYS) - unused
@@ -319,7 +319,10 @@ class CompareConfig:
         eval_episodes and --set, then the method's own overrides and ``extra`` (a tuning
         point); rounds are converted to env steps last, with the final n_steps and n_envs."""
         spec = parse_methods(method)[0] if isinstance(method, str) else method
-        overrides: dict[str, Any] = {"seed": seed, "progress": False, "eval_seed": episode_seed_base(seed)}
+        # a study pins the torch update (its published ones were trained with it; --set or a method's
+        # @update_engine=... choose another), so that a seed reproduces them
+        overrides: dict[str, Any] = {"seed": seed, "progress": False, "eval_seed": episode_seed_base(seed),
+                                     "update_engine": "torch"}
         if self.drop_pct is not None:
             overrides["drop_pct"] = self.drop_pct
         if self.eval_episodes is not None:
