@@ -193,7 +193,7 @@ def test_studies_another_trainers_runs_and_runs_from_before_the_choice_keep_the_
     """A comparison pins torch (its published figures were trained with it) unless --set says otherwise;
     a run's config.json without the key was written by the torch update."""
     from rlinfluence.config import PPOConfig
-    from rlinfluence.experiments.specs import CompareConfig
+    from rlinfluence.experiments.specs import CompareConfig, config_difference
 
     study = CompareConfig(env="CartPole-v1", methods=("ppo",))
     assert study.run_config("ppo", 1).update_engine == "torch"
@@ -202,3 +202,6 @@ def test_studies_another_trainers_runs_and_runs_from_before_the_choice_keep_the_
     saved = PPOConfig().to_dict()
     del saved["update_engine"]
     assert PPOConfig.from_dict(saved).update_engine == "torch"
+    # a study asking auto resumes its runs, which recorded the engine auto chose
+    assert config_difference({**saved, "update_engine": "numpy"}, {**saved, "update_engine": "auto"}) == []
+    assert config_difference({**saved, "update_engine": "numpy"}, {**saved, "update_engine": "torch"}) == ["update_engine"]

@@ -72,6 +72,14 @@ def test_each_saved_round_is_the_policy_that_collected_it_with_sb3s_records(sb3_
     assert [int(r[0]) for r in rows[1:]] == list(range(ROUNDS)) and "eval_return_mean" in rows[0]
 
 
+def test_the_config_holds_sb3s_hyperparameters_and_the_torch_update_for_re_runs(sb3_run):
+    config = json.loads((sb3_run[0] / "config.json").read_text())
+    model = sb3_run[1]
+    assert (config["n_steps"], config["batch_size"], config["n_epochs"]) == (model.n_steps, model.batch_size, model.n_epochs)
+    assert (config["gamma"], config["gae_lambda"], config["ent_coef"]) == (model.gamma, model.gae_lambda, model.ent_coef)
+    assert config["update_engine"] == "torch"
+
+
 def test_the_final_checkpoint_holds_sb3s_weights_and_adam_moments(sb3_run):
     path, model = sb3_run
     state = load_checkpoint(path / "checkpoints" / f"round_{ROUNDS:04d}.pt")
@@ -344,6 +352,9 @@ def test_vec_normalize_statistics_are_saved_with_each_round_and_evaluations_appl
     model.learn(32 * 3 * 3, callback=RunDirectoryCallback(tmp_path / "run", eval_episodes=2))
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert (config["env"], config["obs_norm_clip"]) == ("CartPole-v1", 5.0)
+    first, second = (load_checkpoint(tmp_path / "run" / "checkpoints" / f"round_000{k}.pt")["obs_statistics"]
+                     for k in (0, 1))
+    assert not torch.equal(first["mean"], second["mean"])  # theta(0)'s are those its collection began with
     final = load_round(tmp_path / "run", 2).trainer
     final.load_state_dict(load_checkpoint(tmp_path / "run" / "checkpoints" / "round_0003.pt"))  # theta(3), SB3's last
     assert np.allclose(final.obs_statistics["mean"], venv.obs_rms.mean)
@@ -415,3 +426,7 @@ def test_dict_observations_with_an_image_are_written_with_a_nature_cnn_per_image
     assert config["observation_parts"] == ["image:image:36x36x1", "side:flat:2"] and config["features_dim"] == 8
     saved = assert_read_as_logged(tmp_path / "run", capsys, ATTRIBUTE_AND_EXPLAIN)
     assert saved.buffer.obs.shape == (32, 2, 36 * 36 + 2)
+    unscaled = SB3PPO("MultiInputPolicy", sb3_vec_env(make_image_dict_env, n_envs=2, seed=1), n_steps=32, seed=1,
+                      device="cpu", policy_kwargs=dict(normalize_images=False))
+    with pytest.raises(UserError, match="normalize_images=False"):
+        unscaled.learn(64, callback=RunDirectoryCallback(tmp_path / "unscaled"))

@@ -210,7 +210,8 @@ class PPOConfig:
     """the nature encoder's features per image (SB3's features_dim, or cnn_output_dim of a Dict's images)"""
     observation_parts: Annotated[tuple[str, ...], EmptyMeansNone] = ()
     """for the nature encoder on a flattened Dict observation (SB3's MultiInputPolicy with images): its
-    parts in order, each KEY:image:HxWxC (its own NatureCNN) or KEY:flat:N (as it is); empty: one image"""
+    parts in order, each KEY:image:AxBxC (an image of that shape as the env makes it, through its own
+    NatureCNN) or KEY:flat:N (as it is); empty: one image"""
     eval_episodes: int = 50
     """stochastic-policy evaluation episodes per round (0 = no evaluation)"""
     eval_every: int = 1

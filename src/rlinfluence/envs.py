@@ -122,7 +122,7 @@ def check_env_id(env_id: str) -> None:
 
 
 class FlatObservation(gym.ObservationWrapper):
-    """A ``Discrete``, ``MultiDiscrete``, ``MultiBinary`` or ``Dict`` observation as a float32 vector:
+    """A ``Discrete``, ``MultiDiscrete``, ``MultiBinary``, ``Dict`` or ``Tuple`` observation as a float32 vector:
     gymnasium's ``spaces.flatten`` (one-hot per discrete component, concatenated in the space's key
     order), which is SB3's preprocessing and flattening of the same spaces."""
 

@@ -52,8 +52,10 @@ def written(run_path: Path, config: dict[str, Any], written_by: str) -> dict[str
     from rlinfluence.envs import env_package
 
     as_read = json.loads(json.dumps(config))  # as config.json reads back: tuples as lists
-    new = {"run_id": uuid.uuid4().hex, "written_by": written_by, "env_package": env_package(config.get("env", ""))}
-    return {**(read(run_path) or new), "config": as_read}
+    existing = read(run_path)
+    if existing is None:
+        existing = {"run_id": uuid.uuid4().hex, "written_by": written_by, "env_package": env_package(config.get("env", ""))}
+    return {**existing, "config": as_read}
 
 
 def text(identity: dict[str, Any]) -> str:

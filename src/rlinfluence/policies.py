@@ -90,7 +90,8 @@ class NatureCNN(nn.Module):
     """SB3's ``NatureCNN`` (Mnih et al. 2015; ``CnnPolicy``'s extractor), the same layers in the
     same order: conv 32 k8 s4, conv 64 k4 s2, conv 64 k3 s1 (ReLU after each), flatten, linear ->
     ``features_dim``, ReLU. Images channels-first unless the space's smallest axis is its last (SB3's
-    rule; then transposed here, as SB3's ``VecTransposeImage`` does), divided by 255 when uint8."""
+    rule for the last axis; then transposed here, as SB3's ``VecTransposeImage`` does), divided by 255
+    when uint8."""
 
     def __init__(self, observation_space: gym.spaces.Box, features_dim: int = 512):
         super().__init__()
@@ -104,6 +105,8 @@ class NatureCNN(nn.Module):
             nn.Conv2d(64, 64, kernel_size=3, stride=1), nn.ReLU(),
             nn.Flatten(),
         )
+        if min(height, width) < 36:  # its three convolutions (k8 s4, k4 s2, k3 s1) need 36 pixels
+            raise UserError(f"the nature encoder needs images of at least 36 x 36 pixels, got {height} x {width}")
         with torch.no_grad():
             n_flat = self.cnn(torch.zeros(1, channels, height, width)).shape[1]
         self.linear = nn.Sequential(nn.Linear(n_flat, features_dim), nn.ReLU())

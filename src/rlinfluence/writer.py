@@ -218,14 +218,15 @@ class RunWriter:
                 kind != "adamw" and group.get("weight_decay")) or (kind == "sgd" and group.get("momentum")):
             raise UserError(f"RunWriter: optimiser {type(optimizer).__name__} (weight decay {group.get('weight_decay', 0)}, "
                             "one parameter group); rlinfluence's re-runs take Adam, AdamW or plain SGD")
-        fields = {"update_engine": "torch",  # re-runs of another trainer's update: the engine its gaps were measured with
-                  **self._given, "learning_rate": float(group["lr"]), "optimizer": kind,
+        fields = {**self._given, "learning_rate": float(group["lr"]), "optimizer": kind,
                   "save_buffers": True, "progress": False, "tensorboard": False}
         if kind != "sgd":
             fields["adam_eps"] = float(group["eps"])
         if kind == "adamw":
             fields["weight_decay"] = float(group["weight_decay"])
         fields.update(architecture)
+        if fields.get("update_engine", "auto") == "auto":  # re-runs of another loop's update: the engine its gap was measured with
+            fields["update_engine"] = "torch"
         fields.setdefault("total_timesteps", fields["n_envs"] * fields["n_steps"])
         self.config = PPOConfig(**fields)
         self.config.validate(check_env=self._spaces is None)

@@ -230,6 +230,8 @@ def config_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str
     defaults = {**json.loads(json.dumps(dataclasses.asdict(PPOConfig()))), "update_engine": "torch"}  # PPOConfig.from_dict
     saved, wanted = ({**defaults, **json.loads(json.dumps(d))} for d in (saved, wanted))  # tuples -> lists
     unused = {"drop_pct"} if saved["filter"] not in DROP_FILTERS and wanted["filter"] not in DROP_FILTERS else set()
+    if wanted.get("update_engine") == "auto":  # the run recorded the engine auto chose
+        unused.add("update_engine")
     keys = (set(saved) | set(wanted)) - set(PRESENTATION_KEYS) - unused
     return sorted(k for k in keys if saved.get(k) != wanted.get(k))
 

@@ -230,6 +230,9 @@ def _encoder_of(model: Any) -> dict[str, Any]:
         if policy.normalize_images != (image.dtype == np.uint8):
             raise UserError(f"RunDirectoryCallback: normalize_images={policy.normalize_images} on {image}; "
                             "rlinfluence's NatureCNN divides uint8 images by 255 and others by nothing")
+    if combined and not policy.normalize_images:
+        raise UserError("RunDirectoryCallback: normalize_images=False on a Dict's images; rlinfluence's parts divide "
+                        "each image by 255, as SB3 does by default")
     features = {int(e.features_dim) for e in images.values()}
     if not combined:
         return {"encoder": "nature", "features_dim": features.pop()}
@@ -265,7 +268,8 @@ def config_of(model: Any, total_timesteps: int, eval_episodes: int, env: str | N
     return PPOConfig(
         env=env_id, seed=int(model.seed) if model.seed is not None else 0, total_timesteps=int(total_timesteps),
         n_envs=model.n_envs, n_steps=model.n_steps,
-        batch_size=min(model.batch_size, model.n_steps * model.n_envs),  # SB3: one minibatch of every record n_epochs=model.n_epochs,
+        batch_size=min(model.batch_size, model.n_steps * model.n_envs),  # larger: SB3 takes every record at once
+        n_epochs=model.n_epochs, update_engine="torch",  # re-runs in the arithmetic the re-run gap was measured with
         learning_rate=_constant(model, "lr_schedule", "learning_rate"),
         optimizer="adamw" if type(optimizer) is torch.optim.AdamW else "adam",
         weight_decay=float(optimizer.param_groups[0]["weight_decay"]) if type(optimizer) is torch.optim.AdamW else 0.01,
@@ -339,6 +343,7 @@ class RunDirectoryCallback(BaseCallback):
         self._pending: OurRolloutBuffer | None = None  # the round collected, ended after its train()
         self._time_limits = TimeLimitEnds()
         self.stopped: str | None = None  # why the writing stopped (``_writing``)
+        self._collecting_with: dict[str, Any] | None = None  # VecNormalize's statistics as the collection began
 
     @property
     def round(self) -> int:
@@ -400,6 +405,7 @@ class RunDirectoryCallback(BaseCallback):
 
     def _on_rollout_start(self) -> None:
         self._writing(self._end_round)
+        self._collecting_with = self._obs_statistics()  # theta(k)'s: VecNormalize updates them while collecting
 
     def _on_rollout_end(self) -> None:
         self._writing(self._record_round)
@@ -412,7 +418,7 @@ class RunDirectoryCallback(BaseCallback):
                                  self._time_limits.take(buffer.buffer_size), obs=_recorded_observations(self.model, buffer))
         self._episodes = ours.episode_ids[-1].numpy() + ours.dones[-1].long().numpy()
         self.writer.begin_round(self.model.policy, self.model.policy.optimizer,  # theta(k): it collected the round
-                                self._obs_statistics())
+                                self._collecting_with)
         self.writer.add_rollout(ours.obs, ours.actions, ours.logp, ours.values, ours.rewards, ours.terminated,
                                 ours.truncated, ours.final_values)
         if self.writer.check_values:
