@@ -2,6 +2,7 @@
 against the CPU time of training that round.
 
     python benchmarks/audit_cost.py --envs CartPole-v1 LunarLander-v3 MiniGrid-Empty-8x8-v0 --out bench_out/audit_cost
+    python benchmarks/audit_cost.py --update-engine auto --out bench_out/audit_cost_auto   # against the default trainer
 
 Per env: one run of 8 envs x 256 steps (the hidden-faults benchmark's size), 6 rounds, saved
 buffers; the training CPU seconds of its rounds (metrics.csv ``train_cpu_seconds``, evaluation
@@ -60,8 +61,8 @@ def cpu_seconds(call) -> float:
     return time.process_time() - start
 
 
-def measure(env: str, out: Path, rounds: int) -> dict[str, float]:
-    config = PPOConfig.for_env(env, update_engine="torch", n_envs=8, n_steps=256, batch_size=256, total_timesteps=rounds * 8 * 256,
+def measure(env: str, out: Path, rounds: int, update_engine: str) -> dict[str, float]:
+    config = PPOConfig.for_env(env, update_engine=update_engine, n_envs=8, n_steps=256, batch_size=256, total_timesteps=rounds * 8 * 256,
                                save_buffers=True, eval_episodes=0, progress=False, tensorboard=False,
                                run_root=str(out / "runs"))
     run = PPO(config).learn().run.path
@@ -93,12 +94,14 @@ def main() -> None:
     parser.add_argument("--envs", nargs="+", default=["CartPole-v1", "LunarLander-v3", "MiniGrid-Empty-8x8-v0"])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", default="bench_out/audit_cost")
+    parser.add_argument("--update-engine", choices=["torch", "auto"], default="torch",
+                        help="the training round's engine: torch (the published figures') or auto (the default trainer's)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
     lines = []
     for env in args.envs:
-        figures = measure(env, out / env, args.rounds)
+        figures = measure(env, out / env, args.rounds, args.update_engine)
         lines += [f"{env}/{name}: {value:.3g}" for name, value in sorted(figures.items())]
         print("\n".join(lines[-len(figures):]), flush=True)
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
