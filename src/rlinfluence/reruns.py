@@ -161,8 +161,9 @@ def batched_retrain(saved: SavedRound, variants: Sequence[Variant]) -> Reruns:
     """Re-run round k's update once per variant, all together (module docstring). The trainer is
     left at theta(k). Falls back to serial ``SavedRound.retrain`` (said once, as a warning) where
     the update cannot be batched: prioritised minibatches, an optimiser other than plain Adam or
-    SGD, a KL-adaptive rate (``adaptive_kl``: each variant's rate would follow its own KL), or a
-    run trained by the NumPy update (``update_engine numpy``: its re-runs take its own arithmetic)."""
+    SGD, a KL-adaptive rate (``adaptive_kl``: each variant's rate would follow its own KL); a run
+    trained by the NumPy update (``update_engine numpy``) is re-run one by one in its own arithmetic,
+    without a warning (its serial re-runs cost about what the batched torch ones do)."""
     trainer, cfg = saved.trainer, saved.trainer.config
     if not variants:
         return Reruns([], [], [])
@@ -176,9 +177,8 @@ def batched_retrain(saved: SavedRound, variants: Sequence[Variant]) -> Reruns:
     if not plain:
         warnings.warn("this optimiser's update cannot be batched: re-running the variants one by one", stacklevel=2)
         return _serial(saved, variants)
-    if cfg.update_engine == "numpy":
-        warnings.warn("a run of the NumPy update: re-running the variants one by one with it", stacklevel=2)
-        return _serial(saved, variants)
+    if cfg.update_engine == "numpy":  # the default's runs: their own arithmetic, one by one as fast as torch's
+        return _serial(saved, variants)  # batched (validate of a LunarLander round: 8.2 s against 7.4 s wall)
     # longest first, so that the variants still stepping are always a prefix: the batch shrinks as
     # the short ones finish instead of computing padded steps
     lengths = active.sum(dim=1)
