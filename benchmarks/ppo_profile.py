@@ -2,11 +2,12 @@
 (as ``ppo_throughput.py``: n_steps 2048, batch 64, 10 epochs, SGD 5e-3, one env, one torch
 thread, no evaluation), with wall-clock timers around each phase:
 
-- collect: ``PPO.collect``, of which env stepping (``SyncVectorEnv.step``) and the policy's
-  forward (the NumPy rollout actor); the rest is buffer writes and bookkeeping;
+- collect: ``PPO.collect``, of which env stepping (``SyncVectorEnv.step``: the env's own
+  ``step``, and the rest, gymnasium's wrappers and vector env) and the policy's forward (the NumPy
+  rollout actor); the rest is buffer writes and bookkeeping;
 - advantages: ``RolloutBuffer.compute_advantages`` (GAE);
 - update: ``PPO.update``, of which the loss forward (the policy's ``evaluate_actions`` and
-  ``ppo_terms``), ``backward`` and the
+  ``policy_terms``), ``backward`` and the
   optimiser's ``step``; the rest is minibatch indexing, diagnostics and Python;
 - logging: ``RunDirectory.log_round`` (CSV and TensorBoard) and checkpoints.
 
@@ -51,15 +52,16 @@ def timed(label: str, fn: Callable) -> Callable:
     return wrapper
 
 
-def instrument() -> None:
+def instrument(trainer: PPO) -> None:
     def patch(owner: Any, name: str, label: str) -> None:
         setattr(owner, name, timed(label, getattr(owner, name)))
 
     patch(gym.vector.SyncVectorEnv, "step", "env step")
+    patch(type(trainer.env.envs[0].unwrapped), "step", "env's own step")  # the rest: wrappers, vector env
     patch(PPO, "collect", "collect")
     patch(RolloutBuffer, "compute_advantages", "advantages")
     patch(PPO, "update", "update")
-    patch(ppo_module, "ppo_terms", "loss terms")  # the trainer's minibatch step calls both
+    patch(trainer, "_policy_terms", "loss terms")  # the trainer's minibatch step calls both
     patch(ActorCritic, "evaluate_actions", "policy evaluate")
     patch(torch.Tensor, "backward", "backward")
     patch(torch.optim.SGD, "step", "optimiser step")
@@ -75,20 +77,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--run-root", default="bench_out/ppo_profile")
-    parser.add_argument("--update-engine", choices=["torch", "numpy"], default="torch")
+    parser.add_argument("--update-engine", choices=["torch", "numpy", "auto"], default="torch")
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = PPOConfig.for_env("LunarLander-v3", total_timesteps=args.rounds * 2048, eval_episodes=0,
                                max_grad_norm=None, progress=False, run_root=args.run_root,
                                update_engine=args.update_engine)
     trainer = PPO(config)
-    instrument()
+    instrument(trainer)
     start = time.perf_counter()
     trainer.learn()
     total = time.perf_counter() - start
     rows = [
         ("collect", SECONDS["collect"], None),
         ("  env step", SECONDS["env step"], "collect"),
+        ("    the env's own step", SECONDS["env's own step"], "collect"),
+        ("    wrappers and vector env", SECONDS["env step"] - SECONDS["env's own step"], "collect"),
         ("  policy forward", SECONDS["policy forward"], "collect"),
         ("  rest of collect", SECONDS["collect"] - SECONDS["env step"] - SECONDS["policy forward"], "collect"),
         ("advantages", SECONDS["advantages"], None),
@@ -108,7 +112,7 @@ def main() -> None:
         print(f"| {name} | {seconds:.3f} | {100 * seconds / total:.1f}% |")
     print(f"steps_per_s: {steps / total:.1f}")
     for name, seconds, _ in rows:
-        print(f"share_{name.strip().replace(' + ', '_').replace(' ', '_')}_pct: {100 * seconds / total:.1f}")
+        print(f"share_{name.strip().replace(' + ', '_').replace(' ', '_').replace(chr(39), '')}_pct: {100 * seconds / total:.1f}")
 
 
 if __name__ == "__main__":
