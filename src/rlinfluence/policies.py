@@ -283,8 +283,8 @@ def make_policy(
     """
     if not isinstance(observation_space, gym.spaces.Box):
         raise UserError(
-            f"observation space {observation_space} is not supported; supported: Box, Discrete "
-            f"(one-hot), Dict with an 'image' entry (MiniGrid)"
+            f"observation space {observation_space} is not supported; supported: Box (envs.make_env "
+            f"flattens Discrete, MultiDiscrete, MultiBinary, Dict and Tuple into one; MiniGrid's dict to its image)"
         )
     if not isinstance(action_space, gym.spaces.Box | gym.spaces.Discrete):
         raise UserError(f"action space {action_space} is not supported; supported: Discrete, Box")
