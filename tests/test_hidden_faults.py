@@ -847,3 +847,17 @@ def test_quarantine_with_the_per_run_guarantee_tests_each_round_at_alpha_over_th
     assert quarantine.alpha == pytest.approx(0.001) and quarantine.permutations == 2500  # resolves 0.001 / 0.8
     per_round = PPO(PPOConfig(**{**config.to_dict(), "quarantine_guarantee": "round"}), run_dir=False).filter
     assert per_round.alpha == 0.01 and per_round.permutations == per_round.PERMUTATIONS
+
+
+@pytest.mark.parametrize("shape", [(300, 12), (40, 90)])  # more records than features, and fewer
+def test_the_model_checks_ridge_is_sklearns_ridge_in_closed_form(shape):
+    """consistency._ridge (closed form, primal or dual) predicts what sklearn's Ridge(alpha=1) does."""
+    from sklearn.linear_model import Ridge
+
+    from rlinfluence.consistency import _ridge
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=shape), rng.normal(size=(shape[0], 3))
+    z = rng.normal(size=(25, shape[1]))
+    assert np.allclose(_ridge(x, y)(z), Ridge(alpha=1.0).fit(x, y).predict(z), rtol=1e-9, atol=1e-10)
+    assert np.allclose(_ridge(x, y[:, 0])(z), Ridge(alpha=1.0).fit(x, y[:, 0]).predict(z), rtol=1e-9, atol=1e-10)
