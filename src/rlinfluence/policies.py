@@ -99,14 +99,14 @@ class NatureCNN(nn.Module):
         self.channels_last = int(np.argmin(shape)) == 2
         channels, height, width = (shape[2], shape[0], shape[1]) if self.channels_last else shape
         self.scale = 255.0 if observation_space.dtype == np.uint8 else 1.0
+        if min(height, width) < 36:  # its three convolutions (k8 s4, k4 s2, k3 s1) need 36 pixels
+            raise UserError(f"the nature encoder needs images of at least 36 x 36 pixels, got {height} x {width}")
         self.cnn = nn.Sequential(
             nn.Conv2d(channels, 32, kernel_size=8, stride=4), nn.ReLU(),
             nn.Conv2d(32, 64, kernel_size=4, stride=2), nn.ReLU(),
             nn.Conv2d(64, 64, kernel_size=3, stride=1), nn.ReLU(),
             nn.Flatten(),
         )
-        if min(height, width) < 36:  # its three convolutions (k8 s4, k4 s2, k3 s1) need 36 pixels
-            raise UserError(f"the nature encoder needs images of at least 36 x 36 pixels, got {height} x {width}")
         with torch.no_grad():
             n_flat = self.cnn(torch.zeros(1, channels, height, width)).shape[1]
         self.linear = nn.Sequential(nn.Linear(n_flat, features_dim), nn.ReLU())

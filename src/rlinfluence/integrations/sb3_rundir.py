@@ -265,6 +265,7 @@ def config_of(model: Any, total_timesteps: int, eval_episodes: int, env: str | N
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         raise UserError(f"RunDirectoryCallback: optimiser {type(optimizer).__name__} (Adam or AdamW only)")
     clip_vf = _constant(model, "clip_range_vf") if model.clip_range_vf is not None else None
+    normalize = _obs_normalization(model)
     return PPOConfig(
         env=env_id, seed=int(model.seed) if model.seed is not None else 0, total_timesteps=int(total_timesteps),
         n_envs=model.n_envs, n_steps=model.n_steps,
@@ -280,19 +281,20 @@ def config_of(model: Any, total_timesteps: int, eval_episodes: int, env: str | N
         max_grad_norm=float(model.max_grad_norm) if math.isfinite(model.max_grad_norm) else None,
         target_kl=float(model.target_kl) if model.target_kl is not None else None,
         hidden_sizes=tuple(int(h) for h in pi), **encoder, eval_episodes=eval_episodes,
-        obs_norm_clip=float(_obs_normalization(model).clip_obs) if _obs_normalization(model) else None,
+        obs_norm_clip=float(normalize.clip_obs) if normalize is not None else None,
         critic_hidden_sizes=None if list(vf) == list(pi) else tuple(int(h) for h in vf),
         activation="tanh" if policy.activation_fn is nn.Tanh else "relu",
         save_buffers=True, progress=False, tensorboard=False)
 
 
-def _observations(model: Any, buffer: Any) -> Any:
+def _observations(model: Any, buffer: Any, rows: np.ndarray | None = None) -> Any:
     """The round's observations as SB3's policy takes them (a tensor, or a dict of tensors for a
-    Dict space), one record per row in step-major order, on the policy's device."""
+    Dict space), one record per row in step-major order (``rows`` of them only), on the policy's device."""
     n_steps, n_envs = buffer.buffer_size, buffer.n_envs
 
     def records(array: np.ndarray) -> torch.Tensor:  # [n_steps, n_envs, ...] -> [n_steps * n_envs, ...]
-        return torch.as_tensor(array.reshape(n_steps * n_envs, *array.shape[2:]), device=model.policy.device)
+        flat = array.reshape(n_steps * n_envs, *array.shape[2:])
+        return torch.as_tensor(flat if rows is None else flat[rows], device=model.policy.device)
 
     observations = buffer.observations
     return {k: records(v) for k, v in observations.items()} if isinstance(observations, dict) else records(observations)
@@ -300,25 +302,25 @@ def _observations(model: Any, buffer: Any) -> Any:
 
 def _recorded_observations(model: Any, buffer: Any) -> torch.Tensor | None:
     """The round's observations as the run records them, ``[n_steps, n_envs, ...]``: a Discrete, Dict,
-    ... observation as SB3's (parameter-free) extractor flattens it for the policy (``FlatObservation``'s
-    vectors; SB3 stores a Discrete one as its index, a Dict as its parts), an image in the env's own
-    layout (SB3 stores it transposed); None for a Box the run records as SB3 stores it."""
-    n_steps, n_envs = buffer.buffer_size, buffer.n_envs
+    ... observation flat, each part as SB3 preprocesses it for the policy (one-hot, floats; images as
+    they are, in the env's own layout) and concatenated in key order: ``FlatObservation``'s vectors
+    (SB3 stores a Discrete one as its index, a Dict as its parts); an image in the env's own layout
+    (SB3 stores it transposed); None for a Box the run records as SB3 stores it."""
+    n_steps, n_envs, space = buffer.buffer_size, buffer.n_envs, model.observation_space
     transposed = _transposing(model)
-    if isinstance(model.observation_space, spaces.Box):
+    if isinstance(space, spaces.Box):
         if not transposed:
             return None
         return torch.as_tensor(buffer.observations).permute(0, 1, 3, 4, 2)  # VecTransposeImage's CHW -> HWC
-    if isinstance(model.observation_space, spaces.Dict):  # each part flat, in key order: gymnasium's flatten
-        keys = set(transposed[0].image_space_keys) if transposed else set()
-        observations, parts = _observations(model, buffer), []
-        for key, sub in model.observation_space.spaces.items():
-            part = observations[key].permute(0, 2, 3, 1) if key in keys else observations[key]
-            parts.append((part.float() if is_image_space(sub) else preprocess_obs(part, sub)).reshape(len(part), -1))
-        return torch.cat(parts, dim=1).float().cpu().reshape(n_steps, n_envs, -1)
-    with torch.no_grad():
-        features = model.policy.features_extractor(preprocess_obs(_observations(model, buffer), model.observation_space))
-    return features.float().cpu().reshape(n_steps, n_envs, -1)
+    keys = set(transposed[0].image_space_keys) if transposed else set()
+    observations = _observations(model, buffer)
+    subspaces, observations = (space.spaces, observations) if isinstance(space, spaces.Dict) else \
+        ({None: space}, {None: observations})
+    parts = []
+    for key, sub in subspaces.items():
+        part = observations[key].permute(0, 2, 3, 1) if key in keys else observations[key]
+        parts.append((part.float() if is_image_space(sub) else preprocess_obs(part, sub)).reshape(len(part), -1))
+    return torch.cat(parts, dim=1).float().cpu().reshape(n_steps, n_envs, -1)
 
 
 class RunDirectoryCallback(BaseCallback):
@@ -431,24 +433,21 @@ class RunDirectoryCallback(BaseCallback):
         the run keeps them as logged (warned once) and rlinfluence's critic is checked against SB3's
         critic instead of against them."""
         rows = torch.linspace(0, len(ours) - 1, min(len(ours), CHECKED_RECORDS)).long()  # step-major, as both hold them
-        observations = _observations(self.model, buffer)
-        sample = {k: v[rows.to(v.device)] for k, v in observations.items()} if isinstance(observations, dict) else \
-            observations[rows.to(observations.device)]
         with torch.no_grad():
-            critic = self.model.policy.predict_values(sample).flatten().cpu().float()
-            obs = ours.obs.flatten(0, 1)[rows]
-            logged = ours.values.flatten()[rows]
-            mapped = self.writer.trainer.policy.value(obs.float() if obs.is_floating_point() else obs)
-        scale = max(1.0, float(critic.abs().max()))
-        if float((critic - logged).abs().max()) <= LOGP_TOLERANCE * scale:
+            critic = self.model.policy.predict_values(_observations(self.model, buffer, rows.numpy())).flatten().cpu().float()
+        scale, apart = max(1.0, float(critic.abs().max())), float((critic - ours.values.flatten()[rows]).abs().max())
+        if apart <= LOGP_TOLERANCE * scale:
             return  # the usual case: the writer checks its critic against the logged values
+        obs = ours.obs.flatten(0, 1)[rows]
+        with torch.no_grad():
+            mapped = self.writer.trainer.policy.value(obs.float() if obs.is_floating_point() else obs)
         gap = float((mapped - critic).abs().max())
         if not gap <= LOGP_TOLERANCE * scale:
             raise UserError(f"RunDirectoryCallback: rlinfluence's critic differs from SB3's predict_values by up to "
                             f"{gap:.3g}: the policy does not map as assumed")
         self.writer.check_values = False
         warnings.warn(f"RunDirectoryCallback: the rollout's values are not {type(self.model.policy).__name__}'s critic's "
-                      f"(up to {float((critic - logged).abs().max()):.3g} apart; its forward returns others): the run "
+                      f"(up to {apart:.3g} apart; its forward returns others): the run "
                       "keeps them as SB3 logged them, the values its advantages were computed from", stacklevel=2)
 
     def _obs_statistics(self) -> dict[str, Any] | None:
