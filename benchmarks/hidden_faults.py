@@ -159,6 +159,48 @@ def _train_sb3(env: str, fault: str | None, seed: int, rounds: int, scratch: Pat
     return scratch / "run", broken, 0
 
 
+RLLIB_RUNNERS, RLLIB_SUB_ENVS = 2, 4
+"""RLlib's layout: 2 env runners x 4 sub-envs, the 8 sources of the project's own runs."""
+
+
+def _train_rllib(env: str, fault: str | None, seed: int, rounds: int, scratch: Path) -> tuple[Path, set, int]:
+    """The same with RLlib's PPO (its defaults but 2 env runners x 4 sub-envs and 2048 steps an
+    iteration), written by ``rlinfluence.integrations.rllib``: the held-out kind wraps one sub-env
+    of one runner, chosen by the seed among the 8, when the runner builds its envs."""
+    import ray
+    from ray.rllib.algorithms.ppo import PPOConfig as RLlibPPOConfig
+
+    from rlinfluence.integrations.rllib import run_callback
+
+    if fault is not None and not fault.startswith(HELD_OUT):
+        raise SystemExit(f"--trainer rllib takes held-out faults only, got {fault!r}")
+    if not ray.is_initialized():  # the workers import held_out_faults from here
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    broken = held_out_faults.broken_env(seed, N_ENVS) if fault else None
+    recorder = run_callback(scratch / "run")
+    if fault:
+        runner, sub_env = divmod(broken, RLLIB_SUB_ENVS)
+        kind = fault.removeprefix(HELD_OUT)
+
+        def on_environment_created(self, *, env_runner, env, **kwargs):
+            if env_runner.worker_index == runner + 1:
+                held_out_faults.break_env(env, kind, sub_env, seed)
+
+        recorder = type("FaultyRunCallback", (recorder,), {"on_environment_created": on_environment_created,
+                                                            "__qualname__": "_train_rllib.<locals>.FaultyRunCallback"})
+    config = (RLlibPPOConfig().environment(env)
+              .env_runners(num_env_runners=RLLIB_RUNNERS, num_envs_per_env_runner=RLLIB_SUB_ENVS)
+              .training(train_batch_size_per_learner=2048).debugging(seed=seed).callbacks(recorder))
+    algorithm = config.build_algo()
+    try:
+        for _ in range(rounds):
+            algorithm.train()
+    finally:
+        algorithm.stop()
+    return scratch / "run", set() if broken is None else {broken}, 0
+
+
 def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path, window: int = 0,
             trainer: str = "native") -> dict:
     """Train, score every round, and check the verdict after each round (module docstring)."""
@@ -169,10 +211,12 @@ def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path, wind
     scratch = out / "scratch" / f"{trainer}__{env}__{fault or 'clean'}__{seed}".replace(":", "_").replace(",", "_")
     shutil.rmtree(scratch, ignore_errors=True)
     cpu0 = time.process_time()
-    path, broken, start = (_train_sb3 if trainer == "sb3" else _train_native)(env, fault, seed, rounds, scratch)
+    train = {"native": _train_native, "sb3": _train_sb3, "rllib": _train_rllib}[trainer]
+    path, broken, start = train(env, fault, seed, rounds, scratch)
     train_cpu = time.process_time() - cpu0
-    # an SB3 run has no trusted env, and no TracIn recorded in its rounds (a replay per round would dominate)
-    families = [f for f in scorers_of(0 if trainer == "sb3" else 1) if f != "random" and (trainer != "sb3" or f != "tracin")]
+    # another trainer's run has no trusted env, and no TracIn recorded in its rounds (a replay per round would dominate)
+    native = trainer == "native"
+    families = [f for f in scorers_of(1 if native else 0) if f != "random" and (native or f != "tracin")]
     tables = []
     row: dict = {"env": env, "fault": fault or "clean", "seed": seed, "trainer": trainer, "rounds": rounds,
                  "start": start, "window": window, "verdict_version": VERDICT_VERSION,
@@ -794,8 +838,8 @@ def main() -> None:
                    help="the held-out protocol's runs (benchmarks/held_out_faults.py: kinds, seeds, rounds)")
     d.add_argument("--protocol", type=int, choices=sorted(held_out_faults.PROTOCOLS), default=2,
                    help="with --held-out: the held-out set that measures this verdict version (its kinds and seeds)")
-    d.add_argument("--trainer", choices=("native", "sb3"), default="native",
-                   help="rlinfluence's PPO, or Stable-Baselines3's written by RunDirectoryCallback")
+    d.add_argument("--trainer", choices=("native", "sb3", "rllib"), default="native",
+                   help="rlinfluence's PPO, Stable-Baselines3's written by RunDirectoryCallback, or RLlib's written by integrations.rllib")
     s = sub.add_parser("summary")
     s.add_argument("--out", default="bench_out/hidden_faults")
     s.add_argument("--data", default="")

@@ -319,17 +319,18 @@ class RunWriter:
 
     def end_round(self, advantages: Any, returns: Any, policy: nn.Module, optimizer: torch.optim.Optimizer,
                   metrics: dict[str, float] | None = None, last_values: Any = None,
-                  obs_statistics: dict[str, Any] | None = None) -> None:
+                  obs_statistics: dict[str, Any] | None = None, keep: Any = None) -> None:
         """Round k ends: the advantages and returns the update used (``[n_steps, n_envs]``), the
         policy and optimiser after the update (theta(k+1)), the loop's own scalars for metrics.csv,
         V(s_T) of the observations after the last step (``last_values``, [n_envs]; the audit's
-        one-step checks read it), and the observation statistics now (as ``begin_round``)."""
-        if not self._begun:
-            raise UserError("RunWriter: end_round before begin_round")
-        buffer = self._buffer(advantages, returns, last_values)
-        self._check(buffer)
+        one-step checks read it), the observation statistics now (as ``begin_round``), and the
+        records the update used (``keep``, [N] bool in ``RolloutBuffer.flat`` order; default: all)."""
+        buffer = self.records(advantages, returns, last_values)
         tensors = buffer.tensors()
-        tensors["keep"] = torch.ones(len(buffer), dtype=torch.bool)
+        tensors["keep"] = torch.ones(len(buffer), dtype=torch.bool) if keep is None else _tensor(keep).bool().reshape(-1)
+        if len(tensors["keep"]) != len(buffer):
+            raise UserError(f"RunWriter: keep holds {len(tensors['keep'])} values for round {self.round}'s "
+                            f"{len(buffer)} records")
         self.run.save_buffer(self.round, tensors)
         self._begun = False
         self.round += 1
@@ -356,6 +357,15 @@ class RunWriter:
             self.run.close()
 
     # -- records ----------------------------------------------------------------------
+    def records(self, advantages: Any, returns: Any, last_values: Any = None) -> RolloutBuffer:
+        """Round k's records as ``end_round`` writes them, checked against the policy at theta(k):
+        for a filter that decides which records the loop's update keeps before it runs."""
+        if not self._begun:
+            raise UserError("RunWriter: the round's records before begin_round")
+        buffer = self._buffer(advantages, returns, last_values)
+        self._check(buffer)
+        return buffer
+
     def _buffer(self, advantages: Any, returns: Any, last_values: Any) -> RolloutBuffer:
         cfg, n = self.config, len(self._steps)
         if n != cfg.n_steps:
