@@ -163,10 +163,12 @@ RLLIB_RUNNERS, RLLIB_SUB_ENVS = 2, 4
 """RLlib's layout: 2 env runners x 4 sub-envs, the 8 sources of the project's own runs."""
 
 
-def _train_rllib(env: str, fault: str | None, seed: int, rounds: int, scratch: Path) -> tuple[Path, set, int]:
+def _train_rllib(env: str, fault: str | None, seed: int, rounds: int, scratch: Path,
+                 quarantine: bool = False) -> tuple[Path, set, int]:
     """The same with RLlib's PPO (its defaults but 2 env runners x 4 sub-envs and 2048 steps an
-    iteration), written by ``rlinfluence.integrations.rllib``: the held-out kind wraps one sub-env
-    of one runner, chosen by the seed among the 8, when the runner builds its envs."""
+    iteration), written by ``rlinfluence.integrations.rllib`` (with ``quarantine``, quarantining
+    too): the held-out kind wraps one sub-env of one runner, chosen by the seed among the 8, when the
+    runner builds its envs."""
     import ray
     from ray.rllib.algorithms.ppo import PPOConfig as RLlibPPOConfig
 
@@ -178,7 +180,7 @@ def _train_rllib(env: str, fault: str | None, seed: int, rounds: int, scratch: P
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     broken = held_out_faults.broken_env(seed, N_ENVS) if fault else None
-    recorder = run_callback(scratch / "run")
+    recorder = run_callback(scratch / "run", quarantine=quarantine)
     if fault:
         runner, sub_env = divmod(broken, RLLIB_SUB_ENVS)
         kind = fault.removeprefix(HELD_OUT)

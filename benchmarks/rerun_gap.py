@@ -1,8 +1,9 @@
 """How close rlinfluence's re-run of another trainer's round lands to that trainer's own update.
 
-A run of SB3's PPO (written by ``RunDirectoryCallback``) or of the CleanRL-style loop of
-examples/cleanrl_ppo.py (written by ``RunWriter``, its defaults: 4 envs x 128 steps) is written as a
-run directory; every round k is then re-run from theta(k) and the trainer's Adam state with
+A run of SB3's PPO (written by ``RunDirectoryCallback``), of the CleanRL-style loop of
+examples/cleanrl_ppo.py (written by ``RunWriter``, its defaults: 4 envs x 128 steps) or of RLlib's
+PPO (written by ``integrations.rllib.run_callback``; its defaults but 2 env runners x 4 sub-envs and
+2048 steps an iteration, on a local Ray cluster; needs ray[rllib]) is written as a run directory; every round k is then re-run from theta(k) and the trainer's Adam state with
 rlinfluence's update (``SavedRound.retrain``, what ``validate``, ``intervene`` and ``explain`` do),
 and compared with the trainer's theta(k+1):
 
@@ -11,6 +12,7 @@ and compared with the trainer's theta(k+1):
 
     python benchmarks/rerun_gap.py --trainer sb3 --env CartPole-v1 --rounds 6 --out bench_out/rerun_gap
     python benchmarks/rerun_gap.py --trainer cleanrl --env CartPole-v1 --rounds 6 --out bench_out/rerun_gap
+    python benchmarks/rerun_gap.py --trainer rllib --env CartPole-v1 --rounds 6 --out bench_out/rerun_gap
 
 Prints one line per round and the summary lines ``gap_median``, ``gap_max``, ``ratio_median``.
 """
@@ -41,9 +43,26 @@ def norm(a: dict, b: dict) -> float:
     return float(sum(((a[n] - b[n]) ** 2).sum() for n in b) ** 0.5)
 
 
+def train_rllib(env: str, seed: int, rounds: int, run: Path) -> None:
+    """``rounds`` iterations of RLlib's PPO written at ``run``."""
+    import ray
+    from ray.rllib.algorithms.ppo import PPOConfig
+
+    from rlinfluence.integrations.rllib import run_callback
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    algorithm = (PPOConfig().environment(env).env_runners(num_env_runners=2, num_envs_per_env_runner=4)
+                 .training(train_batch_size_per_learner=2048).debugging(seed=seed).callbacks(run_callback(run))
+                 .build_algo())
+    for _ in range(rounds):
+        algorithm.train()
+    algorithm.stop()
+    ray.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trainer", choices=("sb3", "cleanrl"), default="sb3")
+    parser.add_argument("--trainer", choices=("sb3", "cleanrl", "rllib"), default="sb3")
     parser.add_argument("--env", default="CartPole-v1")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--n-steps", type=int, default=512, help="SB3's (one env)")
@@ -63,6 +82,8 @@ def main() -> None:
 
         model = PPO("MlpPolicy", args.env, n_steps=args.n_steps, seed=args.seed, device="cpu")
         model.learn(args.n_steps * args.rounds, callback=RunDirectoryCallback(run, eval_episodes=0))
+    elif args.trainer == "rllib":
+        train_rllib(args.env, args.seed, args.rounds, run)
     else:
         cleanrl = example_module()
         defaults = cleanrl.Args()

@@ -51,8 +51,6 @@ layers) on a discrete action space, which maps onto rlinfluence's ``ActorCritic`
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +60,14 @@ import torch
 from rlinfluence.errors import UserError
 from rlinfluence.filters.base import FilterContext
 from rlinfluence.filters.quarantine import QuarantineFilter
+from rlinfluence.integrations.rllib_episodes import (
+    SOURCE_KEY,
+    rllib_names,
+    source_of,
+    source_records,
+    trajectories,
+)
+from rlinfluence.sources import MIN_SOURCES
 from rlinfluence.writer import RunWriter
 
 try:
@@ -71,89 +77,11 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is optional
     raise ImportError('rlinfluence.integrations.rllib needs RLlib: pip install "rlinfluence[rllib]"') from exc
 
-__all__ = ["RunCallback", "SourceTrajectory", "rllib_names", "run_callback", "source_of", "trajectories"]
+__all__ = ["RunCallback", "run_callback"]
 
-SOURCE_KEY = "rlinfluence_source"
-"""The key of an episode's ``custom_data`` that holds its (runner, sub-env)."""
 KEPT_SHARE = 7 / 8
 """The share of an iteration's steps per source a round keeps by default (module docstring)."""
 WRITTEN_BY = "rlinfluence.integrations.rllib"
-_PARTS = (
-    (re.compile(r"encoder\.actor_encoder\.net\.mlp\.(\d+)\.(weight|bias)"), r"actor.\1.\2"),
-    (re.compile(r"encoder\.critic_encoder\.net\.mlp\.(\d+)\.(weight|bias)"), r"critic.\1.\2"),
-    (re.compile(r"pi\.net\.mlp\.0\.(weight|bias)"), r"action_head.\1"),
-    (re.compile(r"vf\.net\.mlp\.0\.(weight|bias)"), r"value_head.\1"),
-)
-
-
-def rllib_names(name: str) -> str | None:
-    """RLlib's default PPO module's parameter name -> rlinfluence's ``ActorCritic`` name
-    (``encoder.actor_encoder.net.mlp.2.weight`` -> ``actor.2.weight``, ``pi.net.mlp.0.bias`` ->
-    ``action_head.bias``, ...); None for a name that does not map."""
-    for pattern, ours in _PARTS:
-        if pattern.fullmatch(name):
-            return pattern.sub(ours, name)
-    return None
-
-
-def source_of(worker_index: int, env_index: int, envs_per_runner: int) -> int:
-    """The run's source of sub-env ``env_index`` of env runner ``worker_index`` (1, 2, ... remote;
-    0 the local runner, which samples only where there are no remote ones)."""
-    return (max(worker_index, 1) - 1) * envs_per_runner + env_index
-
-
-class SourceTrajectory:
-    """One source's steps of an iteration, in order, across its episode chunks: ``obs`` [n, ...],
-    ``actions``, ``logp``, ``rewards``, ``terminated``, ``truncated`` [n], and ``ends``: per chunk,
-    (its last step's index, the observation after it: the final one of an episode or of the
-    iteration's unfinished chunk)."""
-
-    def __init__(self, chunks: Sequence[Any]):
-        def cat(key: str) -> np.ndarray:
-            return np.concatenate([np.asarray(_field(chunk, key)) for chunk in chunks])
-
-        lengths = [len(chunk) for chunk in chunks]
-        last = np.cumsum(lengths) - 1
-        self.obs, self.actions, self.rewards = cat("obs"), cat("actions"), cat("rewards").astype(np.float64)
-        self.logp = cat("logp")
-        n = len(self.obs)
-        self.terminated, self.truncated = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
-        self.terminated[last] = [bool(chunk.is_terminated) for chunk in chunks]
-        self.truncated[last] = [bool(chunk.is_truncated) and not chunk.is_terminated for chunk in chunks]
-        self.ends = [(int(i), np.asarray(chunk.get_observations(-1))) for i, chunk in zip(last, chunks, strict=True)]
-
-    def __len__(self) -> int:
-        return len(self.obs)
-
-
-def _field(chunk: Any, key: str) -> Any:
-    if key == "obs":
-        return np.asarray(chunk.get_observations())[:-1]
-    if key == "logp":
-        return chunk.get_extra_model_outputs("action_logp")
-    return getattr(chunk, f"get_{key}")()
-
-
-def trajectories(episodes: Sequence[Any], n_sources: int, envs_per_runner: int) -> list[SourceTrajectory]:
-    """Each source's ``SourceTrajectory`` of an iteration's episode chunks (in the order RLlib gives
-    them, which is each sub-env's order in time); a source without steps is an error."""
-    chunks: list[list[Any]] = [[] for _ in range(n_sources)]
-    for episode in episodes:
-        tag = episode.custom_data.get(SOURCE_KEY)
-        if tag is None:
-            raise UserError("an RLlib episode has no source tag: the env runners do not run rlinfluence's RunCallback "
-                            "(build the algorithm with .callbacks(run_callback(...)))")
-        source = source_of(*tag, envs_per_runner)
-        if not 0 <= source < n_sources:
-            raise UserError(f"an RLlib episode comes from runner {tag[0]}, sub-env {tag[1]}: outside the "
-                            f"{n_sources} sources the run was built with")
-        if len(episode):
-            chunks[source].append(episode)
-    empty = [s for s, c in enumerate(chunks) if not c]
-    if empty:
-        raise UserError(f"source {empty[0]} sent no steps this iteration: every env runner's sub-env must sample "
-                        "in every iteration (a runner lost?)")
-    return [SourceTrajectory(c) for c in chunks]
 
 
 class _EpisodeTap(ConnectorV2):
@@ -218,6 +146,9 @@ class RunCallback(RLlibCallback):
             hidden_sizes=tuple(model["fcnet_hiddens"]), activation=model["fcnet_activation"])
         self.filter = None
         if self.settings.get("quarantine"):
+            if self.n_sources < MIN_SOURCES:
+                raise UserError(f"quarantine compares each source with 2 or more others: it needs at least {MIN_SOURCES} "
+                                f"sub-envs in all, got {self.n_sources}")
             self.filter = QuarantineFilter(int(self.settings.get("window", 6)), float(self.settings.get("alpha", 0.01)))
         self.quarantined: list[list[int]] = []
         self.pending: dict[str, Any] | None = None
@@ -236,7 +167,7 @@ class RunCallback(RLlibCallback):
         if short:
             raise UserError(f"source {short[0]} has {len(runs[short[0]])} steps in round {writer.round}, fewer than "
                             f"records_per_source={n}: give run_callback a smaller records_per_source")
-        columns = [_advantages(run, policy, self.gamma, self.gae_lambda, n) for run in runs]
+        columns = [source_records(run, policy, self.gamma, self.gae_lambda, n) for run in runs]
 
         def stack(key: str) -> np.ndarray:
             return np.stack([column[key] for column in columns], axis=1)
@@ -276,38 +207,6 @@ class RunCallback(RLlibCallback):
 def _number(value: Any) -> float:
     """A coefficient RLlib may give as a schedule ([[timestep, value], ...]): its first value."""
     return float(value[0][1]) if isinstance(value, list | tuple) else float(value)
-
-
-def _advantages(run: SourceTrajectory, policy: torch.nn.Module, gamma: float, gae_lambda: float,
-                kept: int) -> dict[str, Any]:
-    """One source's first ``kept`` records with the critic's values at theta(k) and GAE over its
-    whole iteration (A_t = delta_t + gamma lambda A_{t+1} within a chunk, delta_t = r_t + gamma
-    V(s_{t+1}) - V(s_t); a chunk's end bootstraps V(final observation) unless terminated)."""
-    ends, finals = zip(*run.ends, strict=True)
-    with torch.no_grad():
-        values = policy.value(torch.as_tensor(run.obs, dtype=torch.float32)).double().numpy()
-        final_values = policy.value(torch.as_tensor(np.stack(finals), dtype=torch.float32)).double().numpy()
-    n = len(run)
-    next_values = np.append(values[1:], 0.0)
-    chunk_end = np.zeros(n, dtype=bool)
-    chunk_end[list(ends)] = True
-    bootstrap = np.where(run.terminated[list(ends)], 0.0, final_values)
-    next_values[list(ends)] = bootstrap
-    deltas = run.rewards + gamma * next_values - values
-    advantages = np.zeros(n)
-    running = 0.0
-    for t in range(n - 1, -1, -1):
-        running = deltas[t] + (0.0 if chunk_end[t] else gamma * gae_lambda * running)
-        advantages[t] = running
-    record_final = np.zeros(n)
-    record_final[list(ends)] = np.where(run.truncated[list(ends)], final_values, 0.0)
-    # V of the observation after the last kept record: the next record's (a new episode's first where
-    # one ended), or the final observation of the iteration's unfinished chunk
-    last_value = values[kept] if kept < n else final_values[-1]
-    return {"obs": run.obs[:kept], "actions": run.actions[:kept], "logp": run.logp[:kept], "values": values[:kept],
-            "rewards": run.rewards[:kept], "terminated": run.terminated[:kept], "truncated": run.truncated[:kept],
-            "final_values": record_final[:kept], "advantages": advantages[:kept],
-            "returns": (advantages + values)[:kept], "last_value": float(last_value)}
 
 
 def run_callback(path: str | Path, quarantine: bool = False, records_per_source: int | None = None,
