@@ -165,31 +165,64 @@ def _cross_fit(fit: Callable[[np.ndarray, np.ndarray], Callable[[np.ndarray], np
     """For each matrix of ``predict_on`` ([N, F] features), the prediction of every row from the model
     fit on the other fold's ``rows`` (NaN outside ``rows``)."""
     out = [np.full((len(phi),) + y.shape[1:], np.nan) for _ in predict_on]
-    for k in (0, 1):
-        train, test = rows & (fold != k), rows & (fold == k)
-        if not train.any() or not test.any():
-            continue
-        mean, scale = phi[train].mean(axis=0), phi[train].std(axis=0)
-        scale[scale < 10 * np.finfo(np.float64).eps] = 1.0  # a constant feature stays as it is (StandardScaler's rule)
+    for train, test, mean, scale in _fold_splits(phi, fold, rows):
         model = fit((phi[train] - mean) / scale, y[train])
         for target, features in zip(out, predict_on, strict=True):
             target[test] = model((features[test] - mean) / scale)
     return out
 
 
-def _ridge(x: np.ndarray, y: np.ndarray, alpha: float = 1.0) -> Callable[[np.ndarray], np.ndarray]:
-    """Ridge regression with an unpenalised intercept, in closed form (sklearn's ``Ridge(alpha)``
-    without its per-call overhead, which was most of the model checks' time on small observations):
-    w = (Xc'Xc + alpha I)^-1 Xc'yc, or Xc'(XcXc' + alpha I)^-1 yc where records are fewer than
-    features; Xc, yc centred; intercept mean(y) - mean(X)'w."""
+def _fold_splits(phi: np.ndarray, fold: np.ndarray, rows: np.ndarray
+                 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per fold k with records on both sides: (train rows: ``rows`` outside k, test rows: ``rows`` in
+    k, the train features' mean and scale, a constant feature's scale 1 as StandardScaler's)."""
+    splits = []
+    for k in (0, 1):
+        train, test = rows & (fold != k), rows & (fold == k)
+        if train.any() and test.any():
+            mean, scale = phi[train].mean(axis=0), phi[train].std(axis=0)
+            scale[scale < 10 * np.finfo(np.float64).eps] = 1.0
+            splits.append((train, test, mean, scale))
+    return splits
+
+
+def _ridge_weights(x: np.ndarray, y: np.ndarray, alpha: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """(w, intercept) of ridge regression with an unpenalised intercept, in closed form (sklearn's
+    ``Ridge(alpha)`` without its per-call overhead, which was most of the model checks' time on
+    small observations): w = (Xc'Xc + alpha I)^-1 Xc'yc, or Xc'(XcXc' + alpha I)^-1 yc where
+    records are fewer than features; Xc, yc centred; intercept mean(y) - mean(X)'w."""
     x_mean, y_mean = x.mean(axis=0), y.mean(axis=0)
     xc, yc = x - x_mean, y - y_mean
     if len(x) < x.shape[1]:
         w = xc.T @ np.linalg.solve(xc @ xc.T + alpha * np.eye(len(x)), yc)
     else:
         w = np.linalg.solve(xc.T @ xc + alpha * np.eye(x.shape[1]), xc.T @ yc)
-    intercept = y_mean - x_mean @ w
+    return w, y_mean - x_mean @ w
+
+
+def _ridge(x: np.ndarray, y: np.ndarray, alpha: float = 1.0) -> Callable[[np.ndarray], np.ndarray]:
+    """The fitted ridge of ``_ridge_weights`` as a predictor."""
+    w, intercept = _ridge_weights(x, y, alpha)
     return lambda z: z @ w + intercept
+
+
+def _dynamics_every_action(obs: np.ndarray, phi: np.ndarray, y: np.ndarray, fold: np.ndarray, rows: np.ndarray,
+                           n_actions: int) -> np.ndarray:
+    """[N, n_actions, targets]: the cross-fitted dynamics ridge's prediction of every row with each
+    action of a Discrete space (NaN outside ``rows``), from its weights on the raw features: with
+    phi(o, a) = [o, e_a, o (x) e_a] and W = w / scale split alike, f(o, a) = o W_o + W_a[a] +
+    o W_oa[:, a] + b, every action's at the cost of one prediction (``_cross_fit`` with
+    ``_features(obs, a)`` for each a, without building them)."""
+    n, d = obs.shape
+    out = np.full((n, n_actions) + y.shape[1:], np.nan)
+    for train, test, mean, scale in _fold_splits(phi, fold, rows):
+        w, intercept = _ridge_weights((phi[train] - mean) / scale, y[train])
+        w = w / scale[:, None]
+        bias = intercept - mean @ w
+        w_o, w_a, w_oa = w[:d], w[d:d + n_actions], w[d + n_actions:].reshape(d, n_actions, -1)
+        o = obs[test]
+        out[test] = (o @ w_oa.reshape(d, -1)).reshape(len(o), n_actions, -1) + (o @ w_o + bias)[:, None, :] + w_a[None]
+    return out
 
 
 def _logistic(x: np.ndarray, y: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
@@ -224,17 +257,23 @@ def model_checks(buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.n
     if varying.any() and has_next.sum() > 10:
         y = (delta[:, varying] - delta[has_next][:, varying].mean(axis=0)) / spread[varying]
         if n_actions is not None:
-            alternatives = [np.full(n, float(a)) for a in range(n_actions)]
+            every = _dynamics_every_action(obs, phi, y, fold, has_next, n_actions)
+            errors = ((every - y[:, None, :]) ** 2).mean(axis=2)  # [N, n_actions]
+            rows = np.arange(n)
+            dynamics = errors[rows, actions.astype(np.int64)]
+            previous_error = errors[rows, previous_actions.astype(np.int64)]
+            alternative = errors.mean(axis=1)
         else:
             shuffle = np.random.default_rng([int(buffer.round), 23])
             alternatives = [actions[shuffle.permutation(n)] for _ in range(4)]
-        fitted, previous, *others = _cross_fit(
-            _ridge, phi, y, fold, has_next,
-            [phi, _features(obs, previous_actions, n_actions)] + [_features(obs, a, n_actions) for a in alternatives])
-        dynamics = ((fitted - y) ** 2).mean(axis=1)
-        alternative = np.mean([((other - y) ** 2).mean(axis=1) for other in others], axis=0)
+            fitted, previous, *others = _cross_fit(
+                _ridge, phi, y, fold, has_next,
+                [phi, _features(obs, previous_actions, n_actions)] + [_features(obs, a, n_actions) for a in alternatives])
+            dynamics = ((fitted - y) ** 2).mean(axis=1)
+            previous_error = ((previous - y) ** 2).mean(axis=1)
+            alternative = np.mean([((other - y) ** 2).mean(axis=1) for other in others], axis=0)
         action_fit = dynamics - alternative
-        lag_fit = np.where(has_previous, alternative - ((previous - y) ** 2).mean(axis=1), np.nan)
+        lag_fit = np.where(has_previous, alternative - previous_error, np.nan)
 
     rewards = buffer.flat("rewards").double().numpy()
     reward_spread = rewards.std()
