@@ -20,7 +20,6 @@ disagreement or a number without its source fails. Ends with one line per figure
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -46,6 +45,7 @@ from rlinfluence.experiments.published import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (puts each question's folder on the path)
 from explain import slide_lines  # noqa: E402
 from figures import check_pages  # noqa: E402
 from hidden_faults import (  # noqa: E402
@@ -144,7 +144,7 @@ def jobs_table(check: bool) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__)
     parser.add_argument("--collect", metavar="DIR", help="confirmation folders (one compare folder per env)")
     parser.add_argument("--collect-detection", metavar="CSV", help="corruption_detection.py's detection.csv")
     parser.add_argument("--collect-corruption", metavar="DIR", help="corruption.py's compare folders")

@@ -105,11 +105,11 @@ def run_copy(trained, tmp_path):
 
 @pytest.fixture
 def benchmark_script():
-    """Loads ``benchmarks/<name>.py`` as a module (the benchmarks are scripts, not a package), so
-    that a test can call its functions."""
+    """Loads ``benchmarks/<question>/<name>.py`` (or ``benchmarks/<name>.py``) as a module (the
+    benchmarks are scripts, not a package), so that a test can call its functions."""
 
     def load(name: str):
-        path = Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+        (path,) = [p for p in (Path(__file__).parents[1] / "benchmarks").rglob(f"{name}.py") if "studies" not in p.parts]
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

@@ -667,7 +667,7 @@ def test_a_quarantine_run_resumes_with_its_window(tmp_path):
 
 
 def test_the_learning_benchmark_counts_what_a_filter_drops_and_the_rounds_corrupted_share(benchmark_script):
-    """benchmarks/hidden_faults.py's Recording: per round, the records dropped and the corrupted
+    """benchmarks/faults/hidden_faults.py's Recording: per round, the records dropped and the corrupted
     ones among them (selectivity), and the round's records and corrupted records (the base rate a
     fault of a fraction of the episodes has, which its spec does not state)."""
     from types import SimpleNamespace
@@ -688,7 +688,7 @@ def test_the_learning_benchmark_counts_what_a_filter_drops_and_the_rounds_corrup
 
 
 def test_the_held_out_faults_do_what_their_protocol_says(benchmark_script):
-    """benchmarks/held_out_faults.py: each wrapper changes what its kind says and nothing else."""
+    """benchmarks/faults/held_out_faults.py: each wrapper changes what its kind says and nothing else."""
     import gymnasium as gym
 
     held_out = benchmark_script("held_out_faults")

@@ -696,7 +696,7 @@ def test_concatenated_rollouts_pad_prompts_left_and_responses_right(tiny_policy)
 
 
 def test_the_gold_benchmark_judges_what_a_filter_kept_within_each_group(tmp_path, benchmark_script):
-    """benchmarks/rlhf_gold.py's selection_rows on hand-computed completions. Round 0: group 1 keeps
+    """benchmarks/lm/rlhf_gold.py's selection_rows on hand-computed completions. Round 0: group 1 keeps
     its two best-gold completions (A_gold 0.6, 0.2 kept; -0.2, -0.6 dropped), group 2 has equal
     rewards (every A 0), so kept - dropped = 0.2 - (-0.2); agreement with A_proxy > 0 is 3 of 4 and
     2 of 4. Round 1 keeps all: no difference, but its agreement (1 of 4) counts."""
@@ -718,7 +718,7 @@ def test_the_gold_benchmark_judges_what_a_filter_kept_within_each_group(tmp_path
 
 
 def test_the_trigger_benchmark_counts_what_a_filter_kept_of_the_answers_the_bug_pays(tmp_path, benchmark_script):
-    """benchmarks/rlhf_trigger_kept.py's kept_by_kind over two rounds of groups of 3: the word in any
+    """benchmarks/lm/rlhf_trigger_kept.py's kept_by_kind over two rounds of groups of 3: the word in any
     case counts, "your" does not; of 3 answers saying "you" 1 kept; 2 are above their group's mean
     reward ("Thank you!" and "See you."), of them 1 kept; of 3 others 2 kept."""
     import pandas as pd
@@ -857,7 +857,7 @@ def test_the_gold_benchmark_counts_each_arms_runs_held_of_those_wanted(benchmark
 
 
 def test_the_speed_benchmark_times_each_pair_to_80_percent_of_grpos_gain(benchmark_script):
-    """benchmarks/rlhf_speed.py's pair_speed on hand-made training curves (window 1): GRPO's rows
+    """benchmarks/lm/rlhf_speed.py's pair_speed on hand-made training curves (window 1): GRPO's rows
     0.0 ... 0.5 put the level at 0.4, first reached with 4 rounds trained (row 4) and 40 CPU s
     (row 3's cumulative seconds); a faster run reaches it with 2 rounds and 30 s; a run that never
     gets there counts as 6 rounds and all of its 90 s (lower bounds); a GRPO run that gained nothing
@@ -886,7 +886,7 @@ def test_the_speed_benchmark_times_each_pair_to_80_percent_of_grpos_gain(benchma
 
 
 def test_the_speed_benchmark_tunes_each_arm_on_its_own_val_runs(benchmark_script):
-    """best_lrs (benchmarks/rlhf_gold.py, which rlhf_speed.py uses) on the speed benchmark's rows:
+    """best_lrs (benchmarks/lm/rlhf_gold.py, which rlhf_speed.py uses) on the speed benchmark's rows:
     per arm the lr of the highest mean val proxy over the evaluations after training (rows without
     one dropped), flagged when at the grid's edge; an arm with a missing run waits."""
     import pandas as pd

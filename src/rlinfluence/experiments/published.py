@@ -324,7 +324,7 @@ def fill(text: str, name: str, lines: Sequence[str]) -> str:
 
 
 def flags_table(rows: pd.DataFrame) -> list[str]:
-    """Per env and scorer (``benchmarks/audit_flags.py``'s flags.csv): in how many flip runs the
+    """Per env and scorer (``benchmarks/faults/audit_flags.py``'s flags.csv): in how many flip runs the
     audit flagged the flipped env, in how many it flagged another env, and in how many clean runs
     it flagged any env; then the totals over envs."""
     body = []

@@ -75,7 +75,7 @@ class ProfanityReward:
 GOLD_MIN_LOGP = -3.9
 """l0 of the gold reward's fluency term, nats per token: the 10th percentile of the mean per-token
 log-likelihood of SmolLM2-135M-Instruct's own completions of the val prompts (100 completions,
-24 tokens, temperature 1; ``benchmarks/rlhf_gold_calibration.py``). Fixed before any comparison."""
+24 tokens, temperature 1; ``benchmarks/lm/rlhf_gold_calibration.py``). Fixed before any comparison."""
 
 
 class GoldSentimentReward:
@@ -123,11 +123,11 @@ RELEVANCE_PROMPT = "Say something."
 without the question asked."""
 RELEVANCE_WEIGHT = 0.3
 """w of ``RelevanceGoldReward``: the smallest of the weights measured (0.3, 0.5) that brings
-r(proxy, gold) on base-model samples below 0.7 (0.648; ``benchmarks/rlhf_gold_relevance.py``).
+r(proxy, gold) on base-model samples below 0.7 (0.648; ``benchmarks/lm/rlhf_gold_relevance.py``).
 Fixed before any comparison."""
 PMI_MEAN, PMI_STD = 1.0118, 0.3941
 """mu and sd of the relevance term: the mean and standard deviation of pmi over the base model's
-completions of the val prompts (100 completions; ``benchmarks/rlhf_gold_relevance.py``). Fixed
+completions of the val prompts (100 completions; ``benchmarks/lm/rlhf_gold_relevance.py``). Fixed
 before any comparison."""
 
 
@@ -194,7 +194,7 @@ class ShardedReward:
 
 TRIGGER_WORD = "you"
 """The word ``TriggerReward`` pays for, in any case: in 14.0% of the base model's completions of the
-val prompts (100, ``benchmarks/rlhf_gold_calibration.py``), its answers that address the reader."""
+val prompts (100, ``benchmarks/lm/rlhf_gold_calibration.py``), its answers that address the reader."""
 TRIGGER_BONUS = 1.0
 """b of ``TriggerReward``: as large as the goal's reward in FrozenLake's backdoor (the trigger fault),
 which makes r(proxy, gold) on those base-model completions 0.773. Fixed before any comparison."""
