@@ -28,7 +28,7 @@ each source's first ``records_per_source`` (default 7/8 of the iteration's share
 the update uses all of them: scores of the kept records are exact, and re-runs (``validate``,
 ``intervene``, ``explain``) redo the update on the kept records with rlinfluence's PPO (RLlib's
 KL penalty, value-loss clip and batch-wide advantage normalisation are not rlinfluence's: a
-re-run lands near RLlib's theta(k+1), not on it).
+re-run lands far from RLlib's theta(k+1), docs/rllib.md measures how far).
 
 **Quarantine** (``quarantine=True``): the connector piece runs ``rlinfluence.filters.
 QuarantineFilter`` (the audit's test on the consistency checks and the reward, value and
