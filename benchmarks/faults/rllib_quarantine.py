@@ -71,8 +71,8 @@ def main() -> None:
             row = run_one(fault, seed, args.rounds, out)
             print(f"{row['fault']} seed {seed}: first round {row['first_round']}, dropped in {row['rounds_quarantined']} "
                   f"rounds, false {row['false_quarantines'] or '-'}", flush=True)
-    runs = pd.read_csv(out / "runs.csv")
-    runs["false_quarantines"] = runs["false_quarantines"].fillna("").astype(str)
+    runs = pd.read_csv(out / "runs.csv", dtype={"false_quarantines": str})
+    runs["false_quarantines"] = runs["false_quarantines"].fillna("")
     lines = []
     for fault, group in runs[runs["fault"] != "clean"].groupby("fault"):
         kind = fault.removeprefix(HELD_OUT)
