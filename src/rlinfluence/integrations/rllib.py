@@ -54,6 +54,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import torch
 
@@ -122,6 +123,9 @@ class RunCallback(RLlibCallback):
         if not isinstance(config.env, str):
             raise UserError(f"rlinfluence's RLlib run needs a gymnasium id as the env (analyses make it), got {config.env!r}")
         self.module = learner.module[DEFAULT_MODULE_ID]
+        if not isinstance(self.module.action_space, gym.spaces.Discrete):  # before anything is written
+            raise UserError(f"rlinfluence maps RLlib's PPO module on discrete actions only (its head for "
+                            f"{self.module.action_space} is not a state-independent log-std)")
         self.optimizer = learner.get_optimizer(DEFAULT_MODULE_ID)
         model = {"fcnet_hiddens": [256, 256], "fcnet_activation": "tanh", "vf_share_layers": False,
                  "head_fcnet_hiddens": [], **(config.model_config or {})}
@@ -153,9 +157,6 @@ class RunCallback(RLlibCallback):
         self.quarantined: list[list[int]] = []
         self.pending: dict[str, Any] | None = None
         self.writer.begin_round(self.module, self.optimizer)
-        if self.writer.trainer.policy.continuous:
-            raise UserError("rlinfluence maps RLlib's PPO module on discrete actions only (its Box head is not a "
-                            "state-independent log-std)")
         learner._learner_connector.prepend(_EpisodeTap(self))
 
     def take(self, episodes: list) -> list:
