@@ -849,15 +849,63 @@ def test_quarantine_with_the_per_run_guarantee_tests_each_round_at_alpha_over_th
     assert per_round.alpha == 0.01 and per_round.permutations == per_round.PERMUTATIONS
 
 
-@pytest.mark.parametrize("shape", [(300, 12), (40, 90)])  # more records than features, and fewer
-def test_the_model_checks_ridge_is_sklearns_ridge_in_closed_form(shape):
-    """consistency._ridge (closed form, primal or dual) predicts what sklearn's Ridge(alpha=1) does."""
+@pytest.mark.parametrize(("shape", "constant"), [((300, 12), 0), ((40, 90), 0), ((40, 90), 60), ((300, 12), 5)])
+def test_the_model_checks_ridge_is_sklearns_ridge_in_closed_form(shape, constant):
+    """consistency._ridge (closed form, primal or dual; constant columns left out of the products,
+    which can turn the dual into the primal) predicts what sklearn's Ridge(alpha=1) does, also on
+    records where a column constant in the fit varies."""
     from sklearn.linear_model import Ridge
 
     from rlinfluence.consistency import _ridge
 
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=shape), rng.normal(size=(shape[0], 3))
+    x[:, :constant] = rng.normal(size=constant)  # a column constant over the records fitted
     z = rng.normal(size=(25, shape[1]))
     assert np.allclose(_ridge(x, y)(z), Ridge(alpha=1.0).fit(x, y).predict(z), rtol=1e-9, atol=1e-10)
     assert np.allclose(_ridge(x, y[:, 0])(z), Ridge(alpha=1.0).fit(x, y[:, 0]).predict(z), rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("separation", [0.5, 6.0])  # overlapping classes, and nearly separable ones (step halving)
+def test_the_termination_models_newton_fit_is_sklearns_logistic_regression_at_its_optimum(separation):
+    """consistency._logistic_newton minimises LogisticRegression(C=1)'s objective (intercept unpenalised):
+    its probabilities are sklearn's run to a tight tolerance; sklearn's default stop (tol 1e-4) is
+    further from that optimum."""
+    from sklearn.linear_model import LogisticRegression
+
+    from rlinfluence.consistency import _logistic_newton
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(400, 6))
+    y = (x[:, 0] * separation + rng.normal(size=400) > 2.0).astype(float)  # the rarer class about 1 in 5
+    tight = LogisticRegression(C=1.0, tol=1e-12, max_iter=100_000).fit(x, y)
+    w, b = _logistic_newton(x, y)
+    z = rng.normal(size=(50, 6))
+    newton = 1 / (1 + np.exp(-(z @ w + b)))
+    assert np.abs(newton - tight.predict_proba(z)[:, 1]).max() < 1e-6
+    assert np.allclose(w, tight.coef_[0], atol=1e-5) and b == pytest.approx(tight.intercept_[0], abs=1e-5)
+
+
+def test_quarantine_with_attribution_tests_influence_and_dtv_as_their_own_calls_score_them():
+    """QuarantineFilter(attribution=True) adds the influence (batch advantages) and dtv families, from
+    one gradient pass: each is minus its own call's scores."""
+    import torch
+
+    from rlinfluence.filters import FilterContext, QuarantineFilter
+    from rlinfluence.influence import gradient_alignment, snapshot_influence
+    from rlinfluence.ppo import PPO, PPOConfig
+
+    config = PPOConfig(env="CartPole-v1", n_envs=4, n_steps=32, batch_size=32, total_timesteps=128, eval_episodes=0,
+                       progress=False, tensorboard=False)
+    trainer = PPO(config, run_dir=False)
+    buffer = trainer.collect()
+    buffer.compute_advantages(0.99, 0.95)
+    quarantine = QuarantineFilter(attribution=True)
+    scores = quarantine._scores(buffer, FilterContext(trainer.policy, 0, 32))
+    records = [buffer.flat(k) for k in ("obs", "actions", "advantages")]
+    expected = {"influence": -snapshot_influence(trainer.policy, *records, advantage_norm="batch"),
+                "dtv": -gradient_alignment(trainer.policy, *records)}
+    for family, values in expected.items():
+        column = scores[:, quarantine.families.index(family)]
+        assert torch.allclose(torch.from_numpy(column), values.double(), rtol=1e-6, atol=1e-9)
+    assert quarantine(buffer, FilterContext(trainer.policy, 0, 32)).all()  # one round: nothing flagged

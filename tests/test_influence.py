@@ -20,10 +20,13 @@ from rlinfluence.influence import (
     Records,
     ReturnTarget,
     Target,
+    ZeroTargetGradient,
     chunk_permutation,
     ghost,
+    gradient_alignment,
     per_record_dots,
     plan_ghost,
+    return_and_alignment_scores,
     score_buffer,
     snapshot_influence,
     top_records,
@@ -234,6 +237,35 @@ def test_passes_and_accumulation_dtype_do_not_change_scores():
     scores = snapshot_influence(policy32, obs32, actions32, adv32, accumulate_dtype=torch.float64)
     assert scores.dtype == torch.float64
     assert_close(scores, snapshot_influence(policy64, obs64, actions64, adv64), torch.float32)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_pass_gives_each_return_score_and_the_alignment_as_its_own_call(kind):
+    """return_and_alignment_scores: batch and chunk influence as snapshot_influence (bit for bit in the
+    one-pass case), the alignment as gradient_alignment; forward-mode parameters (log_std, LayerNorm)
+    included; past records_per_pass, the three calls themselves."""
+    policy, obs, actions, adv = make_case(kind, torch.float64)
+    calls = {"batch": snapshot_influence(policy, obs, actions, adv, advantage_norm="batch"),
+             "chunk": snapshot_influence(policy, obs, actions, adv, advantage_norm="chunk", chunk_size=16),
+             "alignment": gradient_alignment(policy, obs, actions, adv)}
+    shared = return_and_alignment_scores(policy, obs, actions, adv, chunk_size=16)
+    for name in ("batch", "chunk"):
+        torch.testing.assert_close(shared[name], calls[name], rtol=0, atol=0)
+    torch.testing.assert_close(shared["alignment"], calls["alignment"], rtol=1e-12, atol=1e-15)
+    passes = return_and_alignment_scores(policy, obs, actions, adv, chunk_size=16, records_per_pass=7)
+    for name, scores in calls.items():
+        torch.testing.assert_close(passes[name], scores, rtol=1e-12, atol=1e-15)
+
+
+def test_a_target_without_gradient_is_none_and_the_others_are_still_scored():
+    """Equal advantages: the return target has a gradient, the alignment's (normalised to 0) none;
+    all-zero advantages: neither has."""
+    policy, obs, actions, _ = make_case("mlp", torch.float64)
+    equal = return_and_alignment_scores(policy, obs, actions, torch.full((N,), 0.7, dtype=torch.float64))
+    assert equal["alignment"] is None and equal["batch"] is not None and equal["chunk"] is not None
+    with pytest.raises(ZeroTargetGradient):
+        gradient_alignment(policy, obs, actions, torch.full((N,), 0.7, dtype=torch.float64))
+    assert all(v is None for v in return_and_alignment_scores(policy, obs, actions, torch.zeros(N, dtype=torch.float64)).values())
 
 
 def test_params_override_and_default_params_by_reachability():

@@ -21,6 +21,19 @@ def test_categorical_head_matches_torch_distribution():
     assert value.shape == (16,)
 
 
+def test_every_actions_log_prob_is_log_prob_of_that_action_bit_for_bit():
+    """action_log_probs (the policy checks' one forward) column a == log_prob(obs, a), exactly; a Box
+    policy has none."""
+    torch.manual_seed(0)
+    policy = make_policy(BOX8, gym.spaces.Discrete(4))
+    obs = torch.randn(16, 8)
+    every = policy.action_log_probs(obs)
+    for a in range(4):
+        assert torch.equal(every[:, a], policy.log_prob(obs, torch.full((16,), a)))
+    with pytest.raises(ValueError, match="Discrete"):
+        make_policy(BOX8, gym.spaces.Box(-1, 1, (3,), np.float32)).action_log_probs(obs)
+
+
 def test_gaussian_head_matches_torch_distribution_with_state_independent_log_std():
     torch.manual_seed(0)
     policy = make_policy(BOX8, gym.spaces.Box(-1, 1, (3,), np.float32))

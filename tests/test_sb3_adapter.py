@@ -515,3 +515,28 @@ def test_action_calibration_is_scored_only_where_its_law_is_known(space, scored)
         assert np.isfinite(u).all() and abs(u.mean()) < 0.1
     else:
         assert np.isnan(u).all()
+
+
+def test_the_adapters_every_action_log_prob_is_sb3s_log_prob_of_that_action():
+    """SB3PolicyAdapter.action_log_probs (the policy checks' one forward) column a == log_prob(obs, a),
+    exactly; the policy checks give what one forward per action gave."""
+    from rlinfluence.consistency import action_count, policy_checks
+    from rlinfluence.integrations.sb3 import as_rollout_buffer
+
+    model = make_model("CartPole-v1", n_envs=2, n_steps=64, batch_size=8)
+    collect(model)
+    adapter = SB3PolicyAdapter(model.policy)
+    obs = torch.as_tensor(model.rollout_buffer.observations.reshape(-1, 4))
+    every = adapter.action_log_probs(obs)
+    for a in range(2):
+        assert torch.equal(every[:, a], adapter.log_prob(obs, torch.full((len(obs),), a)))
+
+    class OnlyEvaluateActions(torch.nn.Module):  # the one-forward-per-action path
+        def evaluate_actions(self, obs, actions):
+            return adapter.evaluate_actions(obs, actions)
+
+    ours = as_rollout_buffer(model, model.rollout_buffer, 0, np.zeros(2, dtype=np.int64))
+    with torch.no_grad():
+        one, per_action = policy_checks(adapter, ours, 2), policy_checks(OnlyEvaluateActions(), ours, action_count(adapter))
+    for name in one:
+        np.testing.assert_array_equal(one[name], per_action[name])

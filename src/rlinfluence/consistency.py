@@ -52,7 +52,8 @@ sign or size as such; they ask whether the records agree with themselves:
                      caused); for a clean worker or a miswired actuator the previous action explains
                      it only where it happens to equal the action that did
     reward-model     the same cross-fitted ridge for the reward r ~ phi(o, a): squared standardised error
-    termination      cross-fitted logistic regression of the terminated flag on phi(o, a): the
+    termination      cross-fitted logistic regression of the terminated flag on phi(o, a) (L2
+                     penalty 1/2 |w|^2, the intercept free; fitted to its optimum): the
                      calibration residual terminated - P(terminated | o, a), mean 0 for a source
                      whose flags follow the pooled ones (two-sided: flags missing or added)
 
@@ -68,7 +69,7 @@ from collections.abc import Callable
 import gymnasium as gym
 import numpy as np
 import torch
-from scipy import stats
+from scipy import linalg, special, stats
 from sklearn.linear_model import LogisticRegression
 
 from rlinfluence.buffer import RolloutBuffer
@@ -94,7 +95,9 @@ GAP_TOLERANCE = 1e-3
 def policy_checks(policy: torch.nn.Module, buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.ndarray]:
     """``logp-gap``, ``value-gap``, ``action-surprise`` and ``action-calibration`` of every record
     (flat order) at ``policy``; ``n_actions``: the size of a Discrete action space (None otherwise:
-    ``action-calibration`` is then scored for a diagonal Gaussian policy and NaN for any other)."""
+    ``action-calibration`` is then scored for a diagonal Gaussian policy and NaN for any other).
+    Every action's log-prob comes from the policy's ``action_log_probs(obs)`` where it has one
+    (``ActorCritic``, the SB3 adapter), else from ``evaluate_actions`` once per action."""
     obs, actions = buffer.flat("obs"), buffer.flat("actions")
     logp, entropy, values = policy.evaluate_actions(obs, actions)
     logp, entropy, values = (x.double().numpy() for x in (logp, entropy, values))
@@ -102,7 +105,10 @@ def policy_checks(policy: torch.nn.Module, buffer: RolloutBuffer, n_actions: int
     value_gap = np.abs(buffer.flat("values").double().numpy() - values)
     surprise = -logp - entropy
     if n_actions is not None:
-        every = torch.stack([policy.evaluate_actions(obs, torch.full_like(actions, a))[0] for a in range(n_actions)], 1)
+        if callable(getattr(policy, "action_log_probs", None)):  # one forward for every action
+            every = policy.action_log_probs(obs)
+        else:  # a policy with only evaluate_actions: one forward per action
+            every = torch.stack([policy.evaluate_actions(obs, torch.full_like(actions, a))[0] for a in range(n_actions)], 1)
         probs = torch.softmax(every.double(), dim=1).numpy()  # renormalised: float rounding of the log-probs
         taken = actions.reshape(len(actions)).long().numpy()
         p_taken = probs[np.arange(len(taken)), taken][:, None]
@@ -190,13 +196,21 @@ def _ridge_weights(x: np.ndarray, y: np.ndarray, alpha: float = 1.0) -> tuple[np
     """(w, intercept) of ridge regression with an unpenalised intercept, in closed form (sklearn's
     ``Ridge(alpha)`` without its per-call overhead, which was most of the model checks' time on
     small observations): w = (Xc'Xc + alpha I)^-1 Xc'yc, or Xc'(XcXc' + alpha I)^-1 yc where
-    records are fewer than features; Xc, yc centred; intercept mean(y) - mean(X)'w."""
+    records are fewer than features; Xc, yc centred; intercept mean(y) - mean(X)'w. A constant
+    column of X is 0 in Xc, so its weight is 0 in either form: such columns are left out of the
+    products (the one-hot interactions of an image's unused channels are most of them)."""
     x_mean, y_mean = x.mean(axis=0), y.mean(axis=0)
-    xc, yc = x - x_mean, y - y_mean
-    if len(x) < x.shape[1]:
-        w = xc.T @ np.linalg.solve(xc @ xc.T + alpha * np.eye(len(x)), yc)
+    varying = np.ptp(x, axis=0) > 0
+    xc, yc = x[:, varying] - x_mean[varying], y - y_mean
+    w = np.zeros((x.shape[1],) + y.shape[1:])
+    if len(x) < xc.shape[1]:
+        gram = xc @ xc.T
+        gram[np.diag_indices_from(gram)] += alpha
+        w[varying] = xc.T @ linalg.solve(gram, yc, assume_a="pos", check_finite=False)
     else:
-        w = np.linalg.solve(xc.T @ xc + alpha * np.eye(x.shape[1]), xc.T @ yc)
+        gram = xc.T @ xc
+        gram[np.diag_indices_from(gram)] += alpha
+        w[varying] = linalg.solve(gram, xc.T @ yc, assume_a="pos", check_finite=False)
     return w, y_mean - x_mean @ w
 
 
@@ -225,10 +239,53 @@ def _dynamics_every_action(obs: np.ndarray, phi: np.ndarray, y: np.ndarray, fold
     return out
 
 
+NEWTON_FEATURES = 256
+"""Up to this many features the termination model is fitted by Newton's method (its Hessian is
+small: a few milliseconds to the optimum), beyond by sklearn's lbfgs (no Hessian)."""
+
+
+def _logistic_newton(x: np.ndarray, y: np.ndarray, tol: float = 1e-10, max_steps: int = 100
+                     ) -> tuple[np.ndarray, float]:
+    """(w, b) minimising sum_i [log(1 + e^z_i) - y_i z_i] + |w|^2 / 2, z = x w + b (sklearn's
+    ``LogisticRegression(C=1)`` objective, the intercept unpenalised), by Newton's method with
+    step halving, to a gradient below ``tol`` times the records (lbfgs stops at 1e-4)."""
+    design = np.column_stack([x, np.ones(len(x))])
+    penalty = np.ones(design.shape[1])
+    penalty[-1] = 0.0
+    theta = np.zeros(design.shape[1])
+    theta[-1] = np.log(y.mean() / (1 - y.mean()))  # the intercept of the rate: the optimum with w = 0
+
+    def objective(theta: np.ndarray) -> tuple[float, np.ndarray]:
+        z = design @ theta
+        return float((np.logaddexp(0.0, z) - y * z).sum() + 0.5 * (penalty * theta**2).sum()), z
+
+    value, z = objective(theta)
+    for _ in range(max_steps):
+        p = special.expit(z)
+        gradient = design.T @ (p - y) + penalty * theta
+        if np.abs(gradient).max() < tol * len(y):
+            break
+        hessian = design.T @ (design * (p * (1 - p))[:, None])
+        hessian[np.diag_indices_from(hessian)] += penalty
+        step = linalg.solve(hessian, gradient, assume_a="pos", check_finite=False)
+        size = 1.0
+        while True:  # halve the step until the objective does not rise
+            candidate = theta - size * step
+            candidate_value, candidate_z = objective(candidate)
+            if candidate_value <= value or size < 1e-10:
+                break
+            size /= 2
+        theta, value, z = candidate, candidate_value, candidate_z
+    return theta[:-1], float(theta[-1])
+
+
 def _logistic(x: np.ndarray, y: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
     if y.min() == y.max():  # one class in the fold: its (smoothed) rate
         rate = (y.sum() + 0.5) / (len(y) + 1.0)
         return lambda z: np.full(len(z), rate)
+    if x.shape[1] <= NEWTON_FEATURES:
+        w, b = _logistic_newton(x, y)
+        return lambda z: special.expit(z @ w + b)
     model = LogisticRegression(C=1.0, max_iter=500).fit(x, y)
     return lambda z: model.predict_proba(z)[:, 1]
 

@@ -220,6 +220,13 @@ class ActorCritic(nn.Module):
         """log pi_theta(a|s) for each row, shape [N]."""
         return self._log_prob(self._dist_params(obs)[1], actions)
 
+    def action_log_probs(self, obs: torch.Tensor) -> torch.Tensor:
+        """log pi(a|s) of every action of a Discrete space, shape [N, n_actions] (column a equals
+        ``log_prob(obs, a)``)."""
+        if self.continuous:
+            raise ValueError("action_log_probs needs a Discrete action space; this policy's actions are a Box")
+        return torch.log_softmax(self._dist_params(obs)[1], dim=-1)
+
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         """V(s), shape [N]."""
         return self.value_head(self.critic(self.encoder(obs))).squeeze(-1)

@@ -67,7 +67,7 @@ from rlinfluence.consistency import (
 )
 from rlinfluence.errors import UserError
 from rlinfluence.filters import FilterContext, InfluenceScorer
-from rlinfluence.influence import ReturnTarget, ZeroTargetGradient, gradient_alignment
+from rlinfluence.influence import ReturnTarget, ZeroTargetGradient, return_and_alignment_scores
 from rlinfluence.progress import progress_bar
 from rlinfluence.rundir import AUDIT_SCORES as SCORES_DIR
 from rlinfluence.rundir import saved_round_numbers
@@ -93,6 +93,7 @@ if TYPE_CHECKING:
 Scorer = Callable[["SavedRound"], np.ndarray]
 Level = Literal["record", "episode", "source"]
 LEVELS: tuple[Level, ...] = ("record", "episode", "source")
+GRADIENT_FAMILIES = ("influence", "influence-chunk", "dtv")
 PLOTTED_SOURCES = 40
 """The sources plot shows at most this many bars (the lowest p-values); the table keeps every source."""
 MAX_PERMUTATIONS = 1_000_000
@@ -105,14 +106,27 @@ def _trusted(saved: SavedRound) -> torch.Tensor:
     return env >= saved.buffer.n_envs - saved.trainer.config.trusted_envs
 
 
-def _influence(trusted_only: bool, advantage_norm: Literal["batch", "chunk"] = "batch") -> Scorer:
-    def harm(saved: SavedRound) -> np.ndarray:
-        buffer = saved.buffer
-        trusted = _trusted(saved) if trusted_only else None
-        context = FilterContext(saved.trainer.policy, buffer.round, saved.trainer.config.batch_size, trusted=trusted)
-        scorer = InfluenceScorer(advantage_norm=advantage_norm, seed=derived_seed(buffer.round, 0, 7))
-        scores = scorer.scores(buffer, context)
-        return -scores.double().numpy() if scores is not None else np.zeros(len(buffer))
+def _influence_trusted(saved: SavedRound) -> np.ndarray:
+    """influence with f on the trusted envs' records only."""
+    buffer = saved.buffer
+    context = FilterContext(saved.trainer.policy, buffer.round, saved.trainer.config.batch_size, trusted=_trusted(saved))
+    scores = InfluenceScorer(advantage_norm="batch", seed=derived_seed(buffer.round, 0, 7)).scores(buffer, context)
+    return -scores.double().numpy() if scores is not None else np.zeros(len(buffer))
+
+
+def _gradient_families(saved: SavedRound) -> dict[str, np.ndarray]:
+    """influence, influence-chunk and dtv from one pass (``return_and_alignment_scores``), the records
+    in the order IIF's scorer draws for the round (``InfluenceScorer`` seeded by it), so that
+    influence-chunk's chunks are IIF's; a family whose target has no gradient scores 0."""
+    buffer = saved.buffer
+    order = torch.randperm(len(buffer), generator=torch.Generator().manual_seed(derived_seed(buffer.round, 0, 7)))
+    obs, actions, advantages = (buffer.flat(k)[order] for k in ("obs", "actions", "advantages"))
+    scores = return_and_alignment_scores(saved.trainer.policy, obs, actions, advantages, saved.trainer.config.batch_size)
+    harm = {}
+    for family, name in (("influence", "batch"), ("influence-chunk", "chunk"), ("dtv", "alignment")):
+        harm[family] = np.zeros(len(buffer))
+        if scores[name] is not None:
+            harm[family][order.numpy()] = -scores[name].double().numpy()
     return harm
 
 
@@ -127,14 +141,6 @@ def _tracin(saved: SavedRound) -> np.ndarray:
         return np.zeros(len(saved.buffer))
 
 
-def _dtv(saved: SavedRound) -> np.ndarray:
-    obs, actions, advantages = (saved.buffer.flat(k) for k in ("obs", "actions", "advantages"))
-    try:
-        return -gradient_alignment(saved.trainer.policy, obs, actions, advantages).double().numpy()
-    except ZeroTargetGradient:
-        return np.zeros(len(saved.buffer))
-
-
 def _random(saved: SavedRound) -> np.ndarray:
     """Uniform draws, seeded by the round and a checksum of the buffer's actions: reproducible,
     and different for every run and round (a seed of the round alone would repeat across runs)."""
@@ -143,17 +149,25 @@ def _random(saved: SavedRound) -> np.ndarray:
     return np.random.default_rng([buffer.round, checksum]).random(len(buffer))
 
 
-def _statistic(name: str) -> Scorer:
-    return lambda saved: statistic_scores(saved.buffer, saved.trainer.config.gamma)[name]
+GROUPS: dict[tuple[str, ...], Callable[[SavedRound], dict[str, np.ndarray]]] = {
+    GRADIENT_FAMILIES: _gradient_families,
+    STATISTICS: lambda saved: statistic_scores(saved.buffer, saved.trainer.config.gamma),
+    CHECKS: lambda saved: consistency_scores(saved.trainer.policy, saved.buffer, action_count(saved.trainer.policy)),
+}
+"""Families scored together, from work they share (one gradient pass; one forward and the fits of the checks)."""
+
+
+def _member(group: tuple[str, ...], name: str) -> Scorer:
+    return lambda saved: GROUPS[group](saved)[name]
 
 
 SCORERS: dict[str, Scorer] = {
-    "influence": _influence(False),
-    "influence-trusted": _influence(True),
-    "influence-chunk": _influence(False, "chunk"),
+    "influence": _member(GRADIENT_FAMILIES, "influence"),
+    "influence-trusted": _influence_trusted,
+    "influence-chunk": _member(GRADIENT_FAMILIES, "influence-chunk"),
     "tracin": _tracin,
-    "dtv": _dtv,
-    **{name: _statistic(name) for name in STATISTICS},
+    "dtv": _member(GRADIENT_FAMILIES, "dtv"),
+    **{name: _member(STATISTICS, name) for name in STATISTICS},
     "random": _random,
 }
 
@@ -164,21 +178,21 @@ def scorers_of(trusted_envs: int) -> list[str]:
 
 
 def harm_table(saved: SavedRound, scorers: Sequence[str]) -> pd.DataFrame:
-    """One row per record of a saved round (module docstring), a column per scorer or check."""
+    """One row per record of a saved round (module docstring), a column per scorer or check; the
+    families of a ``GROUPS`` entry scored once for all of them."""
     buffer = saved.buffer
-    checks = consistency_scores(saved.trainer.policy, buffer, action_count(saved.trainer.policy)) \
-        if set(scorers) & set(CHECKS) else {}
+    grouped = {name: scores for group, score in GROUPS.items() if set(scorers) & set(group)
+               for name, scores in score(saved).items()}
     ids = buffer.record_ids().numpy()
     table = pd.DataFrame({"round": ids[:, 0], "source": ids[:, 1], "episode": buffer.flat("episode_ids").numpy(),
                           "step": ids[:, 2], "trusted": _trusted(saved).numpy()})
     if saved.trainer.config.corrupt:
         table["corrupted"] = buffer.flat("corrupted").numpy()
     for name in scorers:
-        table[name] = checks[name] if name in checks else SCORERS[name](saved)
+        table[name] = grouped[name] if name in grouped else SCORERS[name](saved)
     return table
 
 
-# -- detection against the truth --------------------------------------------------------------------
 def auroc(harm: np.ndarray, corrupted: np.ndarray) -> float:
     """P(a corrupted item's harm > a clean item's), ties counting 1/2; NaN if one class is empty."""
     corrupted = np.asarray(corrupted, bool)

@@ -22,11 +22,7 @@ from rlinfluence.consistency import (
 )
 from rlinfluence.errors import UserError
 from rlinfluence.filters.base import FilterContext, guard_minibatch
-from rlinfluence.filters.iif import InfluenceScorer
-from rlinfluence.influence import (
-    ZeroTargetGradient,
-    gradient_alignment,
-)
+from rlinfluence.influence import return_and_alignment_scores
 from rlinfluence.sources import (
     EXACT_SHARE,
     MIN_EPISODES,
@@ -83,14 +79,12 @@ class QuarantineFilter:
     def _scores(self, buffer: RolloutBuffer, context: FilterContext) -> np.ndarray:
         scores = {**statistic_scores(buffer, context.gamma),
                   **consistency_scores(context.policy, buffer, action_count(context.policy))}
-        if self.attribution:
+        if self.attribution:  # influence (batch advantages) and dtv from one gradient pass
             obs, actions, advantages = (buffer.flat(k) for k in ("obs", "actions", "advantages"))
-            influence = InfluenceScorer(advantage_norm="batch").scores(buffer, context)
-            scores["influence"] = -influence.double().numpy() if influence is not None else np.full(len(buffer), np.nan)
-            try:
-                scores["dtv"] = -gradient_alignment(context.policy, obs, actions, advantages).double().numpy()
-            except ZeroTargetGradient:
-                scores["dtv"] = np.full(len(buffer), np.nan)
+            gradient = return_and_alignment_scores(context.policy, obs, actions, advantages)
+            for family, name in (("influence", "batch"), ("dtv", "alignment")):
+                score = gradient[name]
+                scores[family] = -score.double().numpy() if score is not None else np.full(len(buffer), np.nan)
         return np.column_stack([scores[f] for f in self.families])
 
     def __call__(self, buffer: RolloutBuffer, context: FilterContext) -> torch.Tensor:

@@ -61,7 +61,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 import torch.nn.functional as F
@@ -165,35 +165,36 @@ def _conv2d_patches(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     return F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)
 
 
-def _conv2d_weight(module: nn.Conv2d, x: torch.Tensor, g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    return (g.flatten(2) * (p.flatten(1) @ _conv2d_patches(module, x))).sum((1, 2))
+def _conv2d_weight(module: nn.Conv2d, u: torch.Tensor, g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    return (g.flatten(2) * (p.flatten(1) @ u)).sum((1, 2))
 
 
-def _conv2d_bias(module: nn.Conv2d, x: torch.Tensor, g: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def _conv2d_bias(module: nn.Conv2d, u: torch.Tensor, g: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return g.flatten(2).sum(2) @ q
 
 
-def _conv2d_rank1(module: nn.Conv2d, x: torch.Tensor, g: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (torch.einsum("nol,o->nl", g.flatten(2), a) * torch.einsum("nkl,k->nl", _conv2d_patches(module, x), b)).sum(1)
+def _conv2d_rank1(module: nn.Conv2d, u: torch.Tensor, g: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (torch.einsum("nol,o->nl", g.flatten(2), a) * torch.einsum("nkl,k->nl", u, b)).sum(1)
 
 
-def _conv2d_grads(module: nn.Conv2d, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _conv2d_grads(module: nn.Conv2d, u: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     g = g.flatten(2)
-    weight = torch.einsum("nol,nkl->ok", g, _conv2d_patches(module, x))
+    weight = torch.einsum("nol,nkl->ok", g, u)
     return weight.view_as(module.weight), g.sum((0, 2))
 
 
 @dataclass(frozen=True)
 class _Kind:
-    weight_dot: Callable  # (module, X, G, P) -> [n]: <grad_W u_i, P>
-    bias_dot: Callable  # (module, X, G, q) -> [n]: <grad_b u_i, q>
-    weight_rank1: Callable  # (module, X, G, a, b) -> [n]: <grad_W u_i, a b^T> (W as [out, rest])
-    grads: Callable  # (module, X, G) -> (grad_W, grad_b) of sum_i u_i
+    inputs: Callable  # (module, X) -> U, what the contractions read: X itself, or a Conv2d's unfold(X)
+    weight_dot: Callable  # (module, U, G, P) -> [n]: <grad_W u_i, P>
+    bias_dot: Callable  # (module, U, G, q) -> [n]: <grad_b u_i, q>
+    weight_rank1: Callable  # (module, U, G, a, b) -> [n]: <grad_W u_i, a b^T> (W as [out, rest])
+    grads: Callable  # (module, U, G) -> (grad_W, grad_b) of sum_i u_i
 
 
 _KINDS = {
-    nn.Linear: _Kind(_linear_weight, _linear_bias, _linear_rank1, _linear_grads),
-    nn.Conv2d: _Kind(_conv2d_weight, _conv2d_bias, _conv2d_rank1, _conv2d_grads),
+    nn.Linear: _Kind(lambda module, x: x, _linear_weight, _linear_bias, _linear_rank1, _linear_grads),
+    nn.Conv2d: _Kind(_conv2d_patches, _conv2d_weight, _conv2d_bias, _conv2d_rank1, _conv2d_grads),
 }
 
 
@@ -227,6 +228,12 @@ class _Call:
     layer: _Layer
     x: torch.Tensor | None
     out: torch.Tensor
+
+    @cached_property
+    def inputs(self) -> torch.Tensor:
+        """U, what the layer's contractions read (``_Kind.inputs``): built once per call, however
+        many directions, batch gradients and checks contract it (a Conv2d's unfold is its dearest part)."""
+        return _KINDS[type(self.layer.module)].inputs(self.layer.module, self.x.detach())
 
 
 @dataclass
@@ -407,7 +414,7 @@ def _unverified(
             layer, kind = call.layer, _KINDS[type(call.layer.module)]
             for s, project in ((layer.weight, kind.weight_rank1), (layer.bias, kind.bias_dot)):
                 if s in terms:
-                    terms[s] += project(layer.module, call.x.to(g.dtype), g, *probes[s])
+                    terms[s] += project(layer.module, call.inputs.to(g.dtype), g, *probes[s])
         stacked = torch.stack([t.double() for t in terms.values()])
         total = torch.stack(totals).double()
         tol = max(torch.finfo(params[s].dtype).eps for s in exact) ** 0.5
@@ -427,10 +434,10 @@ def _ghost_dots(
     with torch.no_grad():
         for call, g in pairs:
             layer, kind = call.layer, _KINDS[type(call.layer.module)]
-            x, g = call.x.to(dtype), g.to(dtype)
+            u, g = call.inputs.to(dtype), g.to(dtype)
             for s, contract in ((layer.weight, kind.weight_dot), (layer.bias, kind.bias_dot)):
                 if s is not None and s not in failed:
-                    dots += contract(layer.module, x, g, direction[s].to(dtype))
+                    dots += contract(layer.module, u, g, direction[s].to(dtype))
     return dots
 
 
@@ -443,7 +450,7 @@ def _batch_gradients(
         for call, g in pairs:
             layer = call.layer
             g = g * row_weights.to(g.dtype).view(-1, *[1] * (g.dim() - 1))
-            for s, grad in zip((layer.weight, layer.bias), _KINDS[type(layer.module)].grads(layer.module, call.x, g), strict=True):
+            for s, grad in zip((layer.weight, layer.bias), _KINDS[type(layer.module)].grads(layer.module, call.inputs, g), strict=True):
                 if s in grads:
                     grads[s] += grad
     return grads
@@ -526,19 +533,39 @@ def self_target_dots(
     ``per_record_dots``); the rest of v comes from autograd on the same graph. All records go in
     one pass.
     """
+    (dots,), (direction,) = shared_self_target_dots(policy, plan, record_fn, records, [weights], accumulate_dtype)
+    return dots, direction
+
+
+def shared_self_target_dots(
+    policy: nn.Module,
+    plan: GhostPlan,
+    record_fn: RecordFn,
+    records: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor],
+    accumulate_dtype: torch.dtype | None = None,
+) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """``self_target_dots`` for several targets over the same records at once, F_t = sum_j
+    weights[t]_j u_j: ([d_t], [v_t]). The forward, the backward and its verification are shared;
+    each target adds only its own contractions (and its forward-mode pass where the plan has one)."""
     with unchanged(policy):
         u, calls = _run_captured(policy, plan.layers, record_fn, records)
         pairs, failed, verified = _ghost_backward(policy, plan, record_fn, u, calls, retain_graph=True)
-        direction = [torch.zeros_like(p) for p in plan.params]
-        for s, grad in _batch_gradients(pairs, verified, plan.params, weights).items():
-            direction[s] = grad
-        dtype = accumulate_dtype or direction[0].dtype
-        dots = _ghost_dots(pairs, failed, direction, len(u), dtype)
+        directions: list[list[torch.Tensor]] = []
+        for w in weights:
+            direction = [torch.zeros_like(p) for p in plan.params]
+            for s, grad in _batch_gradients(pairs, verified, plan.params, w).items():
+                direction[s] = grad
+            directions.append(direction)
+        dtype = accumulate_dtype or directions[0][0].dtype
+        all_dots = [_ghost_dots(pairs, failed, direction, len(u), dtype) for direction in directions]
         plan.demote(failed)
         if plan.jvp_slots and u.requires_grad:
-            target = (weights.to(u.dtype) * u).sum()
-            grads = torch.autograd.grad(target, [plan.params[s] for s in plan.jvp_slots], allow_unused=True)
-            for s, grad in zip(plan.jvp_slots, grads, strict=True):
-                direction[s] = torch.zeros_like(plan.params[s]) if grad is None else grad
-            dots += _jvp_dots(plan, plan.jvp_slots, policy, record_fn, records, direction).to(dtype)
-    return dots, direction
+            for t, (w, direction, dots) in enumerate(zip(weights, directions, all_dots, strict=True)):
+                target = (w.to(u.dtype) * u).sum()
+                grads = torch.autograd.grad(target, [plan.params[s] for s in plan.jvp_slots], allow_unused=True,
+                                            retain_graph=t < len(weights) - 1)
+                for s, grad in zip(plan.jvp_slots, grads, strict=True):
+                    direction[s] = torch.zeros_like(plan.params[s]) if grad is None else grad
+                dots += _jvp_dots(plan, plan.jvp_slots, policy, record_fn, records, direction).to(dtype)
+    return all_dots, directions

@@ -22,7 +22,7 @@ record's factors with the elementwise-scaled target gradient P^-1 G.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from rlinfluence.influence.ghost import (
     per_record_dots,
     plan_ghost,
     self_target_dots,
+    shared_self_target_dots,
 )
 from rlinfluence.influence.state import unchanged
 from rlinfluence.influence.targets import (
@@ -41,6 +42,7 @@ from rlinfluence.influence.targets import (
     Records,
     ReturnTarget,
     Target,
+    ZeroTargetGradient,
     check_positive_int,
     parameter_device,
     require_nonzero,
@@ -177,6 +179,48 @@ def gradient_alignment(policy: nn.Module, obs: torch.Tensor, actions: torch.Tens
     normalised = normalize_for_attribution(advantages, "batch", len(advantages))
     return snapshot_influence(policy, obs, actions, advantages, advantage_norm="batch",
                               target=ReturnTarget(obs, actions, normalised))
+
+
+def _unless_zero_gradient(call: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+    try:
+        return call()
+    except ZeroTargetGradient:
+        return None
+
+
+def return_and_alignment_scores(policy: nn.Module, obs: torch.Tensor, actions: torch.Tensor, advantages: torch.Tensor,
+                                chunk_size: int = 64, records_per_pass: int = 4096) -> dict[str, torch.Tensor | None]:
+    """Three scores of the records in the order given, from one forward and one backward (all three
+    contract the same per-record gradients g_i = grad log pi(a_i|s_i)):
+
+        "batch"      A_batch_i <g_i, (1/N) sum_j A_j g_j>       snapshot_influence(advantage_norm="batch")
+        "chunk"      A_chunk_i <g_i, (1/N) sum_j A_j g_j>       snapshot_influence(advantage_norm="chunk")
+        "alignment"  A_batch_i <g_i, (1/N) sum_j A_batch_j g_j>  gradient_alignment
+
+    (return target on the scored records, raw A in it; A_chunk normalised in consecutive chunks of
+    ``chunk_size``). Each equals its own call on the same records in the same order. None where that
+    target's gradient is exactly zero (where the single call raises ``ZeroTargetGradient``). More
+    records than ``records_per_pass`` take the three calls (their passes bound the memory)."""
+    check_policy(policy)
+    if len(obs) > records_per_pass:
+        calls = {"batch": lambda: snapshot_influence(policy, obs, actions, advantages, advantage_norm="batch"),
+                 "chunk": lambda: snapshot_influence(policy, obs, actions, advantages, advantage_norm="chunk",
+                                                     chunk_size=chunk_size),
+                 "alignment": lambda: gradient_alignment(policy, obs, actions, advantages)}
+        return {name: _unless_zero_gradient(call) for name, call in calls.items()}
+    given_on, device = obs.device, parameter_device(policy)
+    obs, actions, advantages = obs.to(device), actions.to(device), advantages.to(device)
+    batch = normalize_for_attribution(advantages, "batch", len(advantages))
+    chunk = normalize_for_attribution(advantages, "chunk", chunk_size)
+    with unchanged(policy):
+        plan = plan_ghost(policy, attributed_parameters(policy, None, obs[:3], actions[:3]))
+        (on_return, on_alignment), directions = shared_self_target_dots(
+            policy, plan, _log_prob, (obs, actions), [advantages / len(advantages), batch / len(batch)])
+    has_gradient = [any(g.any() for g in direction) for direction in directions]
+    scores = {"batch": (on_return, batch, has_gradient[0]), "chunk": (on_return, chunk, has_gradient[0]),
+              "alignment": (on_alignment, batch, has_gradient[1])}
+    return {name: (dots * weights.to(dots.dtype)).to(given_on) if nonzero else None
+            for name, (dots, weights, nonzero) in scores.items()}
 
 
 def adam_inverse_preconditioner(optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, torch.Tensor]:

@@ -98,6 +98,7 @@ class SB3PolicyAdapter(nn.Module):
     - ``log_prob(obs, actions) -> [N]``: ``policy.get_distribution(obs).log_prob(actions)`` (the
       actor path only; SB3's own observation preprocessing, e.g. images / 255);
     - ``evaluate_actions(obs, actions) -> (log_prob, entropy, value)`` (our order, not SB3's);
+    - ``action_log_probs(obs) -> [N, n_actions]`` (Discrete only): every action's log-prob;
     - ``policy_parameters()``: every trainable parameter except the value-only ones.
 
     Discrete actions may be given as ``[N]`` or ``[N, 1]`` (SB3's buffer stores ``[N, 1]``
@@ -121,6 +122,12 @@ class SB3PolicyAdapter(nn.Module):
 
     def log_prob(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         return self.policy.get_distribution(obs).log_prob(self._actions(actions))
+
+    def action_log_probs(self, obs: torch.Tensor) -> torch.Tensor:
+        """log pi(a|s) of every action of a Discrete space, [N, n_actions] (column a equals ``log_prob(obs, a)``)."""
+        if not self.discrete:
+            raise ValueError(f"action_log_probs needs a Discrete action space, not {self.policy.action_space}")
+        return self.policy.get_distribution(obs).distribution.logits
 
     def evaluate_actions(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         values, log_prob, entropy = self.policy.evaluate_actions(obs, self._actions(actions))
