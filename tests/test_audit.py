@@ -230,7 +230,7 @@ def test_the_audit_help_names_every_scorer_it_takes():
     """--scorer's help lists the scorers and checks by hand: each one the audit takes is named."""
     import re
 
-    from rlinfluence.analysis.audit import scorers_of
+    from rlinfluence.analysis.harm import scorers_of
     from rlinfluence.cli_faults import AuditArgs
 
     source = __import__("inspect").getsource(AuditArgs)

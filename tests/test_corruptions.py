@@ -161,7 +161,8 @@ def test_auroc_is_the_chance_a_corrupted_item_looks_more_harmful():
 
 
 def test_detection_scores_every_scorer_at_every_level_with_auroc_and_precision(tmp_path):
-    from rlinfluence.analysis.audit import SCORERS, detection, harm_table
+    from rlinfluence.analysis.audit import detection
+    from rlinfluence.analysis.harm import SCORERS, harm_table
     from rlinfluence.checkpoint import load_round
 
     config = PPOConfig(env="FrozenLake-v1", n_envs=4, n_steps=64, batch_size=64, total_timesteps=512, eval_episodes=2,

@@ -217,7 +217,7 @@ def test_the_trainer_records_the_replays_tracin_and_trains_unchanged(tmp_path, m
         replay = score_round(saved, ReturnTarget(), "full", 0)
         assert float((saved.tracin - replay).abs().max() / replay.abs().max()) < 1e-5
     # audit's tracin scorer reads the recorded scores, and replays a round trained without them
-    from rlinfluence.analysis.audit import _tracin
+    from rlinfluence.analysis.harm import _tracin
 
     recorded_round, plain_round = load_round(recorded.run.path, 1), load_round(plain.run.path, 1)
     assert plain_round.tracin is None

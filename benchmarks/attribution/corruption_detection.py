@@ -30,7 +30,8 @@ from pathlib import Path  # noqa: E402
 
 import pandas as pd  # noqa: E402
 
-from rlinfluence.analysis.audit import SCORERS, detection, harm_table  # noqa: E402
+from rlinfluence.analysis.audit import detection  # noqa: E402
+from rlinfluence.analysis.harm import SCORERS, harm_table  # noqa: E402
 from rlinfluence.checkpoint import load_round  # noqa: E402
 from rlinfluence.ppo import PPO, PPOConfig  # noqa: E402
 from rlinfluence.statistics import ci95  # noqa: E402

@@ -25,7 +25,8 @@ from pathlib import Path  # noqa: E402
 
 import pandas as pd  # noqa: E402
 
-from rlinfluence.analysis.audit import harm_table, sources_table  # noqa: E402
+from rlinfluence.analysis.audit import sources_table  # noqa: E402
+from rlinfluence.analysis.harm import harm_table  # noqa: E402
 from rlinfluence.checkpoint import load_round  # noqa: E402
 from rlinfluence.ppo import PPO, PPOConfig  # noqa: E402
 

@@ -207,7 +207,8 @@ def _train_rllib(env: str, fault: str | None, seed: int, rounds: int, scratch: P
 def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path, window: int = 0,
             trainer: str = "native") -> dict:
     """Train, score every round, and check the verdict after each round (module docstring)."""
-    from rlinfluence.analysis.audit import harm_table, scorers_of, verdict_table
+    from rlinfluence.analysis.audit import verdict_table
+    from rlinfluence.analysis.harm import harm_table, scorers_of
     from rlinfluence.checkpoint import load_round
     from rlinfluence.sources import VERDICT_VERSION
 

@@ -40,7 +40,7 @@ from pathlib import Path  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from rlinfluence.analysis.audit import GRADIENT_FAMILIES, GROUPS, SCORERS  # noqa: E402
+from rlinfluence.analysis.harm import GRADIENT_FAMILIES, GROUPS, SCORERS  # noqa: E402
 from rlinfluence.checkpoint import load_round  # noqa: E402
 from rlinfluence.consistency import (  # noqa: E402
     STATISTICS,

@@ -422,7 +422,8 @@ def suspects(run_path: Path, n_rounds: int) -> list[int]:
     leaves out together, made on the records' consistency and not on the return, so that removal's
     chance band (as many random records) still holds. None where the run has fewer than 3
     untrusted sources."""
-    from rlinfluence.analysis.audit import harm_table, verdict_table
+    from rlinfluence.analysis.audit import verdict_table
+    from rlinfluence.analysis.harm import harm_table
     from rlinfluence.checkpoint import load_round
     from rlinfluence.consistency import CHECKS, STATISTICS
 
