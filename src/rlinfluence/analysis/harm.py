@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 Scorer = Callable[["SavedRound"], np.ndarray]
 GRADIENT_FAMILIES = ("influence", "influence-chunk", "dtv")
+"""The families scored from one gradient pass (``_gradient_families``)."""
 
 
 def _trusted(saved: SavedRound) -> torch.Tensor:

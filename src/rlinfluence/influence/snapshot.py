@@ -203,9 +203,10 @@ def return_and_alignment_scores(policy: nn.Module, obs: torch.Tensor, actions: t
     records than ``records_per_pass`` take the three calls (their passes bound the memory)."""
     check_policy(policy)
     if len(obs) > records_per_pass:
-        calls = {"batch": lambda: snapshot_influence(policy, obs, actions, advantages, advantage_norm="batch"),
+        calls = {"batch": lambda: snapshot_influence(policy, obs, actions, advantages, advantage_norm="batch",
+                                                     records_per_pass=records_per_pass),
                  "chunk": lambda: snapshot_influence(policy, obs, actions, advantages, advantage_norm="chunk",
-                                                     chunk_size=chunk_size),
+                                                     chunk_size=chunk_size, records_per_pass=records_per_pass),
                  "alignment": lambda: gradient_alignment(policy, obs, actions, advantages)}
         return {name: _unless_zero_gradient(call) for name, call in calls.items()}
     given_on, device = obs.device, parameter_device(policy)
