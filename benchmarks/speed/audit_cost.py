@@ -17,7 +17,10 @@ Ends with one line per figure: ``<env>/audit_share_of_round: x`` (the seconds of
 audit runs on a run trained without ``--tracin`` over a round's training seconds),
 ``<env>/audit_with_replayed_tracin_share_of_round`` (every family, the replayed TracIn too),
 ``<env>/quarantine_share_of_round`` (the statistics and consistency checks
-``--filter quarantine`` scores every round), ``<env>/train_cpu_seconds_per_round``,
+``--filter quarantine`` scores every round), ``<env>/live_quarantine_share_of_round`` (a run trained
+with ``--filter quarantine``: the filter's wall seconds a round, its scoring and its verdict's
+tests, over the rest of the round's, one thread; and ``live_quarantine_seconds_per_round``),
+``<env>/train_cpu_seconds_per_round``,
 ``<env>/<part>_seconds``. With ``--sb3-envs``, per env also what the Stable-Baselines3 audit costs a
 Stable-Baselines3 run (SB3's PPO with its defaults, 8 envs x 256 steps, ``AuditCallback`` with its
 default scorers; the callback's process CPU time against the rest of ``learn()``'s, per rollout):
@@ -94,7 +97,20 @@ def measure(env: str, out: Path, rounds: int, update_engine: str) -> dict[str, f
     figures["audit_with_replayed_tracin_share_of_round"] = sum(median.values()) / per_round
     cheap = ["statistics", *CHECK_GROUPS]  # what --filter quarantine scores every round (QuarantineFilter.CHEAP)
     figures["quarantine_share_of_round"] = sum(median[name] for name in cheap) / per_round
-    return figures
+    return figures | measure_live_quarantine(env, out, rounds, update_engine)
+
+
+def measure_live_quarantine(env: str, out: Path, rounds: int, update_engine: str) -> dict[str, float]:
+    """A run of the same size trained with ``--filter quarantine``: the filter's seconds a round (its
+    scoring and its verdict's tests) against the rest of the round's (collection and update), wall
+    time of one thread, median over the rounds after the first."""
+    config = PPOConfig.for_env(env, update_engine=update_engine, n_envs=8, n_steps=256, batch_size=256,
+                               total_timesteps=rounds * 8 * 256, filter="quarantine", eval_episodes=0, progress=False,
+                               tensorboard=False, run_root=str(out / "quarantine_runs"))
+    metrics = pd.read_csv(PPO(config).learn().run.path / "metrics.csv").iloc[1:]
+    rest = metrics["collect_seconds"] + metrics["update_seconds"]
+    return {"live_quarantine_seconds_per_round": float(metrics["filter_seconds"].median()),
+            "live_quarantine_share_of_round": float((metrics["filter_seconds"] / rest).median())}
 
 
 def measure_sb3(env: str, out: Path, rounds: int) -> dict[str, float]:

@@ -37,7 +37,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
-from scipy import stats
+from scipy import special, stats
 
 from rlinfluence.errors import UserError
 from rlinfluence.statistics import holm
@@ -116,7 +116,8 @@ def _one_sided_scale(t: np.ndarray) -> np.ndarray:
     """|T| of a two-sided family on the scale of a one-sided T: the normal deviate with the same
     tail, Phi^-1(1 - 2 Phi(-|T|)) (T is close to standard normal under the null), so that no
     family dominates the maximum because its statistic is an absolute value."""
-    return stats.norm.isf(np.clip(2 * stats.norm.sf(np.abs(t)), 1e-300, 1 - 1e-16))
+    # scipy.special's ndtr and ndtri, what stats.norm's sf and isf compute, without their per-call checks
+    return -special.ndtri(np.clip(2 * special.ndtr(-np.abs(t)), 1e-300, 1 - 1e-16))
 
 
 def maxt_test(means: Mapping[str, np.ndarray], two_sided: Collection[str] = (), permutations: int = 10_000,
@@ -195,21 +196,28 @@ def group_means(groups: np.ndarray, sources: np.ndarray, values: np.ndarray, col
                 ) -> tuple[np.ndarray, np.ndarray]:
     """(groups, h): h [groups, len(columns)] = the mean of ``values`` over the records of each
     (group, source), NaN values left out; a source without a scored record in a group gets that
-    group's mean over the other sources (a neutral value: centred, 0)."""
+    group's mean over the other sources (a neutral value: centred, 0). ``values`` [N, F] (several
+    families of the same records): h [F, groups, len(columns)], the grouping found once for all."""
     values = np.asarray(values, dtype=float)
     labels, row = np.unique(np.asarray(groups), return_inverse=True)
     columns, sources = np.asarray(list(columns)), np.asarray(sources)
     order = np.argsort(columns, kind="stable")
     at = np.minimum(np.searchsorted(columns, sources, sorter=order), len(columns) - 1)
     col = np.where(columns[order[at]] == sources, order[at], -1)  # -1: a source outside the columns
-    scored = (col >= 0) & ~np.isnan(values)
-    cell = row.ravel()[scored] * len(columns) + col[scored]
     size = len(labels) * len(columns)
-    sums = np.bincount(cell, values[scored], minlength=size).reshape(len(labels), len(columns))
-    counts = np.bincount(cell, minlength=size).reshape(len(labels), len(columns))
-    out = np.divide(sums, counts, out=np.full(sums.shape, np.nan), where=counts > 0)
-    row_means = np.nanmean(np.where(np.isnan(out).all(axis=1, keepdims=True), 0.0, out), axis=1, keepdims=True)
-    return labels, np.where(np.isnan(out), row_means, out)
+
+    def means(family: np.ndarray) -> np.ndarray:
+        scored = (col >= 0) & ~np.isnan(family)
+        cell = row.ravel()[scored] * len(columns) + col[scored]
+        sums = np.bincount(cell, family[scored], minlength=size).reshape(len(labels), len(columns))
+        counts = np.bincount(cell, minlength=size).reshape(len(labels), len(columns))
+        out = np.divide(sums, counts, out=np.full(sums.shape, np.nan), where=counts > 0)
+        row_means = np.nanmean(np.where(np.isnan(out).all(axis=1, keepdims=True), 0.0, out), axis=1, keepdims=True)
+        return np.where(np.isnan(out), row_means, out)
+
+    if values.ndim == 2:
+        return labels, np.stack([means(values[:, f]) for f in range(values.shape[1])])
+    return labels, means(values)
 
 
 def normal_scores(rounds: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -232,23 +240,35 @@ def episode_floor(sources: np.ndarray, episodes: np.ndarray, z: np.ndarray, colu
     s_e^2 the variance of the other sources' episodes' mean z and n_j each source's episodes. The
     floor of ``outlier_test``'s spread: where the sources' means happen to cluster (a rare event,
     say a goal reached, in a few episodes: most sources have none and the same mean), the spread
-    between sources alone would make any source with the event look far out."""
+    between sources alone would make any source with the event look far out. ``z`` [N, F] (several
+    families of the same records): [F, len(columns)], the episodes found once for all."""
     z = np.asarray(z, dtype=float)
-    scored = ~np.isnan(z)
-    source, episode = np.asarray(sources)[scored], np.asarray(episodes)[scored]
-    source_ids, source_code = np.unique(source, return_inverse=True)
+    source, episode = np.asarray(sources), np.asarray(episodes)
+    _, source_code = np.unique(source, return_inverse=True)
     episode_ids, episode_code = np.unique(episode, return_inverse=True)
+    # every (source, episode) pair in (source, episode) order; a family's pairs are those with a scored record
     pairs, first, pair_of = np.unique(source_code.ravel() * len(episode_ids) + episode_code.ravel(),
                                       return_index=True, return_inverse=True)
-    means = np.bincount(pair_of, z[scored], minlength=len(pairs)) / np.bincount(pair_of, minlength=len(pairs))
-    of = source[first]  # each (source, episode)'s source
-    counts = np.array([np.sum(of == c) for c in columns], dtype=float)
-    harmonic = np.mean(1 / np.maximum(counts, 1))
-    floors = []
-    for c in columns:
-        others = means[of != c]
-        floors.append(float(np.sqrt(others.var(ddof=1) * harmonic)) if len(others) > 1 else 0.0)
-    return np.array(floors)
+    pair_of, pair_source = pair_of.ravel(), source[first]
+
+    def floors(family: np.ndarray) -> np.ndarray:
+        scored = ~np.isnan(family)
+        counts_per_pair = np.bincount(pair_of[scored], minlength=len(pairs))
+        present = counts_per_pair > 0
+        means = (np.bincount(pair_of[scored], family[scored], minlength=len(pairs))[present]
+                 / counts_per_pair[present])
+        of = pair_source[present]  # each scored (source, episode)'s source
+        counts = np.array([np.sum(of == c) for c in columns], dtype=float)
+        harmonic = np.mean(1 / np.maximum(counts, 1))
+        out = []
+        for c in columns:
+            others = means[of != c]
+            out.append(float(np.sqrt(others.var(ddof=1) * harmonic)) if len(others) > 1 else 0.0)
+        return np.array(out)
+
+    if z.ndim == 2:
+        return np.stack([floors(z[:, f]) for f in range(z.shape[1])])
+    return floors(z)
 
 
 def outlier_test(h: np.ndarray, two_sided: bool = False, floor: np.ndarray | float = 0.0
@@ -269,15 +289,16 @@ def outlier_test(h: np.ndarray, two_sided: bool = False, floor: np.ndarray | flo
     n_sources = len(means)
     if n_sources < 3:
         raise ValueError(f"the outlier test compares each source with 2 or more others, got {n_sources} sources")
-    t, p = np.zeros(n_sources), np.ones(n_sources)
+    t = np.zeros(n_sources)
     floors = np.broadcast_to(np.asarray(floor, float), (n_sources,))
+    tested = np.zeros(n_sources, dtype=bool)
     for s in range(n_sources):
         others = np.delete(means, s)
         spread = max(others.std(ddof=1), floors[s]) * np.sqrt(1 + 1 / len(others))
-        if spread <= 1e-12 * (1 + np.abs(others).max()):
-            continue
-        t[s] = (means[s] - others.mean()) / spread
-        p[s] = min(1.0, 2 * stats.t.sf(abs(t[s]), len(others) - 1)) if two_sided else stats.t.sf(t[s], len(others) - 1)
+        if spread > 1e-12 * (1 + np.abs(others).max()):
+            t[s], tested[s] = (means[s] - others.mean()) / spread, True
+    tail = stats.t.sf(np.abs(t) if two_sided else t, n_sources - 2)  # one call for every source
+    p = np.where(tested, np.minimum(1.0, 2 * tail) if two_sided else tail, 1.0)
     return t, p
 
 

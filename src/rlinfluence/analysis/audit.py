@@ -166,13 +166,13 @@ def verdict_table(table: pd.DataFrame, families: Sequence[str], alpha: float = 0
     starts = episode_starts(rounds, source, episode)  # the exact test's units, once for all families
     enough = judged.groupby("source")["episode"].nunique().min() >= MIN_EPISODES
     means, outlier_means, floors = {}, {}, {}
-    for family in families:
-        values = judged[family].to_numpy(dtype=float)
-        z = values if family in RAW_SCALE else normal_scores(rounds, values)
-        means[family] = group_means(starts, source, z, sources)[1]
+    if families:  # every family's units at once: [records, families]
+        z = np.column_stack([judged[f].to_numpy(dtype=float) if f in RAW_SCALE
+                             else normal_scores(rounds, judged[f].to_numpy(dtype=float)) for f in families])
+        means = dict(zip(families, group_means(starts, source, z, sources)[1], strict=True))
         if enough:  # the outlier test's units: means per collection round, and their floor
-            outlier_means[family] = group_means(rounds, source, z, sources)[1]
-            floors[family] = episode_floor(source, episode, z, sources)
+            outlier_means = dict(zip(families, group_means(rounds, source, z, sources)[1], strict=True))
+            floors = dict(zip(families, episode_floor(source, episode, z, sources), strict=True))
     calibrated = {family: calibration_p_values(source, judged[family].to_numpy(dtype=float), sources, CALIBRATED[family])
                   for family in families if family in CALIBRATED}
     out = verdict(means, sources, TWO_SIDED, alpha, outlier_means if enough else None, floors, calibrated=calibrated)

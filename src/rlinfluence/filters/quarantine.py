@@ -107,16 +107,14 @@ class QuarantineFilter:
         episodes = torch.cat([r["episode"] for r in kept]).numpy()
         z = torch.cat([r["units"] for r in kept]).numpy()  # the units of every test
         in_window = starts >= oldest
-        means = {family: group_means(starts[in_window], sources[in_window], z[in_window, j], range(n_sources))[1]
-                 for j, family in enumerate(self.families)}
+        means = dict(zip(self.families, group_means(starts[in_window], sources[in_window], z[in_window],
+                                                    range(n_sources))[1], strict=True))
         outlier_means, floors = None, {}
         per_source = np.bincount(np.unique(np.stack([sources, episodes]), axis=1)[0], minlength=n_sources)
         if (per_source[:n_sources] >= MIN_EPISODES).all():
             collected = np.concatenate([np.full(len(r["source"]), k) for k, r in enumerate(kept)])
-            outlier_means = {family: group_means(collected, sources, z[:, j], range(n_sources))[1]
-                             for j, family in enumerate(self.families)}
-            floors = {family: episode_floor(sources, episodes, z[:, j], range(n_sources))
-                      for j, family in enumerate(self.families)}
+            outlier_means = dict(zip(self.families, group_means(collected, sources, z, range(n_sources))[1], strict=True))
+            floors = dict(zip(self.families, episode_floor(sources, episodes, z, range(n_sources)), strict=True))
         calibrated = {family: calibration_p_values(sources, z[:, j], range(n_sources), CALIBRATED[family])
                       for j, family in enumerate(self.families) if family in CALIBRATED}
         flagged = verdict(means, range(n_sources), TWO_SIDED, self.alpha, outlier_means, floors, self.permutations,
