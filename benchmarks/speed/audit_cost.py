@@ -18,8 +18,9 @@ audit runs on a run trained without ``--tracin`` over a round's training seconds
 ``<env>/audit_with_replayed_tracin_share_of_round`` (every family, the replayed TracIn too),
 ``<env>/quarantine_share_of_round`` (the statistics and consistency checks
 ``--filter quarantine`` scores every round), ``<env>/live_quarantine_share_of_round`` (a run trained
-with ``--filter quarantine``: the filter's wall seconds a round, its scoring and its verdict's
-tests, over the rest of the round's, one thread; and ``live_quarantine_seconds_per_round``),
+with ``--filter quarantine`` for twice its window: the filter's wall seconds a round, its scoring
+and its verdict's tests, over the rest of the round's, one thread, once the window is full; and
+``live_quarantine_seconds_per_round``),
 ``<env>/train_cpu_seconds_per_round``,
 ``<env>/<part>_seconds``. With ``--sb3-envs``, per env also what the Stable-Baselines3 audit costs a
 Stable-Baselines3 run (SB3's PPO with its defaults, 8 envs x 256 steps, ``AuditCallback`` with its
@@ -53,6 +54,7 @@ from rlinfluence.consistency import (  # noqa: E402
     policy_checks,
     truncations,
 )
+from rlinfluence.filters import QuarantineFilter  # noqa: E402
 from rlinfluence.ppo import PPO, PPOConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared harness
@@ -97,17 +99,19 @@ def measure(env: str, out: Path, rounds: int, update_engine: str) -> dict[str, f
     figures["audit_with_replayed_tracin_share_of_round"] = sum(median.values()) / per_round
     cheap = ["statistics", *CHECK_GROUPS]  # what --filter quarantine scores every round (QuarantineFilter.CHEAP)
     figures["quarantine_share_of_round"] = sum(median[name] for name in cheap) / per_round
-    return figures | measure_live_quarantine(env, out, rounds, update_engine)
+    return figures | measure_live_quarantine(env, out, update_engine)
 
 
-def measure_live_quarantine(env: str, out: Path, rounds: int, update_engine: str) -> dict[str, float]:
-    """A run of the same size trained with ``--filter quarantine``: the filter's seconds a round (its
-    scoring and its verdict's tests) against the rest of the round's (collection and update), wall
-    time of one thread, median over the rounds after the first."""
+def measure_live_quarantine(env: str, out: Path, update_engine: str) -> dict[str, float]:
+    """A run of the same size trained with ``--filter quarantine`` for twice its window of rounds: the
+    filter's seconds a round (its scoring and its verdict's tests, which grow with the records in the
+    window) against the rest of the round's (collection and update), wall time of one thread, median
+    over the rounds once the window is full."""
+    window = QuarantineFilter().window
     config = PPOConfig.for_env(env, update_engine=update_engine, n_envs=8, n_steps=256, batch_size=256,
-                               total_timesteps=rounds * 8 * 256, filter="quarantine", eval_episodes=0, progress=False,
-                               tensorboard=False, run_root=str(out / "quarantine_runs"))
-    metrics = pd.read_csv(PPO(config).learn().run.path / "metrics.csv").iloc[1:]
+                               total_timesteps=2 * window * 8 * 256, filter="quarantine", eval_episodes=0,
+                               progress=False, tensorboard=False, run_root=str(out / "quarantine_runs"))
+    metrics = pd.read_csv(PPO(config).learn().run.path / "metrics.csv").iloc[window - 1:]
     rest = metrics["collect_seconds"] + metrics["update_seconds"]
     return {"live_quarantine_seconds_per_round": float(metrics["filter_seconds"].median()),
             "live_quarantine_share_of_round": float((metrics["filter_seconds"] / rest).median())}
