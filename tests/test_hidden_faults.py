@@ -909,3 +909,22 @@ def test_quarantine_with_attribution_tests_influence_and_dtv_as_their_own_calls_
         column = scores[:, quarantine.families.index(family)]
         assert torch.allclose(torch.from_numpy(column), values.double(), rtol=1e-6, atol=1e-9)
     assert quarantine(buffer, FilterContext(trainer.policy, 0, 32)).all()  # one round: nothing flagged
+
+
+def test_the_termination_model_falls_back_to_lbfgs_where_newtons_hessian_fails(monkeypatch):
+    """A Hessian that is not numerically positive definite (Newton's solve raises) gives sklearn's fit,
+    not an error."""
+    from scipy import linalg
+    from sklearn.linear_model import LogisticRegression
+
+    from rlinfluence import consistency
+
+    def singular(x, y):
+        raise linalg.LinAlgError("not positive definite")
+
+    monkeypatch.setattr(consistency, "_logistic_newton", singular)
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(200, 3)), (rng.random(200) < 0.3).astype(float)
+    z = rng.normal(size=(20, 3))
+    expected = LogisticRegression(C=1.0, max_iter=500).fit(x, y).predict_proba(z)[:, 1]
+    assert np.array_equal(consistency._logistic(x, y)(z), expected)

@@ -284,8 +284,11 @@ def _logistic(x: np.ndarray, y: np.ndarray) -> Callable[[np.ndarray], np.ndarray
         rate = (y.sum() + 0.5) / (len(y) + 1.0)
         return lambda z: np.full(len(z), rate)
     if x.shape[1] <= NEWTON_FEATURES:
-        w, b = _logistic_newton(x, y)
-        return lambda z: special.expit(z @ w + b)
+        try:
+            w, b = _logistic_newton(x, y)
+            return lambda z: special.expit(z @ w + b)
+        except linalg.LinAlgError:  # a Hessian not numerically positive definite: lbfgs needs none
+            pass
     model = LogisticRegression(C=1.0, max_iter=500).fit(x, y)
     return lambda z: model.predict_proba(z)[:, 1]
 
