@@ -145,13 +145,8 @@ def maxt_test(means: Mapping[str, np.ndarray], two_sided: Collection[str] = (), 
     standardised = centred / _permutation_sd(centred)
     sided = np.array([f in two_sided for f in families])
 
-    def statistic(x: np.ndarray) -> np.ndarray:
-        if sided.any():  # the transform on the two-sided families' columns only: the null holds millions
-            x = x.copy()
-            x[..., sided] = _one_sided_scale(x[..., sided])
-        return x
-
-    observed = statistic(standardised.sum(axis=0))  # [S, F]
+    observed = standardised.sum(axis=0)  # [S, F]
+    observed[:, sided] = _one_sided_scale(observed[:, sided])  # the two-sided families' columns only
     rng = np.random.default_rng(seed)
     tolerance = 1e-9
     order = np.argsort(-observed.ravel(), kind="stable")
@@ -166,13 +161,17 @@ def maxt_test(means: Mapping[str, np.ndarray], two_sided: Collection[str] = (), 
         labels = rng.permuted(np.broadcast_to(np.arange(n_sources), (size, n_rounds, n_sources)), axis=2)
         null = np.zeros((size, n_sources, n_families))
         for k in range(n_rounds):
-            null += standardised[k][labels[:, k]]
-        null = statistic(null)
-        pooled = np.sort(null.reshape(-1, n_families), axis=0)
-        exceed += np.stack([len(pooled) - np.searchsorted(pooled[:, j], observed[:, j] - tolerance)
-                            for j in range(n_families)], axis=1)
-        successive = np.maximum.accumulate(null.reshape(size, -1)[:, order[::-1]], axis=1)[:, ::-1]
-        reached += (successive >= threshold).sum(axis=0)
+            null += np.take(standardised[k], labels[:, k], axis=0)
+        # [S, F, draws]: each hypothesis (s, f) a contiguous row of draws, in observed.ravel()'s order
+        null = np.ascontiguousarray(null.transpose(1, 2, 0))
+        null[:, sided] = _one_sided_scale(null[:, sided])
+        for s, bar in enumerate(observed - tolerance):  # counted over every source's draws, not sorted
+            exceed[s] += (null >= bar[None, :, None]).sum(axis=(0, 2))
+        # step-down maxT: the running maximum over the hypotheses from the smallest T up, row by row
+        successive = null.reshape(-1, size)[order[::-1]]
+        for i in range(1, len(successive)):
+            np.maximum(successive[i - 1], successive[i], out=successive[i])
+        reached += (successive[::-1] >= threshold[:, None]).sum(axis=1)
     p = (1 + exceed) / (1 + permutations * n_sources)
     ranked = (1 + reached) / (1 + permutations)
     adjusted = np.empty(len(order))
@@ -205,12 +204,20 @@ def group_means(groups: np.ndarray, sources: np.ndarray, values: np.ndarray, col
     at = np.minimum(np.searchsorted(columns, sources, sorter=order), len(columns) - 1)
     col = np.where(columns[order[at]] == sources, order[at], -1)  # -1: a source outside the columns
     size = len(labels) * len(columns)
+    inside = col >= 0
+    cells = {}  # per pattern of missing values (most families have none): the scored records' cells and counts
+
+    def scored_cells(missing: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        key = missing.tobytes() if missing.any() else b""
+        if key not in cells:
+            scored = inside & ~missing
+            cell = row.ravel()[scored] * len(columns) + col[scored]
+            cells[key] = scored, cell, np.bincount(cell, minlength=size).reshape(len(labels), len(columns))
+        return cells[key]
 
     def means(family: np.ndarray) -> np.ndarray:
-        scored = (col >= 0) & ~np.isnan(family)
-        cell = row.ravel()[scored] * len(columns) + col[scored]
+        scored, cell, counts = scored_cells(np.isnan(family))
         sums = np.bincount(cell, family[scored], minlength=size).reshape(len(labels), len(columns))
-        counts = np.bincount(cell, minlength=size).reshape(len(labels), len(columns))
         out = np.divide(sums, counts, out=np.full(sums.shape, np.nan), where=counts > 0)
         row_means = np.nanmean(np.where(np.isnan(out).all(axis=1, keepdims=True), 0.0, out), axis=1, keepdims=True)
         return np.where(np.isnan(out), row_means, out)
@@ -224,13 +231,16 @@ def normal_scores(rounds: np.ndarray, values: np.ndarray) -> np.ndarray:
     """[N] each value's van der Waerden score within its round, Phi^-1((r - 1/2) / n) with r its
     rank (ties averaged) among the round's n non-NaN values; NaN stays NaN. A record counts by its
     place among the round's records, so no single extreme record (an inf, one huge TD error)
-    decides a source's mean, and the means are close to normal."""
+    decides a source's mean, and the means are close to normal. ``values`` [N, F] (several
+    families of the same records): [N, F], each column ranked on its own."""
     values = np.asarray(values, float)
-    out = np.full(len(values), np.nan)
+    out = np.full(values.shape, np.nan)
     for k in np.unique(rounds):
-        at = np.flatnonzero((rounds == k) & ~np.isnan(values))
-        if len(at):
-            out[at] = stats.norm.ppf((stats.rankdata(values[at]) - 0.5) / len(at))
+        at = np.asarray(rounds) == k
+        block = values[at]
+        ranks = stats.rankdata(block, axis=0, nan_policy="omit")  # NaN where the value is
+        counts = np.maximum((~np.isnan(block)).sum(axis=0), 1)
+        out[at] = special.ndtri((ranks - 0.5) / counts)  # stats.norm.ppf's values, without its per-call checks
     return out
 
 
@@ -250,19 +260,26 @@ def episode_floor(sources: np.ndarray, episodes: np.ndarray, z: np.ndarray, colu
     pairs, first, pair_of = np.unique(source_code.ravel() * len(episode_ids) + episode_code.ravel(),
                                       return_index=True, return_inverse=True)
     pair_of, pair_source = pair_of.ravel(), source[first]
+    shared = {}  # per pattern of missing values (most families have none): what does not depend on the values
+
+    def scored_pairs(missing: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray], float]:
+        key = missing.tobytes() if missing.any() else b""
+        if key not in shared:
+            scored = ~missing
+            counts_per_pair = np.bincount(pair_of[scored], minlength=len(pairs))
+            present = counts_per_pair > 0
+            of = pair_source[present]  # each scored (source, episode)'s source
+            counts = np.array([np.sum(of == c) for c in columns], dtype=float)
+            shared[key] = (scored, counts_per_pair, present, [of != c for c in columns],
+                           np.mean(1 / np.maximum(counts, 1)))
+        return shared[key]
 
     def floors(family: np.ndarray) -> np.ndarray:
-        scored = ~np.isnan(family)
-        counts_per_pair = np.bincount(pair_of[scored], minlength=len(pairs))
-        present = counts_per_pair > 0
+        scored, counts_per_pair, present, other_sources, harmonic = scored_pairs(np.isnan(family))
         means = (np.bincount(pair_of[scored], family[scored], minlength=len(pairs))[present]
                  / counts_per_pair[present])
-        of = pair_source[present]  # each scored (source, episode)'s source
-        counts = np.array([np.sum(of == c) for c in columns], dtype=float)
-        harmonic = np.mean(1 / np.maximum(counts, 1))
         out = []
-        for c in columns:
-            others = means[of != c]
+        for others in (means[mask] for mask in other_sources):
             out.append(float(np.sqrt(others.var(ddof=1) * harmonic)) if len(others) > 1 else 0.0)
         return np.array(out)
 
@@ -289,15 +306,13 @@ def outlier_test(h: np.ndarray, two_sided: bool = False, floor: np.ndarray | flo
     n_sources = len(means)
     if n_sources < 3:
         raise ValueError(f"the outlier test compares each source with 2 or more others, got {n_sources} sources")
-    t = np.zeros(n_sources)
     floors = np.broadcast_to(np.asarray(floor, float), (n_sources,))
-    tested = np.zeros(n_sources, dtype=bool)
-    for s in range(n_sources):
-        others = np.delete(means, s)
-        spread = max(others.std(ddof=1), floors[s]) * np.sqrt(1 + 1 / len(others))
-        if spread > 1e-12 * (1 + np.abs(others).max()):
-            t[s], tested[s] = (means[s] - others.mean()) / spread, True
-    tail = stats.t.sf(np.abs(t) if two_sided else t, n_sources - 2)  # one call for every source
+    # row s: the other sources' means, in order (each row reduced as the 1-d array of them would be)
+    others = np.broadcast_to(means, (n_sources, n_sources))[~np.eye(n_sources, dtype=bool)].reshape(n_sources, -1)
+    spread = np.maximum(others.std(axis=1, ddof=1), floors) * np.sqrt(1 + 1 / (n_sources - 1))
+    tested = spread > 1e-12 * (1 + np.abs(others).max(axis=1))
+    t = np.where(tested, (means - others.mean(axis=1)) / np.where(tested, spread, 1.0), 0.0)
+    tail = special.stdtr(n_sources - 2, -(np.abs(t) if two_sided else t))  # stats.t.sf, without its per-call checks
     p = np.where(tested, np.minimum(1.0, 2 * tail) if two_sided else tail, 1.0)
     return t, p
 
@@ -524,6 +539,34 @@ def spread_enough(means: np.ndarray) -> bool:
     return len(per_source) - int(counts.max()) >= OUTLIER_MIN_SPREAD
 
 
+def verdict_p_values(means: Mapping[str, np.ndarray], two_sided: Sequence[str] = (),
+                     outlier_means: Mapping[str, np.ndarray] | None = None,
+                     floors: Mapping[str, np.ndarray] | None = None, permutations: int = 10_000,
+                     calibrated: Mapping[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(p, p_adjusted), each [sources, families of ``means``]: the tests of ``verdict`` combined,
+    before and after the adjustment across sources x families (a source is flagged where some
+    p_adjusted < alpha); what a caller that needs only the flags (the quarantine filter, every
+    round) computes without the table."""
+    families = list(means)
+    n_sources = len(next(iter(means.values()))[0]) if families else 0
+    if not families:
+        return np.ones((n_sources, 0)), np.ones((n_sources, 0))
+    _, raw, adjusted = maxt_test(means, two_sided, permutations)
+    if outlier_means is not None:
+        outlier = np.column_stack([outlier_test(outlier_means[f], f in two_sided, (floors or {}).get(f, 0.0))[1]
+                                   if spread_enough(outlier_means[f]) else np.ones(n_sources) for f in families])
+        raw = np.minimum(1.0, np.minimum(raw / EXACT_SHARE, outlier / (1 - EXACT_SHARE)))
+        adjusted = np.minimum(1.0, np.minimum(adjusted / EXACT_SHARE, holm(outlier) / (1 - EXACT_SHARE)))
+    if calibrated:
+        rest = 1 - CALIBRATION_SHARE
+        raw, adjusted = np.minimum(1.0, raw / rest), np.minimum(1.0, adjusted / rest)
+        for family, p in calibrated.items():
+            j = families.index(family)
+            raw[:, j] = np.minimum(raw[:, j], np.minimum(1.0, np.asarray(p) / CALIBRATION_SHARE))
+            adjusted[:, j] = np.minimum(adjusted[:, j], np.minimum(1.0, holm(p) / CALIBRATION_SHARE))
+    return raw, adjusted
+
+
 def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Sequence[str] = (),
             alpha: float = 0.01, outlier_means: Mapping[str, np.ndarray] | None = None,
             floors: Mapping[str, np.ndarray] | None = None, permutations: int = 10_000,
@@ -548,21 +591,9 @@ def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Seque
     families = list(means)
     n_sources = len(sources)
     if families:
-        _, raw, adjusted = maxt_test(means, two_sided, permutations)
+        raw, adjusted = verdict_p_values(means, two_sided, outlier_means, floors, permutations, calibrated)
     else:
         raw = adjusted = np.ones((n_sources, 0))
-    if outlier_means is not None and families:
-        outlier = np.column_stack([outlier_test(outlier_means[f], f in two_sided, (floors or {}).get(f, 0.0))[1]
-                                   if spread_enough(outlier_means[f]) else np.ones(n_sources) for f in families])
-        raw = np.minimum(1.0, np.minimum(raw / EXACT_SHARE, outlier / (1 - EXACT_SHARE)))
-        adjusted = np.minimum(1.0, np.minimum(adjusted / EXACT_SHARE, holm(outlier) / (1 - EXACT_SHARE)))
-    if calibrated:
-        rest = 1 - CALIBRATION_SHARE
-        raw, adjusted = np.minimum(1.0, raw / rest), np.minimum(1.0, adjusted / rest)
-        for family, p in calibrated.items():
-            j = families.index(family)
-            raw[:, j] = np.minimum(raw[:, j], np.minimum(1.0, np.asarray(p) / CALIBRATION_SHARE))
-            adjusted[:, j] = np.minimum(adjusted[:, j], np.minimum(1.0, holm(p) / CALIBRATION_SHARE))
     flags = adjusted < alpha
     signatures = [[families[j] for j in np.argsort(adjusted[i]) if flags[i, j]] for i in range(n_sources)]
     # each source's side of the others per family (mean over rounds of its centred means): the

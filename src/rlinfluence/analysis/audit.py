@@ -167,8 +167,8 @@ def verdict_table(table: pd.DataFrame, families: Sequence[str], alpha: float = 0
     enough = judged.groupby("source")["episode"].nunique().min() >= MIN_EPISODES
     means, outlier_means, floors = {}, {}, {}
     if families:  # every family's units at once: [records, families]
-        z = np.column_stack([judged[f].to_numpy(dtype=float) if f in RAW_SCALE
-                             else normal_scores(rounds, judged[f].to_numpy(dtype=float)) for f in families])
+        values = judged[families].to_numpy(dtype=float)
+        z = np.where(np.isin(families, list(RAW_SCALE)), values, normal_scores(rounds, values))
         means = dict(zip(families, group_means(starts, source, z, sources)[1], strict=True))
         if enough:  # the outlier test's units: means per collection round, and their floor
             outlier_means = dict(zip(families, group_means(rounds, source, z, sources)[1], strict=True))

@@ -31,15 +31,15 @@ from rlinfluence.sources import (
     episode_starts,
     group_means,
     normal_scores,
-    verdict,
+    verdict_p_values,
 )
 
 
 def _units(scores: np.ndarray, families: Sequence[str]) -> np.ndarray:
     """[N, families] each column as normal scores within the round (``rlinfluence.sources.normal_scores``;
     the ``RAW_SCALE`` checks as they are): computed once when a round is recorded, as they never change."""
-    return np.column_stack([scores[:, j] if family in RAW_SCALE else normal_scores(np.zeros(len(scores)), scores[:, j])
-                            for j, family in enumerate(families)])
+    raw = np.array([family in RAW_SCALE for family in families])
+    return np.where(raw, scores, normal_scores(np.zeros(len(scores)), scores))
 
 
 class QuarantineFilter:
@@ -110,16 +110,16 @@ class QuarantineFilter:
         means = dict(zip(self.families, group_means(starts[in_window], sources[in_window], z[in_window],
                                                     range(n_sources))[1], strict=True))
         outlier_means, floors = None, {}
-        per_source = np.bincount(np.unique(np.stack([sources, episodes]), axis=1)[0], minlength=n_sources)
+        pairs = np.unique(sources * (episodes.max() + 1) + episodes)  # each (source, episode) once
+        per_source = np.bincount(pairs // (episodes.max() + 1), minlength=n_sources)
         if (per_source[:n_sources] >= MIN_EPISODES).all():
             collected = np.concatenate([np.full(len(r["source"]), k) for k, r in enumerate(kept)])
             outlier_means = dict(zip(self.families, group_means(collected, sources, z, range(n_sources))[1], strict=True))
             floors = dict(zip(self.families, episode_floor(sources, episodes, z, range(n_sources)), strict=True))
         calibrated = {family: calibration_p_values(sources, z[:, j], range(n_sources), CALIBRATED[family])
                       for j, family in enumerate(self.families) if family in CALIBRATED}
-        flagged = verdict(means, range(n_sources), TWO_SIDED, self.alpha, outlier_means, floors, self.permutations,
-                          calibrated)
-        quarantined = [int(s) for s in flagged.loc[flagged["flagged"], "source"]]
+        _, adjusted = verdict_p_values(means, TWO_SIDED, outlier_means, floors, self.permutations, calibrated)
+        quarantined = np.flatnonzero((adjusted < self.alpha).any(axis=1)).tolist()  # the verdict's flags
         context.stats["quarantined"] = float(len(quarantined))
         context.stats["quarantined_sources"] = " ".join(map(str, quarantined))
         keep = ~torch.isin(ids[:, 1], torch.tensor(quarantined, dtype=torch.int64))
