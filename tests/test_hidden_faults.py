@@ -25,16 +25,14 @@ from rlinfluence.consistency import (
     policy_checks,
 )
 from rlinfluence.ppo import PPO, PPOConfig
+from rlinfluence.readings import FAULT_CLASSES, KIND_CLASS, reading
 from rlinfluence.sources import (
-    FAULT_CLASSES,
-    KIND_CLASS,
     VERDICT_VERSION,
     calibration_test,
     episode_floor,
     maxt_test,
     normal_scores,
     outlier_test,
-    reading,
     source_test,
     verdict,
 )
@@ -664,6 +662,44 @@ def test_a_quarantine_run_resumes_with_its_window(tmp_path):
             assert torch.equal(after.records[k][name].nan_to_num(7.0), tensor.nan_to_num(7.0)), (k, name)
     resumed.learn(total_timesteps=6 * 512)
     assert sorted(resumed.filter.records) == [0, 1, 2, 3, 4, 5]
+
+
+def test_the_quarantine_windows_sums_give_the_verdict_of_its_records(tmp_path, monkeypatch):
+    """The filter sums each round's units once and adds the window's sums up: the tests' inputs are
+    those the verdict computes from the window's records themselves (group means per start round
+    and per collected round, episode floors, calibration sums), to float rounding."""
+    from rlinfluence.consistency import CALIBRATED, TWO_SIDED
+    from rlinfluence.filters import quarantine
+    from rlinfluence.sources import (
+        calibration_p_values,
+        episode_floor,
+        group_means,
+        verdict_p_values,
+    )
+
+    calls = []
+    monkeypatch.setattr(quarantine, "verdict_p_values", lambda *args: calls.append(args) or verdict_p_values(*args))
+    trainer = _trained(tmp_path, ["reward-flip:envs=1"], 3, filter="quarantine", rounds=9)
+    window = trainer.filter
+    means, _, outlier_means, floors, _, calibrated = calls[-1]
+    records = [window.records[k] for k in sorted(window.records)]
+    assert len(records) == window.window and outlier_means is not None
+    starts, sources, episodes, z = (torch.cat([r[name] for r in records]).numpy() for name in ("start", "source", "episode", "units"))
+    collected = np.concatenate([np.full(len(r["source"]), k) for k, r in enumerate(records)])
+    in_window = starts >= min(window.records)
+    expected = {"means": group_means(starts[in_window], sources[in_window], z[in_window], range(8))[1],
+                "outlier_means": group_means(collected, sources, z, range(8))[1],
+                "floors": episode_floor(sources, episodes, z, range(8))}
+    for name, got in (("means", means), ("outlier_means", outlier_means), ("floors", floors)):
+        np.testing.assert_allclose(np.stack([got[f] for f in window.families]), expected[name], rtol=1e-12, atol=1e-14,
+                                   err_msg=name)
+    for family, p in calibrated.items():
+        j = window.families.index(family)
+        np.testing.assert_allclose(p, calibration_p_values(sources, z[:, j], range(8), CALIBRATED[family]), rtol=1e-12)
+    from_records = verdict_p_values(dict(zip(window.families, expected["means"], strict=True)), TWO_SIDED,
+                                    dict(zip(window.families, expected["outlier_means"], strict=True)),
+                                    dict(zip(window.families, expected["floors"], strict=True)), window.permutations, calibrated)
+    np.testing.assert_allclose(verdict_p_values(*calls[-1])[1], from_records[1], rtol=1e-9)
 
 
 def test_the_learning_benchmark_counts_what_a_filter_drops_and_the_rounds_corrupted_share(benchmark_script):

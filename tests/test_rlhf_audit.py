@@ -13,11 +13,11 @@ pytest.importorskip("transformers")
 
 from rlinfluence.analysis.audit import audit_run  # noqa: E402
 from rlinfluence.errors import UserError  # noqa: E402
+from rlinfluence.readings import reading  # noqa: E402
 from rlinfluence.rlhf import TINY_GPT2, RLHFConfig, RLHFTrainer  # noqa: E402
 from rlinfluence.rlhf.audit import HARM_FAMILIES  # noqa: E402
 from rlinfluence.rlhf.reward import ShardedReward  # noqa: E402
 from rlinfluence.rundir import AUDIT_SCORES  # noqa: E402
-from rlinfluence.sources import reading  # noqa: E402
 
 PROMPTS = ["You are such a", "hi", "Shut up, you", "That referee is a", "ok then", "Why are you"]
 

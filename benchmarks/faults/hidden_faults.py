@@ -105,7 +105,7 @@ N_ENVS = 8
 
 def truth_class(fault: str) -> str:
     """The fault class a right reading names: the held-out kind's, or the ``--corrupt`` kind's."""
-    from rlinfluence.sources import KIND_CLASS
+    from rlinfluence.readings import KIND_CLASS
 
     if fault.startswith(HELD_OUT):
         return held_out_faults.ALL_KINDS[fault.removeprefix(HELD_OUT)][0]

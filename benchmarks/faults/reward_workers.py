@@ -125,7 +125,7 @@ def leaning(out: Path, seeds: list[int], rounds: int, broken: int = 3) -> list[s
 
 
 def summary(args: argparse.Namespace) -> None:
-    from rlinfluence.sources import reading
+    from rlinfluence.readings import reading
 
     rows = pd.read_csv(Path(args.out) / "rows.csv")
     last = int(rows["rounds"].max())

@@ -40,6 +40,7 @@ import pandas as pd
 from scipy import special, stats
 
 from rlinfluence.errors import UserError
+from rlinfluence.readings import reading
 from rlinfluence.statistics import holm
 
 MIN_SOURCES = 3
@@ -184,11 +185,17 @@ def episode_starts(rounds: np.ndarray, sources: np.ndarray, episodes: np.ndarray
     """[N] the round each record's episode started in: the first round in which its (source,
     episode) appears, in these records or in ``first_seen`` ((source, episode) -> round, updated)."""
     first_seen = {} if first_seen is None else first_seen
-    keys = list(zip(sources.tolist(), episodes.tolist(), strict=True))
-    for key, k in zip(keys, rounds.tolist(), strict=True):
-        if key not in first_seen or k < first_seen[key]:
-            first_seen[key] = k
-    return np.array([first_seen[key] for key in keys], dtype=np.int64)
+    source_ids, source_code = np.unique(sources, return_inverse=True)
+    episode_ids, episode_code = np.unique(episodes, return_inverse=True)
+    pairs, pair_of = np.unique(source_code.ravel() * len(episode_ids) + episode_code.ravel(), return_inverse=True)
+    earliest = np.full(len(pairs), np.iinfo(np.int64).max)
+    np.minimum.at(earliest, pair_of.ravel(), np.asarray(rounds, dtype=np.int64))  # each pair's first round here
+    starts, source_ids, episode_ids = [], source_ids.tolist(), episode_ids.tolist()  # the ids as Python values
+    for pair, k in zip(pairs.tolist(), earliest.tolist(), strict=True):  # once per (source, episode)
+        key = (source_ids[pair // len(episode_ids)], episode_ids[pair % len(episode_ids)])
+        first_seen[key] = min(first_seen.get(key, k), k)
+        starts.append(first_seen[key])
+    return np.array(starts, dtype=np.int64)[pair_of.ravel()]
 
 
 def group_means(groups: np.ndarray, sources: np.ndarray, values: np.ndarray, columns: Sequence
@@ -217,14 +224,20 @@ def group_means(groups: np.ndarray, sources: np.ndarray, values: np.ndarray, col
 
     def means(family: np.ndarray) -> np.ndarray:
         scored, cell, counts = scored_cells(np.isnan(family))
-        sums = np.bincount(cell, family[scored], minlength=size).reshape(len(labels), len(columns))
-        out = np.divide(sums, counts, out=np.full(sums.shape, np.nan), where=counts > 0)
-        row_means = np.nanmean(np.where(np.isnan(out).all(axis=1, keepdims=True), 0.0, out), axis=1, keepdims=True)
-        return np.where(np.isnan(out), row_means, out)
+        return cell_means(np.bincount(cell, family[scored], minlength=size).reshape(len(labels), len(columns)), counts)
 
     if values.ndim == 2:
         return labels, np.stack([means(values[:, f]) for f in range(values.shape[1])])
     return labels, means(values)
+
+
+def cell_means(sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """h [..., groups, sources] = ``sums`` / ``counts`` per (group, source) cell, as ``group_means``
+    gives it from records already summed: a cell without a scored record gets its group's mean over
+    the other sources (a neutral value: centred, 0), a group without any 0."""
+    out = np.divide(sums, counts, out=np.full(np.shape(sums), np.nan), where=np.asarray(counts) > 0)
+    row_means = np.nanmean(np.where(np.isnan(out).all(axis=-1, keepdims=True), 0.0, out), axis=-1, keepdims=True)
+    return np.where(np.isnan(out), row_means, out)
 
 
 def normal_scores(rounds: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -260,32 +273,37 @@ def episode_floor(sources: np.ndarray, episodes: np.ndarray, z: np.ndarray, colu
     pairs, first, pair_of = np.unique(source_code.ravel() * len(episode_ids) + episode_code.ravel(),
                                       return_index=True, return_inverse=True)
     pair_of, pair_source = pair_of.ravel(), source[first]
-    shared = {}  # per pattern of missing values (most families have none): what does not depend on the values
+    present_pairs = {}  # per pattern of missing values (most families have none): the pairs it scores
 
-    def scored_pairs(missing: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray], float]:
+    def scored_pairs(missing: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         key = missing.tobytes() if missing.any() else b""
-        if key not in shared:
-            scored = ~missing
-            counts_per_pair = np.bincount(pair_of[scored], minlength=len(pairs))
-            present = counts_per_pair > 0
-            of = pair_source[present]  # each scored (source, episode)'s source
-            counts = np.array([np.sum(of == c) for c in columns], dtype=float)
-            shared[key] = (scored, counts_per_pair, present, [of != c for c in columns],
-                           np.mean(1 / np.maximum(counts, 1)))
-        return shared[key]
+        if key not in present_pairs:
+            counts_per_pair = np.bincount(pair_of[~missing], minlength=len(pairs))
+            present_pairs[key] = ~missing, counts_per_pair, counts_per_pair > 0
+        return present_pairs[key]
 
     def floors(family: np.ndarray) -> np.ndarray:
-        scored, counts_per_pair, present, other_sources, harmonic = scored_pairs(np.isnan(family))
-        means = (np.bincount(pair_of[scored], family[scored], minlength=len(pairs))[present]
-                 / counts_per_pair[present])
-        out = []
-        for others in (means[mask] for mask in other_sources):
-            out.append(float(np.sqrt(others.var(ddof=1) * harmonic)) if len(others) > 1 else 0.0)
-        return np.array(out)
+        scored, counts_per_pair, present = scored_pairs(np.isnan(family))
+        means = np.bincount(pair_of[scored], family[scored], minlength=len(pairs))[present] / counts_per_pair[present]
+        return pair_floors(means, pair_source[present], columns)
 
     if z.ndim == 2:
         return np.stack([floors(z[:, f]) for f in range(z.shape[1])])
     return floors(z)
+
+
+def pair_floors(pair_means: np.ndarray, pair_sources: np.ndarray, columns: Sequence) -> np.ndarray:
+    """[len(columns)] ``episode_floor`` from each scored (source, episode)'s mean of z
+    (``pair_means``) and its source (``pair_sources``), for callers that sum episodes as they go;
+    ``pair_means`` [pairs, F] (families scored on the same pairs): [len(columns), F]."""
+    counts = np.array([np.sum(pair_sources == c) for c in columns], dtype=float)
+    harmonic = np.mean(1 / np.maximum(counts, 1))
+    out = np.zeros((len(columns),) + pair_means.shape[1:])
+    for i, c in enumerate(columns):
+        others = pair_means[pair_sources != c]
+        if len(others) > 1:
+            out[i] = np.sqrt(others.var(axis=0, ddof=1) * harmonic)
+    return out
 
 
 def outlier_test(h: np.ndarray, two_sided: bool = False, floor: np.ndarray | float = 0.0
@@ -338,7 +356,6 @@ def calibration_p_values(sources: np.ndarray, scores: np.ndarray, columns: Seque
     return calibration_test(per_source["sum"].to_numpy(), per_source["count"].to_numpy(), variance)
 
 
-# -- the reading of a signature -----------------------------------------------------------------------
 VERDICT_VERSION = 3
 """What the verdict is: its families, its tests and their shares of alpha, and the reading of a
 signature. Every figure records the version that produced it (``verdict_version`` in an audit's
@@ -352,139 +369,6 @@ or a flaky actuator contradicted), the rule that took ``action-fit`` without ``l
 against an observation fault is gone (rounded observations move ``action-fit`` too), and a family
 whose per-source values leave fewer than ``OUTLIER_MIN_SPREAD`` sources apart from the rest gets no
 outlier test (``verdict``)."""
-
-FAULT_CLASSES = ("stale-policy", "observation", "action", "environment", "sampling", "done-flags", "reward",
-                 "unexplained", "undetermined")
-KIND_CLASS = {"stale": "stale-policy", "obs-bug": "observation", "action-mismatch": "action",
-              "logp-mismatch": "sampling", "done-flag": "done-flags", "reward-delay": "reward",
-              "reward-flip": "reward", "reward-noise": "reward", "trigger": "reward"}
-"""The fault class each corruption kind belongs to (``rlinfluence.corruptions``): the truth a reading is judged by."""
-
-SUPPORT = 0.05
-"""A family supports a reading without flagging the source when its unadjusted p-value is below this."""
-
-_BEHAVIOUR = frozenset({"action", "sampling", "stale-policy", "observation", "environment"})
-"""Classes that change how a worker behaves, and so which states it visits, how its episodes end and
-what rewards it gets: each can move the families that summarise those."""
-EXPLAINS: dict[str, frozenset[str]] = {
-    "reward-recheck": frozenset({"reward"}),
-    "logp-gap": frozenset({"stale-policy"}),
-    "value-gap": frozenset({"stale-policy"}),
-    "action-surprise": frozenset({"sampling", "action", "stale-policy"}),
-    "action-calibration": frozenset({"sampling", "action", "stale-policy"}),
-    "dynamics": frozenset({"action", "observation", "environment"}),
-    "action-fit": frozenset({"action", "observation"}),
-    "lag-fit": frozenset({"action", "observation"}),
-    "obs-shift": _BEHAVIOUR | {"done-flags"},
-    "termination": frozenset({"done-flags", "observation", "action", "environment"}),
-    "truncations": _BEHAVIOUR | {"done-flags"},
-    "reward-model": frozenset({"reward", "action", "observation", "environment"}),
-    "reward-extremes": _BEHAVIOUR | {"reward", "done-flags"},
-    "td-error": _BEHAVIOUR | {"reward", "done-flags"},
-}
-"""The fault classes that can make each family flag a source (the families not listed, the gradient
-and advantage families, can be moved by every class and carry no class information). ``truncations``
-above the other sources' share (more episode ends reported as time-limit ends) is explained by
-done flags alone (``reading``)."""
-
-_EVIDENCE = {
-    "logp-gap": "its logged log-probs or values are not the current policy's",
-    "value-gap": "its logged log-probs or values are not the current policy's",
-    "action-surprise": "its logged actions are not samples of the policy it logs",
-    "action-calibration": "its logged actions are not samples of the policy it logs",
-    "dynamics": "its transitions do not follow from its logged (state, action)",
-    "action-fit": "another action than the logged one explains its transitions",
-    "lag-fit": "the action before the logged one explains its transitions",
-    "obs-shift": "its observations are distributed unlike the other workers'",
-    "termination": "its episode ends disagree with the states they happen in",
-    "truncations": "its share of episode ends reported as time-limit ends differs from the others'",
-    "reward-model": "its rewards disagree with its logged (state, action)",
-    "reward-extremes": "its rewards are distributed unlike the other workers'",
-    "td-error": "its one-step value errors differ from the others'",
-    "reward-recheck": "its logged rewards are not what the reward function gives its completions",
-}
-_CLASS_TEXT = {
-    "stale-policy": ("a stale or lagging worker, or one that logs another policy's numbers",
-                     "logp-gap / value-gap: compare its logged log-probs and values with theta(k)'s"),
-    "observation": ("its observations do not follow the state (preprocessing: scale, order, rounding, a stale "
-                    "buffer)", "print a few of its raw observations beside a healthy worker's from the same state"),
-    "action": ("the env executes another action than the logged one (an actuator, mapping, clipping or logging "
-               "bug)", "action-fit: does another action explain its transitions"),
-    "environment": ("its env's own dynamics differ (physics, version, configuration)",
-                    "step its env and a healthy one from one state with one action sequence"),
-    "sampling": ("it samples from another distribution than it logs (temperature, an inference engine)",
-                 "transitions that follow from its logged actions while its actions are not the policy's"),
-    "done-flags": ("its terminated / truncated flags are wrong (or its time limit differs)",
-                   "truncations / termination: its episode ends against its states and time limit"),
-    "reward": ("its reward differs (timing, scale, sign, assignment)",
-               "reward-model with transitions that follow: compare its rewards with a healthy worker's"),
-}
-_LAG_CHECK = ("an observation lag shows each episode's first observation twice (its second equals its first), "
-              "an actuator lag does not: compare the first two observations of a few of its episodes")
-
-
-def reading(signature: Sequence[str], p_values: Mapping[str, float] | None = None,
-            directions: Mapping[str, float] | None = None) -> tuple[str, str, str]:
-    """(fault class, a plain-language reading, the candidate classes ``;``-joined) of the families that
-    flag a source (its ``signature``).
-
-    The candidates are the classes that every informative flagging family can be explained by:
-    C = intersection over f in the signature of ``EXPLAINS[f]`` (``truncations`` with its share
-    above the others', ``directions[f] > 0``: done flags only). Two rules then use what the
-    mechanism of a class implies for a family that does not flag (its unadjusted p in ``p_values``,
-    "supported" when below ``SUPPORT``):
-
-    - an executed action that differs moves ``action-fit`` with ``dynamics`` (the transition fits
-      the executed action, not the logged one): ``dynamics`` flagging with neither ``action-fit`` nor
-      ``lag-fit`` supported leaves action out. (Version 2 had a second rule, ``action-fit``
-      supported without ``lag-fit`` leaves observation out; rounded observations broke it.)
-
-    One candidate left: that class, named. Several: "undetermined", the evidence and each candidate
-    with the check that tells it apart. None (flagging families that no single class explains, or
-    a rule that leaves out the last one: more than one fault, or a fault outside the classes):
-    "undetermined" with the classes named by the most specific families (or left before the rule).
-    A signature of families that carry no class information (gradient and advantage families
-    only): "undetermined" among every class, since no consistency check flags it (most often a
-    reward or objective the other workers do not share, but a fault whose records stay consistent,
-    a flaky actuator among them, reads the same).
-    """
-    flagged = list(dict.fromkeys(signature))
-    if not flagged:
-        return "", "", ""
-    p_values, directions = p_values or {}, directions or {}
-
-    def supported(family: str) -> bool:
-        return family in flagged or p_values.get(family, 1.0) < SUPPORT
-
-    informative = [f for f in flagged if f in EXPLAINS]
-    if not informative:
-        every = [c for c in FAULT_CLASSES if c in _CLASS_TEXT]
-        return "undetermined", ("no consistency check flags it, but its updates oppose the other workers': most "
-                                "often a reward or objective they do not share (tells: "
-                                f"{_CLASS_TEXT['reward'][1]}), or a fault whose records stay consistent"), ";".join(every)
-    sets = [frozenset({"done-flags"}) if f == "truncations" and directions.get(f, 0.0) > 0 else EXPLAINS[f]
-            for f in informative]
-    candidates = frozenset.intersection(*sets)
-    ruled_out = set()
-    if "dynamics" in flagged and not supported("action-fit") and not supported("lag-fit"):
-        ruled_out.add("action")
-    evidence = "; ".join(dict.fromkeys(_EVIDENCE[f] for f in informative))
-    conflict = not candidates - ruled_out
-    if not candidates:  # no one class explains every flagging family: the most specific ones' classes
-        smallest = min(len(s) for s in sets)
-        candidates = frozenset().union(*(s for s in sets if len(s) == smallest))
-    elif not conflict:
-        candidates -= ruled_out
-    ordered = [c for c in FAULT_CLASSES if c in candidates]
-    if len(ordered) == 1 and not conflict:
-        return ordered[0], f"{evidence}: {_CLASS_TEXT[ordered[0]][0]}", ordered[0]
-    options = [f"{c}, {_CLASS_TEXT[c][0]} (tells: {_CLASS_TEXT[c][1]})" for c in ordered]
-    if set(ordered) == {"action", "observation"} and supported("lag-fit"):
-        options = [f"an observation lag or an actuator lag (tells: {_LAG_CHECK})"]
-    lead = ("no one class explains all of it (two faults, or one outside the classes); the most specific evidence "
-            "points at" if conflict else "the evidence does not separate")
-    return "undetermined", f"{evidence}; {lead}: " + " | ".join(options), ";".join(ordered)
-
 
 MIN_EPISODES = 5
 """Episodes (whole or in part) each source needs in the audited rounds for the outlier test: a

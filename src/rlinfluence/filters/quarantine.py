@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,11 +27,11 @@ from rlinfluence.influence import return_and_alignment_scores
 from rlinfluence.sources import (
     EXACT_SHARE,
     MIN_EPISODES,
-    calibration_p_values,
-    episode_floor,
+    calibration_test,
+    cell_means,
     episode_starts,
-    group_means,
     normal_scores,
+    pair_floors,
     verdict_p_values,
 )
 
@@ -40,6 +41,43 @@ def _units(scores: np.ndarray, families: Sequence[str]) -> np.ndarray:
     the ``RAW_SCALE`` checks as they are): computed once when a round is recorded, as they never change."""
     raw = np.array([family in RAW_SCALE for family in families])
     return np.where(raw, scores, normal_scores(np.zeros(len(scores)), scores))
+
+
+@dataclass
+class _RoundSums:
+    """One recorded round's units, summed once: the tests see a round's records only through these
+    sums and counts ([..., families], NaN units left out), so a round costs its own records once
+    and the window only the adding up. ``by_start``: per start round k, [sources, families] over
+    the records whose episode started in k; ``collected``: the same over the round; per (source,
+    episode) pair of the round, ``pair_sums``/``pair_counts`` [pairs, families]."""
+
+    by_start: dict[int, tuple[np.ndarray, np.ndarray]]
+    collected: tuple[np.ndarray, np.ndarray]
+    pair_source: np.ndarray
+    pair_episode: np.ndarray
+    pair_sums: np.ndarray
+    pair_counts: np.ndarray
+
+
+def _round_sums(record: dict[str, torch.Tensor], n_sources: int) -> _RoundSums:
+    source, episode, start, units = (record[k].numpy() for k in ("source", "episode", "start", "units"))
+    n_families = units.shape[1]
+    scored = ~np.isnan(units)
+    values, weights = np.where(scored, units, 0.0).ravel(), scored.ravel().astype(float)
+
+    def summed(code: np.ndarray, n_codes: int) -> tuple[np.ndarray, np.ndarray]:  # per code: [n_codes, families]
+        cell = (code[:, None] * n_families + np.arange(n_families)).ravel()
+        return (np.bincount(cell, values, minlength=n_codes * n_families).reshape(n_codes, n_families),
+                np.bincount(cell, weights, minlength=n_codes * n_families).reshape(n_codes, n_families))
+
+    starts, start_code = np.unique(start, return_inverse=True)
+    sums, counts = summed(start_code.ravel() * n_sources + source, len(starts) * n_sources)
+    by_start = {int(k): (sums[i * n_sources:(i + 1) * n_sources], counts[i * n_sources:(i + 1) * n_sources])
+                for i, k in enumerate(starts)}
+    key = source * (int(episode.max()) + 1) + episode
+    pairs, first, pair_code = np.unique(key, return_index=True, return_inverse=True)
+    pair_sums, pair_counts = summed(pair_code.ravel(), len(pairs))
+    return _RoundSums(by_start, summed(source, n_sources), source[first], episode[first], pair_sums, pair_counts)
 
 
 class QuarantineFilter:
@@ -69,6 +107,7 @@ class QuarantineFilter:
         # and the round each running episode started in
         self.records: dict[int, dict[str, torch.Tensor]] = {}
         self.first_seen: dict[tuple[int, int], int] = {}
+        self.sums: dict[int, _RoundSums] = {}  # each recorded round's, derived from ``records`` when first needed
 
     def set_alpha(self, alpha: float) -> None:
         """Test each round at ``alpha``, with enough of maxT's shuffles to resolve it (at least
@@ -101,22 +140,35 @@ class QuarantineFilter:
                                       "units": torch.from_numpy(_units(self._scores(buffer, context)[untrusted], self.families))}
         oldest = buffer.round - self.window + 1
         self.records = {k: r for k, r in self.records.items() if k >= oldest}
-        kept = list(self.records.values())
-        starts = torch.cat([r["start"] for r in kept]).numpy()
-        sources = torch.cat([r["source"] for r in kept]).numpy()
-        episodes = torch.cat([r["episode"] for r in kept]).numpy()
-        z = torch.cat([r["units"] for r in kept]).numpy()  # the units of every test
-        in_window = starts >= oldest
-        means = dict(zip(self.families, group_means(starts[in_window], sources[in_window], z[in_window],
-                                                    range(n_sources))[1], strict=True))
+        self.sums = {k: self.sums.get(k) or _round_sums(r, n_sources) for k, r in self.records.items()}
+        kept = [self.sums[k] for k in sorted(self.sums)]
+        # the exact test's units: the means per episode start round in the window, per source
+        start_rounds = sorted({k for r in kept for k in r.by_start if k >= oldest})
+        window = [[r.by_start[k] for r in kept if k in r.by_start] for k in start_rounds]
+        means = self._family_means([sum(s for s, _ in parts) for parts in window],
+                                   [sum(c for _, c in parts) for parts in window])
+        # each (source, episode) pair of the window, its parts in several rounds added up
+        pair_source = np.concatenate([r.pair_source for r in kept])
+        pair_episode = np.concatenate([r.pair_episode for r in kept])
+        pairs, first, pair_code = np.unique(pair_source * (int(pair_episode.max()) + 1) + pair_episode,
+                                            return_index=True, return_inverse=True)
+        pair_sums, pair_counts = np.zeros((len(pairs), len(self.families))), np.zeros((len(pairs), len(self.families)))
+        np.add.at(pair_sums, pair_code.ravel(), np.concatenate([r.pair_sums for r in kept]))
+        np.add.at(pair_counts, pair_code.ravel(), np.concatenate([r.pair_counts for r in kept]))
+        pair_source = pair_source[first]
         outlier_means, floors = None, {}
-        pairs = np.unique(sources * (episodes.max() + 1) + episodes)  # each (source, episode) once
-        per_source = np.bincount(pairs // (episodes.max() + 1), minlength=n_sources)
-        if (per_source[:n_sources] >= MIN_EPISODES).all():
-            collected = np.concatenate([np.full(len(r["source"]), k) for k, r in enumerate(kept)])
-            outlier_means = dict(zip(self.families, group_means(collected, sources, z, range(n_sources))[1], strict=True))
-            floors = dict(zip(self.families, episode_floor(sources, episodes, z, range(n_sources)), strict=True))
-        calibrated = {family: calibration_p_values(sources, z[:, j], range(n_sources), CALIBRATED[family])
+        if (np.bincount(pair_source, minlength=n_sources)[:n_sources] >= MIN_EPISODES).all():
+            outlier_means = self._family_means([r.collected[0] for r in kept], [r.collected[1] for r in kept])
+            scored_pairs: dict[bytes, list[int]] = {}  # families scored on the same pairs (most on all) go together
+            for j in range(len(self.families)):
+                scored_pairs.setdefault((pair_counts[:, j] > 0).tobytes(), []).append(j)
+            for columns in scored_pairs.values():
+                present = pair_counts[:, columns[0]] > 0
+                pair_means = pair_sums[present][:, columns] / pair_counts[present][:, columns]
+                floors |= dict(zip([self.families[j] for j in columns],
+                                   pair_floors(pair_means, pair_source[present], range(n_sources)).T, strict=True))
+        calibrated = {family: calibration_test(sum(r.collected[0][:, j] for r in kept), sum(r.collected[1][:, j] for r in kept),
+                                               CALIBRATED[family])
                       for j, family in enumerate(self.families) if family in CALIBRATED}
         _, adjusted = verdict_p_values(means, TWO_SIDED, outlier_means, floors, self.permutations, calibrated)
         quarantined = np.flatnonzero((adjusted < self.alpha).any(axis=1)).tolist()  # the verdict's flags
@@ -125,12 +177,19 @@ class QuarantineFilter:
         keep = ~torch.isin(ids[:, 1], torch.tensor(quarantined, dtype=torch.int64))
         return guard_minibatch(keep, keep.float(), context)
 
+    def _family_means(self, sums: list[np.ndarray], counts: list[np.ndarray]) -> dict[str, np.ndarray]:
+        """Per family, h [groups, sources] (``rlinfluence.sources.cell_means``) of each group's
+        [sources, families] sums and counts."""
+        h = cell_means(np.stack(sums).transpose(2, 0, 1), np.stack(counts).transpose(2, 0, 1))
+        return dict(zip(self.families, h, strict=True))
+
     def state_dict(self) -> dict[str, Any]:
         seen = torch.tensor([[s, e, k] for (s, e), k in self.first_seen.items()], dtype=torch.int64).reshape(-1, 3)
         return {"records": {int(k): dict(r) for k, r in self.records.items()}, "first_seen": seen}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.records = {int(k): dict(r) for k, r in state.get("records", {}).items()}
+        self.sums = {}
         if any("units" not in r or r["units"].shape[1] != len(self.families) for r in self.records.values()):
             raise UserError("this checkpoint's quarantine window holds the scores of another set of checks (written "
                             "by an older rlinfluence): resume it with the version that wrote it, or train again")
