@@ -402,6 +402,28 @@ def test_maxt_drawn_in_blocks_equals_one_draw(monkeypatch):
         np.testing.assert_array_equal(one, blocked)
 
 
+def test_maxt_stopped_where_it_can_no_longer_flag_flags_what_the_whole_test_flags():
+    """With stop_above, maxT either runs every draw (the whole test's p-values, to the bit) or stops
+    early, and then no p_adjusted of the whole test is at or below stop_above: the same flags; on
+    sources that do not differ it stops, on one far out it does not."""
+    rng = np.random.default_rng(3)
+    stopped = 0
+    for trial in range(40):
+        shift = (trial % 3) * 1.5  # none, a modest and a large departure of source 2 in family b
+        means = {f: rng.normal(size=(6, 8)) + (f == "b") * shift * np.eye(8)[2] for f in "abc"}
+        whole = maxt_test(means, {"c"}, 2000)
+        early = maxt_test(means, {"c"}, 2000, stop_above=0.01)
+        if (early[2] == 1).all() and not (whole[2] == 1).all():
+            stopped += 1
+            assert (whole[2] > 0.01).all(), trial
+        else:
+            for one, other in zip(whole, early, strict=True):
+                np.testing.assert_array_equal(one, other)
+        if shift == 3.0:
+            assert early[2][2, 1] <= 0.01, trial
+    assert stopped >= 15  # of the 27 without a large departure
+
+
 def test_maxt_does_not_pay_for_families_that_move_together():
     """The same family tested ten times over: Holm would multiply its p-values by 10, maxT's
     adjusted p-values are those of testing it once."""
@@ -681,7 +703,7 @@ def test_the_quarantine_windows_sums_give_the_verdict_of_its_records(tmp_path, m
     monkeypatch.setattr(quarantine, "verdict_p_values", lambda *args: calls.append(args) or verdict_p_values(*args))
     trainer = _trained(tmp_path, ["reward-flip:envs=1"], 3, filter="quarantine", rounds=9)
     window = trainer.filter
-    means, _, outlier_means, floors, _, calibrated = calls[-1]
+    means, _, outlier_means, floors, _, calibrated, _ = calls[-1]
     records = [window.records[k] for k in sorted(window.records)]
     assert len(records) == window.window and outlier_means is not None
     starts, sources, episodes, z = (torch.cat([r[name] for r in records]).numpy() for name in ("start", "source", "episode", "units"))
@@ -699,7 +721,7 @@ def test_the_quarantine_windows_sums_give_the_verdict_of_its_records(tmp_path, m
     from_records = verdict_p_values(dict(zip(window.families, expected["means"], strict=True)), TWO_SIDED,
                                     dict(zip(window.families, expected["outlier_means"], strict=True)),
                                     dict(zip(window.families, expected["floors"], strict=True)), window.permutations, calibrated)
-    np.testing.assert_allclose(verdict_p_values(*calls[-1])[1], from_records[1], rtol=1e-9)
+    np.testing.assert_allclose(verdict_p_values(*calls[-1][:-1])[1], from_records[1], rtol=1e-9)
 
 
 def test_the_learning_benchmark_counts_what_a_filter_drops_and_the_rounds_corrupted_share(benchmark_script):

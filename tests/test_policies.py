@@ -34,6 +34,21 @@ def test_every_actions_log_prob_is_log_prob_of_that_action_bit_for_bit():
         make_policy(BOX8, gym.spaces.Box(-1, 1, (3,), np.float32)).action_log_probs(obs)
 
 
+def test_evaluate_every_action_is_evaluate_actions_and_action_log_probs_bit_for_bit():
+    """evaluate_every_action (the policy checks' one pass): every action's log-prob as
+    action_log_probs, the taken action's, the entropy and the value as evaluate_actions, exactly."""
+    torch.manual_seed(0)
+    policy = make_policy(BOX8, gym.spaces.Discrete(4))
+    obs, actions = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    every, entropy, value = policy.evaluate_every_action(obs)
+    logp, expected_entropy, expected_value = policy.evaluate_actions(obs, actions)
+    assert torch.equal(every, policy.action_log_probs(obs))
+    assert torch.equal(every.gather(-1, actions.unsqueeze(-1)).squeeze(-1), logp)
+    assert torch.equal(entropy, expected_entropy) and torch.equal(value, expected_value)
+    with pytest.raises(ValueError, match="Discrete"):
+        make_policy(BOX8, gym.spaces.Box(-1, 1, (3,), np.float32)).evaluate_every_action(obs)
+
+
 def test_gaussian_head_matches_torch_distribution_with_state_independent_log_std():
     torch.manual_seed(0)
     policy = make_policy(BOX8, gym.spaces.Box(-1, 1, (3,), np.float32))

@@ -96,18 +96,24 @@ def policy_checks(policy: torch.nn.Module, buffer: RolloutBuffer, n_actions: int
     """``logp-gap``, ``value-gap``, ``action-surprise`` and ``action-calibration`` of every record
     (flat order) at ``policy``; ``n_actions``: the size of a Discrete action space (None otherwise:
     ``action-calibration`` is then scored for a diagonal Gaussian policy and NaN for any other).
-    Every action's log-prob comes from the policy's ``action_log_probs(obs)`` where it has one
-    (``ActorCritic``, the SB3 adapter), else from ``evaluate_actions`` once per action."""
+    Every action's log-prob comes from the policy's ``evaluate_every_action(obs)`` where it has one
+    (``ActorCritic``: with the entropy and the value, one pass), else its ``action_log_probs(obs)``
+    (the SB3 adapter), else ``evaluate_actions`` once per action."""
     obs, actions = buffer.flat("obs"), buffer.flat("actions")
-    logp, entropy, values = policy.evaluate_actions(obs, actions)
+    every = None  # every action's log-prob, [N, n_actions]
+    if n_actions is not None and callable(getattr(policy, "evaluate_every_action", None)):  # one actor pass
+        every, entropy, values = policy.evaluate_every_action(obs)
+        logp = every.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+    else:
+        logp, entropy, values = policy.evaluate_actions(obs, actions)
     logp, entropy, values = (x.double().numpy() for x in (logp, entropy, values))
     logp_gap = np.abs(buffer.flat("logp").double().numpy() - logp)
     value_gap = np.abs(buffer.flat("values").double().numpy() - values)
     surprise = -logp - entropy
     if n_actions is not None:
-        if callable(getattr(policy, "action_log_probs", None)):  # one forward for every action
+        if every is None and callable(getattr(policy, "action_log_probs", None)):  # one forward for every action
             every = policy.action_log_probs(obs)
-        else:  # a policy with only evaluate_actions: one forward per action
+        elif every is None:  # a policy with only evaluate_actions: one forward per action
             every = torch.stack([policy.evaluate_actions(obs, torch.full_like(actions, a))[0] for a in range(n_actions)], 1)
         probs = torch.softmax(every.double(), dim=1).numpy()  # renormalised: float rounding of the log-probs
         taken = actions.reshape(len(actions)).long().numpy()

@@ -227,6 +227,14 @@ class ActorCritic(nn.Module):
             raise ValueError("action_log_probs needs a Discrete action space; this policy's actions are a Box")
         return torch.log_softmax(self._dist_params(obs)[1], dim=-1)
 
+    def evaluate_every_action(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log pi(a|s) of every Discrete action [N, n_actions], entropy of pi(.|s) [N], V(s) [N]),
+        one encoder and one actor pass: ``evaluate_actions`` and ``action_log_probs`` at once."""
+        if self.continuous:
+            raise ValueError("evaluate_every_action needs a Discrete action space; this policy's actions are a Box")
+        h, out = self._dist_params(obs)
+        return torch.log_softmax(out, dim=-1), self._entropy(out), self.value_head(self.critic(h)).squeeze(-1)
+
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         """V(s), shape [N]."""
         return self.value_head(self.critic(self.encoder(obs))).squeeze(-1)

@@ -46,8 +46,11 @@ from rlinfluence.statistics import holm
 MIN_SOURCES = 3
 """The verdict compares each source with 2 or more others (the outlier test's spread of the others'
 means needs two): the audit, quarantine and their SB3 callbacks need this many untrusted sources."""
-MAXT_BLOCK = 1 << 22
-"""maxT's null is drawn in blocks of at most this many values (32 MiB of float64)."""
+MAXT_BLOCK = 1 << 18
+"""maxT's null is drawn in blocks of at most this many values (2 MiB of float64: memory stays
+bounded for any number of sources, and a block that stays in the cache is faster than one draw)."""
+STOP_BLOCK = 250
+"""With ``stop_above``, maxT looks after every this many draws whether the rest can still flag."""
 EXACT_LIMIT = 1 << 21
 """The exact null is enumerated when each half of the rounds has at most this many label draws."""
 
@@ -122,7 +125,7 @@ def _one_sided_scale(t: np.ndarray) -> np.ndarray:
 
 
 def maxt_test(means: Mapping[str, np.ndarray], two_sided: Collection[str] = (), permutations: int = 10_000,
-              seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              seed: int = 0, stop_above: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(T, p, p_adjusted), each [sources, families]: for every family f of ``means`` (h [rounds,
     sources], the same rounds for all) and source s, the standardised departure T_s,f = sum_k c_k,s,f
     / sqrt(sum_k mean_j c_k,j,f^2) with c the values centred within their round (for the
@@ -139,6 +142,12 @@ def maxt_test(means: Mapping[str, np.ndarray], two_sided: Collection[str] = (), 
     and families that move together (influence, TracIn, DTV) cost nothing, where Holm pays for each.
     A source far out in every round reaches a T that few draws reach, so its adjusted p is near
     the smallest possible, about S^(1-R) (the draws that give one label its values in every round).
+
+    With ``stop_above`` (a caller that needs only which p_adjusted <= ``stop_above``: the quarantine
+    filter's flags), the draws stop as soon as the largest T has been reached by so many that its
+    p_adjusted, and so every p_adjusted (each is at least the largest T's), is above it whatever the
+    draws left: p and p_adjusted are then 1 everywhere. The same draws, so the same flags; a round
+    where no source stands out costs a few hundred draws.
     """
     families = list(means)
     centred = np.stack([means[f] - means[f].mean(axis=1, keepdims=True) for f in families], axis=-1)
@@ -157,6 +166,8 @@ def maxt_test(means: Mapping[str, np.ndarray], two_sided: Collection[str] = (), 
     # draws in blocks of at most MAXT_BLOCK null values: memory stays bounded for any number of
     # sources, and the blocks consume the generator as one draw of them all would
     block = max(1, MAXT_BLOCK // max(1, n_sources * n_families))
+    if stop_above is not None:
+        block = min(block, STOP_BLOCK)
     for start in range(0, permutations, block):
         size = min(block, permutations - start)
         labels = rng.permuted(np.broadcast_to(np.arange(n_sources), (size, n_rounds, n_sources)), axis=2)
@@ -173,6 +184,8 @@ def maxt_test(means: Mapping[str, np.ndarray], two_sided: Collection[str] = (), 
         for i in range(1, len(successive)):
             np.maximum(successive[i - 1], successive[i], out=successive[i])
         reached += (successive[::-1] >= threshold[:, None]).sum(axis=1)
+        if stop_above is not None and (1 + reached[0]) / (1 + permutations) > stop_above:
+            return observed, np.ones_like(observed), np.ones_like(observed)
     p = (1 + exceed) / (1 + permutations * n_sources)
     ranked = (1 + reached) / (1 + permutations)
     adjusted = np.empty(len(order))
@@ -426,16 +439,17 @@ def spread_enough(means: np.ndarray) -> bool:
 def verdict_p_values(means: Mapping[str, np.ndarray], two_sided: Sequence[str] = (),
                      outlier_means: Mapping[str, np.ndarray] | None = None,
                      floors: Mapping[str, np.ndarray] | None = None, permutations: int = 10_000,
-                     calibrated: Mapping[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(p, p_adjusted), each [sources, families of ``means``]: the tests of ``verdict`` combined,
-    before and after the adjustment across sources x families (a source is flagged where some
-    p_adjusted < alpha); what a caller that needs only the flags (the quarantine filter, every
-    round) computes without the table."""
+                     calibrated: Mapping[str, np.ndarray] | None = None, flags_at: float | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """(p, p_adjusted), each [sources, families of ``means``, one or more]: the tests of ``verdict``
+    combined, before and after the adjustment across sources x families (a source is flagged where
+    some p_adjusted < alpha); what a caller that needs only the flags (the quarantine filter, every
+    round) computes without the table. With ``flags_at`` = alpha, only the flags are kept exact:
+    maxT stops once it can no longer flag (``maxt_test``'s ``stop_above``: each route through it to
+    p_adjusted < alpha needs its own p_adjusted below alpha)."""
     families = list(means)
-    n_sources = len(next(iter(means.values()))[0]) if families else 0
-    if not families:
-        return np.ones((n_sources, 0)), np.ones((n_sources, 0))
-    _, raw, adjusted = maxt_test(means, two_sided, permutations)
+    n_sources = next(iter(means.values())).shape[1]
+    _, raw, adjusted = maxt_test(means, two_sided, permutations, stop_above=flags_at)
     if outlier_means is not None:
         outlier = np.column_stack([outlier_test(outlier_means[f], f in two_sided, (floors or {}).get(f, 0.0))[1]
                                    if spread_enough(outlier_means[f]) else np.ones(n_sources) for f in families])

@@ -170,7 +170,7 @@ class QuarantineFilter:
         calibrated = {family: calibration_test(sum(r.collected[0][:, j] for r in kept), sum(r.collected[1][:, j] for r in kept),
                                                CALIBRATED[family])
                       for j, family in enumerate(self.families) if family in CALIBRATED}
-        _, adjusted = verdict_p_values(means, TWO_SIDED, outlier_means, floors, self.permutations, calibrated)
+        _, adjusted = verdict_p_values(means, TWO_SIDED, outlier_means, floors, self.permutations, calibrated, self.alpha)
         quarantined = np.flatnonzero((adjusted < self.alpha).any(axis=1)).tolist()  # the verdict's flags
         context.stats["quarantined"] = float(len(quarantined))
         context.stats["quarantined_sources"] = " ".join(map(str, quarantined))
