@@ -20,7 +20,8 @@ audit runs on a run trained without ``--tracin`` over a round's training seconds
 ``--filter quarantine`` scores every round), ``<env>/live_quarantine_share_of_round`` (a run trained
 with ``--filter quarantine`` for twice its window: the filter's wall seconds a round, its scoring
 and its verdict's tests, over the rest of the round's, one thread, once the window is full; and
-``live_quarantine_seconds_per_round``),
+``live_quarantine_seconds_per_round``; ``live_quarantine_with_broken_worker_*`` the same with one
+worker broken, ``BROKEN_WORKER``: the rounds it is flagged in run every maxT draw),
 ``<env>/train_cpu_seconds_per_round``,
 ``<env>/<part>_seconds``. With ``--sb3-envs``, per env also what the Stable-Baselines3 audit costs a
 Stable-Baselines3 run (SB3's PPO with its defaults, 8 envs x 256 steps, ``AuditCallback`` with its
@@ -102,19 +103,28 @@ def measure(env: str, out: Path, rounds: int, update_engine: str) -> dict[str, f
     return figures | measure_live_quarantine(env, out, update_engine)
 
 
+BROKEN_WORKER = "reward-flip:envs=1"
+"""The fault of the live quarantine's second run: a worker whose rewards are flipped from the start,
+which the filter flags and quarantines (its maxT then runs every draw)."""
+
+
 def measure_live_quarantine(env: str, out: Path, update_engine: str) -> dict[str, float]:
-    """A run of the same size trained with ``--filter quarantine`` for twice its window of rounds: the
-    filter's seconds a round (its scoring and its verdict's tests, which grow with the records in the
-    window) against the rest of the round's (collection and update), wall time of one thread, median
-    over the rounds once the window is full."""
+    """Runs of the same size trained with ``--filter quarantine`` for twice its window of rounds, one
+    clean and one with ``BROKEN_WORKER``: the filter's seconds a round (its scoring and its verdict's
+    tests, which grow with the records in the window) against the rest of the round's (collection
+    and update), wall time of one thread, median over the rounds once the window is full."""
     window = QuarantineFilter().window
-    config = PPOConfig.for_env(env, update_engine=update_engine, n_envs=8, n_steps=256, batch_size=256,
-                               total_timesteps=2 * window * 8 * 256, filter="quarantine", eval_episodes=0,
-                               progress=False, tensorboard=False, run_root=str(out / "quarantine_runs"))
-    metrics = pd.read_csv(PPO(config).learn().run.path / "metrics.csv").iloc[window - 1:]
-    rest = metrics["collect_seconds"] + metrics["update_seconds"]
-    return {"live_quarantine_seconds_per_round": float(metrics["filter_seconds"].median()),
-            "live_quarantine_share_of_round": float((metrics["filter_seconds"] / rest).median())}
+    figures = {}
+    for label, corrupt in (("", ()), ("_with_broken_worker", (BROKEN_WORKER,))):
+        config = PPOConfig.for_env(env, update_engine=update_engine, n_envs=8, n_steps=256, batch_size=256,
+                                   total_timesteps=2 * window * 8 * 256, filter="quarantine", corrupt=corrupt,
+                                   eval_episodes=0, progress=False, tensorboard=False,
+                                   run_root=str(out / f"quarantine_runs{label}"))
+        metrics = pd.read_csv(PPO(config).learn().run.path / "metrics.csv").iloc[window - 1:]
+        rest = metrics["collect_seconds"] + metrics["update_seconds"]
+        figures[f"live_quarantine{label}_seconds_per_round"] = float(metrics["filter_seconds"].median())
+        figures[f"live_quarantine{label}_share_of_round"] = float((metrics["filter_seconds"] / rest).median())
+    return figures
 
 
 def measure_sb3(env: str, out: Path, rounds: int) -> dict[str, float]:
