@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
+from functools import cached_property
 
 import gymnasium as gym
 import numpy as np
@@ -171,31 +172,46 @@ def _folds(buffer: RolloutBuffer) -> np.ndarray:
     return (np.argsort(order) % 2)[pair_of.ravel()]
 
 
+class _Split:
+    """One fold of the cross-fitting over ``rows``: train rows (``rows`` outside fold k), test rows
+    (``rows`` in k), the train features' mean and scale (a constant feature's scale 1, as
+    StandardScaler's), and phi standardised by them on each side, made once for every model fitted
+    on the same rows (the reward and termination models share theirs)."""
+
+    def __init__(self, phi: np.ndarray, train: np.ndarray, test: np.ndarray):
+        self.phi, self.train, self.test = phi, train, test
+        self.mean, self.scale = phi[train].mean(axis=0), phi[train].std(axis=0)
+        self.scale[self.scale < 10 * np.finfo(np.float64).eps] = 1.0
+
+    @cached_property
+    def x_train(self) -> np.ndarray:
+        return (self.phi[self.train] - self.mean) / self.scale
+
+    @cached_property
+    def x_test(self) -> np.ndarray:
+        return self.standardised(self.phi)
+
+    def standardised(self, features: np.ndarray) -> np.ndarray:
+        """The test rows of ``features`` ([N, F], phi's columns) on the train rows' scale."""
+        return (features[self.test] - self.mean) / self.scale
+
+
+def _fold_splits(phi: np.ndarray, fold: np.ndarray, rows: np.ndarray) -> list[_Split]:
+    """The ``_Split`` of each fold k with records on both sides."""
+    sides = [(rows & (fold != k), rows & (fold == k)) for k in (0, 1)]
+    return [_Split(phi, train, test) for train, test in sides if train.any() and test.any()]
+
+
 def _cross_fit(fit: Callable[[np.ndarray, np.ndarray], Callable[[np.ndarray], np.ndarray]],
-               phi: np.ndarray, y: np.ndarray, fold: np.ndarray, rows: np.ndarray,
-               predict_on: list[np.ndarray]) -> list[np.ndarray]:
-    """For each matrix of ``predict_on`` ([N, F] features), the prediction of every row from the model
-    fit on the other fold's ``rows`` (NaN outside ``rows``)."""
-    out = [np.full((len(phi),) + y.shape[1:], np.nan) for _ in predict_on]
-    for train, test, mean, scale in _fold_splits(phi, fold, rows):
-        model = fit((phi[train] - mean) / scale, y[train])
+               splits: list[_Split], y: np.ndarray, predict_on: list[np.ndarray | None]) -> list[np.ndarray]:
+    """For each matrix of ``predict_on`` ([N, F] features; None: phi itself), the prediction of every
+    row from the model fit on the other fold's rows (NaN outside the splits' rows)."""
+    out = [np.full(y.shape, np.nan) for _ in predict_on]
+    for split in splits:
+        model = fit(split.x_train, y[split.train])
         for target, features in zip(out, predict_on, strict=True):
-            target[test] = model((features[test] - mean) / scale)
+            target[split.test] = model(split.x_test if features is None else split.standardised(features))
     return out
-
-
-def _fold_splits(phi: np.ndarray, fold: np.ndarray, rows: np.ndarray
-                 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """Per fold k with records on both sides: (train rows: ``rows`` outside k, test rows: ``rows`` in
-    k, the train features' mean and scale, a constant feature's scale 1 as StandardScaler's)."""
-    splits = []
-    for k in (0, 1):
-        train, test = rows & (fold != k), rows & (fold == k)
-        if train.any() and test.any():
-            mean, scale = phi[train].mean(axis=0), phi[train].std(axis=0)
-            scale[scale < 10 * np.finfo(np.float64).eps] = 1.0
-            splits.append((train, test, mean, scale))
-    return splits
 
 
 def _ridge_weights(x: np.ndarray, y: np.ndarray, alpha: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -226,22 +242,21 @@ def _ridge(x: np.ndarray, y: np.ndarray, alpha: float = 1.0) -> Callable[[np.nda
     return lambda z: z @ w + intercept
 
 
-def _dynamics_every_action(obs: np.ndarray, phi: np.ndarray, y: np.ndarray, fold: np.ndarray, rows: np.ndarray,
-                           n_actions: int) -> np.ndarray:
+def _dynamics_every_action(obs: np.ndarray, splits: list[_Split], y: np.ndarray, n_actions: int) -> np.ndarray:
     """[N, n_actions, targets]: the cross-fitted dynamics ridge's prediction of every row with each
-    action of a Discrete space (NaN outside ``rows``), from its weights on the raw features: with
+    action of a Discrete space (NaN outside the splits' rows), from its weights on the raw features: with
     phi(o, a) = [o, e_a, o (x) e_a] and W = w / scale split alike, f(o, a) = o W_o + W_a[a] +
     o W_oa[:, a] + b, every action's at the cost of one prediction (``_cross_fit`` with
     ``_features(obs, a)`` for each a, without building them)."""
     n, d = obs.shape
     out = np.full((n, n_actions) + y.shape[1:], np.nan)
-    for train, test, mean, scale in _fold_splits(phi, fold, rows):
-        w, intercept = _ridge_weights((phi[train] - mean) / scale, y[train])
-        w = w / scale[:, None]
-        bias = intercept - mean @ w
+    for split in splits:
+        w, intercept = _ridge_weights(split.x_train, y[split.train])
+        w = w / split.scale[:, None]
+        bias = intercept - split.mean @ w
         w_o, w_a, w_oa = w[:d], w[d:d + n_actions], w[d + n_actions:].reshape(d, n_actions, -1)
-        o = obs[test]
-        out[test] = (o @ w_oa.reshape(d, -1)).reshape(len(o), n_actions, -1) + (o @ w_o + bias)[:, None, :] + w_a[None]
+        o = obs[split.test]
+        out[split.test] = (o @ w_oa.reshape(d, -1)).reshape(len(o), n_actions, -1) + (o @ w_o + bias)[:, None, :] + w_a[None]
     return out
 
 
@@ -322,8 +337,9 @@ def model_checks(buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.n
     dynamics, action_fit, lag_fit = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
     if varying.any() and has_next.sum() > 10:
         y = (delta[:, varying] - delta[has_next][:, varying].mean(axis=0)) / spread[varying]
+        next_splits = _fold_splits(phi, fold, has_next)  # the dynamics is fitted on the records with a next one
         if n_actions is not None:
-            every = _dynamics_every_action(obs, phi, y, fold, has_next, n_actions)
+            every = _dynamics_every_action(obs, next_splits, y, n_actions)
             errors = ((every - y[:, None, :]) ** 2).mean(axis=2)  # [N, n_actions]
             rows = np.arange(n)
             dynamics = errors[rows, actions.astype(np.int64)]
@@ -333,24 +349,25 @@ def model_checks(buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.n
             shuffle = np.random.default_rng([int(buffer.round), 23])
             alternatives = [actions[shuffle.permutation(n)] for _ in range(4)]
             fitted, previous, *others = _cross_fit(
-                _ridge, phi, y, fold, has_next,
-                [phi, _features(obs, previous_actions, n_actions)] + [_features(obs, a, n_actions) for a in alternatives])
+                _ridge, next_splits, y,
+                [None, _features(obs, previous_actions, n_actions)] + [_features(obs, a, n_actions) for a in alternatives])
             dynamics = ((fitted - y) ** 2).mean(axis=1)
             previous_error = ((previous - y) ** 2).mean(axis=1)
             alternative = np.mean([((other - y) ** 2).mean(axis=1) for other in others], axis=0)
         action_fit = dynamics - alternative
         lag_fit = np.where(has_previous, alternative - previous_error, np.nan)
 
+    splits = _fold_splits(phi, fold, np.ones(n, bool))  # the reward's and the termination's
     rewards = buffer.flat("rewards").double().numpy()
     reward_spread = rewards.std()
     reward_model = np.zeros(n)
     if reward_spread > 0:
         y = (rewards - rewards.mean()) / reward_spread
-        (fitted,) = _cross_fit(_ridge, phi, y, fold, np.ones(n, bool), [phi])
+        (fitted,) = _cross_fit(_ridge, splits, y, [None])
         reward_model = np.where(np.isnan(fitted), np.nan, (fitted - y) ** 2)
 
     terminated = buffer.flat("terminated").numpy().astype(np.float64)
-    (p,) = _cross_fit(_logistic, phi, terminated, fold, np.ones(n, bool), [phi])
+    (p,) = _cross_fit(_logistic, splits, terminated, [None])
     return {"dynamics": dynamics, "action-fit": action_fit, "lag-fit": lag_fit, "reward-model": reward_model,
             "termination": terminated - p}
 
