@@ -71,6 +71,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 from scipy import linalg, special, stats
+from scipy.linalg import lapack
 from sklearn.linear_model import LogisticRegression
 
 from rlinfluence.buffer import RolloutBuffer
@@ -167,7 +168,9 @@ def _folds(buffer: RolloutBuffer) -> np.ndarray:
     episode hits the time limit at once.)"""
     source = buffer.record_ids()[:, 1].numpy().astype(np.int64)
     episode = buffer.flat("episode_ids").numpy().astype(np.int64)
-    pairs, pair_of = np.unique(np.stack([source, episode], axis=1), axis=0, return_inverse=True)
+    episode_ids, episode_code = np.unique(episode, return_inverse=True)
+    # the (source, episode) pairs in their sorted order, from one code per pair (np.unique(axis=0) is slow)
+    pairs, pair_of = np.unique(source * len(episode_ids) + episode_code.ravel(), return_inverse=True)
     order = np.random.default_rng([int(buffer.round), 17]).permutation(len(pairs))
     return (np.argsort(order) % 2)[pair_of.ravel()]
 
@@ -287,8 +290,11 @@ def _logistic_newton(x: np.ndarray, y: np.ndarray, tol: float = 1e-10, max_steps
         if np.abs(gradient).max() < tol * len(y):
             break
         hessian = design.T @ (design * (p * (1 - p))[:, None])
-        hessian[np.diag_indices_from(hessian)] += penalty
-        step = linalg.solve(hessian, gradient, assume_a="pos", check_finite=False)
+        hessian.flat[::len(hessian) + 1] += penalty
+        # LAPACK's Cholesky solve as linalg.solve(assume_a="pos") makes it, without its per-call checks
+        _, step, info = lapack.dposv(hessian, gradient)
+        if info != 0:
+            raise linalg.LinAlgError(f"the Hessian is not numerically positive definite (dposv info {info})")
         size = 1.0
         while True:  # halve the step until the objective does not rise
             candidate = theta - size * step
