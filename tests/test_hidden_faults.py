@@ -986,3 +986,8 @@ def test_the_termination_model_falls_back_to_lbfgs_where_newtons_hessian_fails(m
     z = rng.normal(size=(20, 3))
     expected = LogisticRegression(C=1.0, max_iter=500).fit(x, y).predict_proba(z)[:, 1]
     assert np.array_equal(consistency._logistic(x, y)(z), expected)
+    monkeypatch.undo()  # Newton's own solve: a LAPACK Cholesky that fails raises LinAlgError
+    monkeypatch.setattr(consistency.lapack, "dposv", lambda a, b: (a, b, 2))
+    with pytest.raises(linalg.LinAlgError, match="positive definite"):
+        consistency._logistic_newton(x, y)
+    assert np.array_equal(consistency._logistic(x, y)(z), expected)
