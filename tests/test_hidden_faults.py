@@ -256,6 +256,30 @@ def test_the_folds_split_the_episodes_in_halves_when_the_ids_advance_with_the_so
     assert not np.isnan(model_checks(buffer, 2)["dynamics"]).all()
 
 
+@pytest.mark.parametrize("targets", [None, 3])
+def test_the_ridge_from_each_actions_moments_is_the_direct_ridge(targets):
+    """_moment_ridge_weights (phi's ridge without phi, for image observations) gives the direct
+    fit's weights and predictions: constant observation features, an action never taken, integer
+    and large-mean features, one target or several."""
+    from rlinfluence.consistency import _moment_ridge_weights, _ridge_weights, _Split
+
+    rng = np.random.default_rng(0 if targets is None else 1)
+    for trial in range(12):
+        n, d, n_actions = int(rng.integers(30, 300)), int(rng.integers(2, 10)), int(rng.integers(2, 6))
+        obs = rng.integers(0, 4, size=(n, d)).astype(float) * (0.37 if trial % 2 else 1.0)
+        obs[:, 0] = 2.0
+        obs[:, 1] += 10.0
+        actions = rng.integers(0, n_actions - (trial % 3 == 0), n).astype(float)
+        y = rng.normal(size=n if targets is None else (n, targets))
+        train = rng.random(n) < 0.6
+        split = _Split(_features(obs, actions, n_actions), train, ~train)
+        w, intercept = _ridge_weights(split.x_train, y[train])
+        w_moments, intercept_moments = _moment_ridge_weights(obs, actions, n_actions, split, y)
+        np.testing.assert_allclose(w_moments, w, rtol=1e-8, atol=1e-10 * np.abs(w).max())
+        np.testing.assert_allclose(split.x_test @ w_moments + intercept_moments, split.x_test @ w + intercept,
+                                   rtol=1e-9, atol=1e-10)
+
+
 def test_the_dynamics_check_is_cross_fitted_on_the_other_folds_episodes():
     _, buffer = _round()
     buffer.compute_advantages(0.99, 0.95)
