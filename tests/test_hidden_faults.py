@@ -724,10 +724,10 @@ def test_the_quarantine_windows_sums_give_the_verdict_of_its_records(tmp_path, m
     )
 
     calls = []
-    monkeypatch.setattr(quarantine, "verdict_p_values", lambda *args: calls.append(args) or verdict_p_values(*args))
+    monkeypatch.setattr(quarantine, "verdict_p_values", lambda **tests: calls.append(tests) or verdict_p_values(**tests))
     trainer = _trained(tmp_path, ["reward-flip:envs=1"], 3, filter="quarantine", rounds=9)
     window = trainer.filter
-    means, _, outlier_means, floors, _, calibrated, _ = calls[-1]
+    means, outlier_means, floors, calibrated = (calls[-1][k] for k in ("means", "outlier_means", "floors", "calibrated"))
     records = [window.records[k] for k in sorted(window.records)]
     assert len(records) == window.window and outlier_means is not None
     starts, sources, episodes, z = (torch.cat([r[name] for r in records]).numpy() for name in ("start", "source", "episode", "units"))
@@ -745,7 +745,7 @@ def test_the_quarantine_windows_sums_give_the_verdict_of_its_records(tmp_path, m
     from_records = verdict_p_values(dict(zip(window.families, expected["means"], strict=True)), TWO_SIDED,
                                     dict(zip(window.families, expected["outlier_means"], strict=True)),
                                     dict(zip(window.families, expected["floors"], strict=True)), window.permutations, calibrated)
-    np.testing.assert_allclose(verdict_p_values(*calls[-1][:-1])[1], from_records[1], rtol=1e-9)
+    np.testing.assert_allclose(verdict_p_values(**{**calls[-1], "flags_at": None})[1], from_records[1], rtol=1e-9)
 
 
 def test_the_learning_benchmark_counts_what_a_filter_drops_and_the_rounds_corrupted_share(benchmark_script):

@@ -141,6 +141,18 @@ class QuarantineFilter:
         oldest = buffer.round - self.window + 1
         self.records = {k: r for k, r in self.records.items() if k >= oldest}
         self.sums = {k: self.sums.get(k) or _round_sums(r, n_sources) for k, r in self.records.items()}
+        tests = self._window_tests(oldest, n_sources)
+        _, adjusted = verdict_p_values(two_sided=TWO_SIDED, permutations=self.permutations, flags_at=self.alpha, **tests)
+        quarantined = np.flatnonzero((adjusted < self.alpha).any(axis=1)).tolist()  # the verdict's flags
+        context.stats["quarantined"] = float(len(quarantined))
+        context.stats["quarantined_sources"] = " ".join(map(str, quarantined))
+        keep = ~torch.isin(ids[:, 1], torch.tensor(quarantined, dtype=torch.int64))
+        return guard_minibatch(keep, keep.float(), context)
+
+    def _window_tests(self, oldest: int, n_sources: int) -> dict[str, Any]:
+        """The inputs of ``verdict_p_values`` over the window, from its rounds' sums: the exact test's
+        means per episode start round, and once every source has ``MIN_EPISODES`` episodes the
+        outlier test's means per collected round and episode floors; the calibration test's p-values."""
         kept = [self.sums[k] for k in sorted(self.sums)]
         # the exact test's units: the means per episode start round in the window, per source
         start_rounds = sorted({k for r in kept for k in r.by_start if k >= oldest})
@@ -170,12 +182,7 @@ class QuarantineFilter:
         calibrated = {family: calibration_test(sum(r.collected[0][:, j] for r in kept), sum(r.collected[1][:, j] for r in kept),
                                                CALIBRATED[family])
                       for j, family in enumerate(self.families) if family in CALIBRATED}
-        _, adjusted = verdict_p_values(means, TWO_SIDED, outlier_means, floors, self.permutations, calibrated, self.alpha)
-        quarantined = np.flatnonzero((adjusted < self.alpha).any(axis=1)).tolist()  # the verdict's flags
-        context.stats["quarantined"] = float(len(quarantined))
-        context.stats["quarantined_sources"] = " ".join(map(str, quarantined))
-        keep = ~torch.isin(ids[:, 1], torch.tensor(quarantined, dtype=torch.int64))
-        return guard_minibatch(keep, keep.float(), context)
+        return {"means": means, "outlier_means": outlier_means, "floors": floors, "calibrated": calibrated}
 
     def _family_means(self, sums: list[np.ndarray], counts: list[np.ndarray]) -> dict[str, np.ndarray]:
         """Per family, h [groups, sources] (``rlinfluence.sources.cell_means``) of each group's
