@@ -448,6 +448,27 @@ def test_maxt_stopped_where_it_can_no_longer_flag_flags_what_the_whole_test_flag
     assert stopped >= 15  # of the 27 without a large departure
 
 
+def test_the_verdicts_flags_alone_are_the_whole_verdicts_flags():
+    """verdict_p_values(flags_at=alpha), as the quarantine filter calls it (the outlier and calibration
+    tests first, maxT stopped once it can flag no other source), flags exactly the sources the whole
+    computation flags: sources far out in one family, in several, under the calibration test only,
+    none."""
+    from rlinfluence.sources import verdict_p_values
+
+    rng = np.random.default_rng(4)
+    families = ["a", "b", "c"]
+    for trial in range(30):
+        shift = np.zeros(8)
+        shift[rng.choice(8, size=int(rng.integers(0, 3)), replace=False)] = rng.choice([0.0, 1.0, 3.0, 6.0])
+        means = {f: rng.normal(size=(6, 8)) + (f != "c") * shift for f in families}
+        outlier_means = {f: rng.normal(size=(6, 8)) + (f == "a") * shift for f in families}
+        floors = {f: np.full(8, 0.1) for f in families}
+        calibrated = {"c": np.where(rng.random(8) < 0.1, 1e-6, rng.random(8))}
+        whole = verdict_p_values(means, {"c"}, outlier_means, floors, 2000, calibrated)[1]
+        flags = verdict_p_values(means, {"c"}, outlier_means, floors, 2000, calibrated, flags_at=0.01)[1]
+        np.testing.assert_array_equal((flags < 0.01).any(axis=1), (whole < 0.01).any(axis=1), err_msg=str(trial))
+
+
 def test_maxt_does_not_pay_for_families_that_move_together():
     """The same family tested ten times over: Holm would multiply its p-values by 10, maxT's
     adjusted p-values are those of testing it once."""

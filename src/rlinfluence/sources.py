@@ -125,7 +125,8 @@ def _one_sided_scale(t: np.ndarray) -> np.ndarray:
 
 
 def maxt_test(means: Mapping[str, np.ndarray], two_sided: Collection[str] = (), permutations: int = 10_000,
-              seed: int = 0, stop_above: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              seed: int = 0, stop_above: float | None = None, settled: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(T, p, p_adjusted), each [sources, families]: for every family f of ``means`` (h [rounds,
     sources], the same rounds for all) and source s, the standardised departure T_s,f = sum_k c_k,s,f
     / sqrt(sum_k mean_j c_k,j,f^2) with c the values centred within their round (for the
@@ -144,10 +145,11 @@ def maxt_test(means: Mapping[str, np.ndarray], two_sided: Collection[str] = (), 
     the smallest possible, about S^(1-R) (the draws that give one label its values in every round).
 
     With ``stop_above`` (a caller that needs only which p_adjusted <= ``stop_above``: the quarantine
-    filter's flags), the draws stop as soon as the largest T has been reached by so many that its
-    p_adjusted, and so every p_adjusted (each is at least the largest T's), is above it whatever the
-    draws left: p and p_adjusted are then 1 everywhere. The same draws, so the same flags; a round
-    where no source stands out costs a few hundred draws.
+    filter's flags), the draws stop as soon as the largest T not ``settled`` ([S, F], True where the
+    caller needs no answer) has been reached by so many that its p_adjusted, and so the p_adjusted of
+    every smaller T (each is at least the larger ones'), is above it whatever the draws left: p and
+    p_adjusted are then 1 everywhere. The same draws, so the same answers; a round where no source
+    stands out but the settled ones costs a few hundred draws.
     """
     families = list(means)
     centred = np.stack([means[f] - means[f].mean(axis=1, keepdims=True) for f in families], axis=-1)
@@ -168,6 +170,10 @@ def maxt_test(means: Mapping[str, np.ndarray], two_sided: Collection[str] = (), 
     block = max(1, MAXT_BLOCK // max(1, n_sources * n_families))
     if stop_above is not None:
         block = min(block, STOP_BLOCK)
+        needed = np.flatnonzero(~settled.ravel()[order]) if settled is not None else np.arange(len(order))
+        if not len(needed):  # every answer settled
+            return observed, np.ones_like(observed), np.ones_like(observed)
+        watched = needed[0]  # the largest T whose answer is needed
     for start in range(0, permutations, block):
         size = min(block, permutations - start)
         labels = rng.permuted(np.broadcast_to(np.arange(n_sources), (size, n_rounds, n_sources)), axis=2)
@@ -184,7 +190,7 @@ def maxt_test(means: Mapping[str, np.ndarray], two_sided: Collection[str] = (), 
         for i in range(1, len(successive)):
             np.maximum(successive[i - 1], successive[i], out=successive[i])
         reached += (successive[::-1] >= threshold[:, None]).sum(axis=1)
-        if stop_above is not None and (1 + reached[0]) / (1 + permutations) > stop_above:
+        if stop_above is not None and (1 + reached[watched]) / (1 + permutations) > stop_above:
             return observed, np.ones_like(observed), np.ones_like(observed)
     p = (1 + exceed) / (1 + permutations * n_sources)
     ranked = (1 + reached) / (1 + permutations)
@@ -444,25 +450,37 @@ def verdict_p_values(means: Mapping[str, np.ndarray], two_sided: Sequence[str] =
     """(p, p_adjusted), each [sources, families of ``means``, one or more]: the tests of ``verdict``
     combined, before and after the adjustment across sources x families (a source is flagged where
     some p_adjusted < alpha); what a caller that needs only the flags (the quarantine filter, every
-    round) computes without the table. With ``flags_at`` = alpha, only the flags are kept exact:
-    maxT stops once it can no longer flag (``maxt_test``'s ``stop_above``: each route through it to
-    p_adjusted < alpha needs its own p_adjusted below alpha)."""
+    round) computes without the table. With ``flags_at`` = alpha, only which sources are flagged is
+    kept exact: the outlier and calibration tests run first, and maxT (``maxt_test``'s
+    ``stop_above``, its ``settled`` the sources they flag already) stops once it can flag no other
+    source (each route through it to p_adjusted < alpha needs its own p_adjusted below alpha)."""
     families = list(means)
     n_sources = next(iter(means.values())).shape[1]
-    _, raw, adjusted = maxt_test(means, two_sided, permutations, stop_above=flags_at)
+    outlier = None
     if outlier_means is not None:
         outlier = np.column_stack([outlier_test(outlier_means[f], f in two_sided, (floors or {}).get(f, 0.0))[1]
                                    if spread_enough(outlier_means[f]) else np.ones(n_sources) for f in families])
-        raw = np.minimum(1.0, np.minimum(raw / EXACT_SHARE, outlier / (1 - EXACT_SHARE)))
-        adjusted = np.minimum(1.0, np.minimum(adjusted / EXACT_SHARE, holm(outlier) / (1 - EXACT_SHARE)))
-    if calibrated:
-        rest = 1 - CALIBRATION_SHARE
-        raw, adjusted = np.minimum(1.0, raw / rest), np.minimum(1.0, adjusted / rest)
-        for family, p in calibrated.items():
-            j = families.index(family)
-            raw[:, j] = np.minimum(raw[:, j], np.minimum(1.0, np.asarray(p) / CALIBRATION_SHARE))
-            adjusted[:, j] = np.minimum(adjusted[:, j], np.minimum(1.0, holm(p) / CALIBRATION_SHARE))
-    return raw, adjusted
+
+    def combined(raw: np.ndarray, adjusted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # maxT's with the others
+        if outlier is not None:
+            raw = np.minimum(1.0, np.minimum(raw / EXACT_SHARE, outlier / (1 - EXACT_SHARE)))
+            adjusted = np.minimum(1.0, np.minimum(adjusted / EXACT_SHARE, holm(outlier) / (1 - EXACT_SHARE)))
+        if calibrated:
+            rest = 1 - CALIBRATION_SHARE
+            raw, adjusted = np.minimum(1.0, raw / rest), np.minimum(1.0, adjusted / rest)
+            for family, p in calibrated.items():
+                j = families.index(family)
+                raw[:, j] = np.minimum(raw[:, j], np.minimum(1.0, np.asarray(p) / CALIBRATION_SHARE))
+                adjusted[:, j] = np.minimum(adjusted[:, j], np.minimum(1.0, holm(p) / CALIBRATION_SHARE))
+        return raw, adjusted
+
+    settled = None
+    if flags_at is not None:  # the sources the other tests flag whatever maxT finds
+        ones = np.ones((n_sources, len(families)))
+        flagged = (combined(ones, ones)[1] < flags_at).any(axis=1)
+        settled = np.repeat(flagged[:, None], len(families), axis=1)
+    _, raw, adjusted = maxt_test(means, two_sided, permutations, stop_above=flags_at, settled=settled)
+    return combined(raw, adjusted)
 
 
 def verdict(means: Mapping[str, np.ndarray], sources: Sequence, two_sided: Sequence[str] = (),
