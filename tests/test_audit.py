@@ -41,12 +41,16 @@ def test_audit_flags_the_flipped_env_and_no_env_of_clean_runs(tmp_path, capsys):
     assert set(found["level"]) == {"record", "episode", "source"} and set(found["round"]) == set(range(6))
     assert list(sources.columns[:8]) == ["source", "records", "rounds", "mean_score", "ci_low", "ci_high", "p_value",
                                          "p_holm"]
-    # the default is the verdict over every family (4 sources x 6 rounds cannot reach alpha after Holm
-    # over sources x families: its structure is checked here, its power in test_hidden_faults)
+    # the default is the verdict over every family but the gradient ones (its structure is checked here,
+    # its power in test_hidden_faults); --gradient-families tests those too
+    assert cli.main(["audit", str(flipped.run.path), "--gradient-families"]) == 0
+    written = pd.read_csv(flipped.run.path / "audit" / "sources.csv")
+    assert {"p_influence", "p_influence-chunk", "p_dtv", "p_dynamics"} <= set(written.columns)
     assert cli.main(["audit", str(flipped.run.path)]) == 0
     written = pd.read_csv(flipped.run.path / "audit" / "sources.csv")
     assert list(written.columns[:5]) == ["source", "records", "rounds", "flagged", "signature"]
-    assert {"p_influence", "p_dynamics", "p_logp-gap", "p_reward-extremes"} <= set(written.columns)
+    assert {"p_dynamics", "p_logp-gap", "p_reward-extremes"} <= set(written.columns)
+    assert not {"p_influence", "p_influence-chunk", "p_dtv", "p_tracin"} & set(written.columns)
     assert list(pd.read_csv(flipped.run.path / "audit" / "detection.csv").columns) == ["scorer", "level", "round",
                                                                                       "auroc", "precision"]
     assert (flipped.run.path / "audit" / "detection.csv").is_file() and (flipped.run.path / "audit" / "sources.png").is_file()

@@ -837,6 +837,60 @@ def test_the_held_out_faults_do_what_their_protocol_says(benchmark_script):
     assert {held_out.broken_env(seed, 7) for seed in held_out.FAULT_SEEDS} <= set(range(7))
 
 
+def test_the_third_held_out_set_does_what_its_protocol_says(benchmark_script):
+    """held_out_faults.KINDS_4: dropped commands execute action 0 about a quarter of the time, an offset
+    moves every observation by the same amount, dropped rewards are 0 about a tenth of the time, and a
+    teleport returns a fresh start's observation without ending the episode."""
+    import gymnasium as gym
+
+    held_out = benchmark_script("held_out_faults")
+
+    class Recorder(gym.Wrapper):
+        def __init__(self, env):
+            super().__init__(env)
+            self.executed = []
+
+        def step(self, action):
+            self.executed.append(int(action))
+            return self.env.step(action)
+
+    dropped = held_out.DroppedCommands(Recorder(gym.make("CartPole-v1")), p=0.25, seed=3)
+    dropped.reset(seed=0)
+    for _ in range(400):
+        _, _, terminated, truncated, _ = dropped.step(1)
+        if terminated or truncated:
+            dropped.reset()
+    assert 0.18 < (np.array(dropped.env.executed) == 0).mean() < 0.32
+    plain, offset = gym.make("CartPole-v1"), held_out.KINDS_4["obs-offset"][1](gym.make("CartPole-v1"), 5)
+    shift = offset.reset(seed=0)[0] - plain.reset(seed=0)[0]
+    assert np.allclose(offset.step(1)[0] - plain.step(1)[0], shift, atol=1e-6) and (np.abs(shift) > 0).all()
+    assert np.allclose(shift, 0.1 * held_out.observation_spread("CartPole-v1", 5), atol=1e-6)
+    lossy = held_out.RewardDropout(gym.make("CartPole-v1"), p=0.1, seed=3)
+    lossy.reset(seed=0)
+    rewards = []
+    for _ in range(1000):
+        _, reward, terminated, truncated, _ = lossy.step(int(len(rewards) % 2))
+        rewards.append(reward)
+        if terminated or truncated:
+            lossy.reset()
+    assert 0.06 < np.mean(np.array(rewards) == 0) < 0.14 and set(rewards) == {0.0, 1.0}
+    jumpy = held_out.Teleport(gym.make("CountingChain-v0", max_episode_steps=400), p=0.5, seed=3)
+    obs, _ = jumpy.reset(seed=0)
+    jumps = 0
+    for _ in range(40):  # the chain counts up by 0.1 a step: a teleport sends it back to its start, 0
+        nxt, _, terminated, truncated, _ = jumpy.step(0)
+        assert not (terminated or truncated)
+        teleported = not np.allclose(nxt, obs + 0.1)
+        assert not teleported or nxt[0] == 0.0
+        jumps += teleported
+        obs = nxt
+    assert 10 < jumps < 30
+    assert held_out.KINDS_4.keys().isdisjoint(corruptions.KINDS)  # never a --corrupt kind
+    assert held_out.KINDS_4.keys().isdisjoint(held_out.KINDS | held_out.KINDS_3)  # nor an earlier held-out kind
+    assert not set(held_out.SEEDS_4) & (set(held_out.SEEDS) | set(held_out.SEEDS_3))
+    assert not held_out.applies("obs-offset", "FrozenLake-v1") and held_out.applies("teleport", "FrozenLake-v1")
+
+
 def test_the_benchmark_counts_readings_apart_and_never_mixes_verdict_versions(benchmark_script, tmp_path):
     hidden_faults = benchmark_script("hidden_faults")
     outcome = hidden_faults.reading_outcome

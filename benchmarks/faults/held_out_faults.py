@@ -31,6 +31,18 @@ unseen by every rule of versions 1-3 (the protocol: docs/results/hidden-faults.m
                        in one state: does not apply
     frame-skip         every logged step executes the action twice, rewards summed (a worker configured
                        with another frame skip)
+
+The third held-out set (``KINDS_4``, seeds 261-290), written before verdict version 4 was measured and
+unseen by every rule of versions 1-4:
+
+    dropped-commands   with probability 0.25 per step the env executes its first action (index 0, its
+                       default) instead of the sampled one (commands lost on the way to the actuator)
+    obs-offset         0.1 x the env's observation scale (as obs-noise's) added to every observation
+                       the worker acts and logs on (a miscalibrated sensor); FrozenLake: does not apply
+    reward-dropout     with probability 0.1 per step the reward is lost and logged as 0 (a dropped message)
+    teleport           with probability 0.02 per step the env restarts without ending the episode: the
+                       step returns a fresh start's observation with the step's reward (a worker whose
+                       env resets itself silently)
 """
 
 from __future__ import annotations
@@ -136,22 +148,27 @@ class StickyActuator(gym.Wrapper):
         return self.env.step(action)
 
 
+def observation_spread(env_id: str, seed: int) -> np.ndarray:
+    """The env's per-dimension spread of observations (at least 1e-6), over ``SCALE_STEPS`` random steps
+    of a copy of the env seeded by ``seed``."""
+    probe = gym.make(env_id)
+    probe.action_space.seed(seed)
+    seen, (obs, _) = [], probe.reset(seed=seed)
+    for _ in range(SCALE_STEPS):
+        seen.append(obs)
+        obs, _, terminated, truncated, _ = probe.step(probe.action_space.sample())
+        if terminated or truncated:
+            obs, _ = probe.reset()
+    probe.close()
+    return np.maximum(np.std(np.asarray(seen, dtype=np.float64), axis=0), 1e-6)
+
+
 class ObservationNoise(gym.ObservationWrapper):
-    """Observations plus Gaussian noise of ``scale`` x the env's per-dimension spread (measured once,
-    over ``SCALE_STEPS`` random steps of a copy of the env seeded by ``seed``)."""
+    """Observations plus Gaussian noise of ``scale`` x the env's per-dimension spread (``observation_spread``)."""
 
     def __init__(self, env: gym.Env, scale: float, seed: int):
         super().__init__(env)
-        probe = gym.make(env.spec.id)
-        probe.action_space.seed(seed)
-        seen, (obs, _) = [], probe.reset(seed=seed)
-        for _ in range(SCALE_STEPS):
-            seen.append(obs)
-            obs, _, terminated, truncated, _ = probe.step(probe.action_space.sample())
-            if terminated or truncated:
-                obs, _ = probe.reset()
-        probe.close()
-        self.sd = scale * np.maximum(np.std(np.asarray(seen, dtype=np.float64), axis=0), 1e-6)
+        self.sd = scale * observation_spread(env.spec.id, seed)
         self.rng = np.random.default_rng([seed, 3])
 
     def observation(self, observation):
@@ -213,15 +230,80 @@ KINDS_3: dict[str, tuple[str, Callable[[gym.Env, int], gym.Env]]] = {
     "frame-skip": ("environment", lambda env, seed: FrameSkip(env, FRAME_SKIP)),
 }
 """The second held-out set (module docstring): kind -> (the class a right reading names, the wrapper)."""
-PROTOCOLS = {2: (KINDS, SEEDS, FAULT_SEEDS), 3: (KINDS_3, SEEDS_3, FAULT_SEEDS_3)}
+
+
+class DroppedCommands(gym.ActionWrapper):
+    """With probability ``p`` a step executes the action space's first action instead of the given one (seeded)."""
+
+    def __init__(self, env: gym.Env, p: float, seed: int):
+        super().__init__(env)
+        self.p, self.rng = p, np.random.default_rng([seed, 5])
+
+    def action(self, action):
+        return np.int64(self.env.action_space.start) if self.rng.random() < self.p else action
+
+
+class ObservationOffset(gym.ObservationWrapper):
+    """Observations plus ``scale`` x the env's per-dimension spread (``observation_spread``), every step."""
+
+    def __init__(self, env: gym.Env, scale: float, seed: int):
+        super().__init__(env)
+        self.offset = scale * observation_spread(env.spec.id, seed)
+
+    def observation(self, observation):
+        return (observation + self.offset).astype(observation.dtype)
+
+
+class RewardDropout(gym.RewardWrapper):
+    """With probability ``p`` a step's reward is logged as 0 (seeded)."""
+
+    def __init__(self, env: gym.Env, p: float, seed: int):
+        super().__init__(env)
+        self.p, self.rng = p, np.random.default_rng([seed, 7])
+
+    def reward(self, reward):
+        return 0.0 if self.rng.random() < self.p else reward
+
+
+class Teleport(gym.Wrapper):
+    """With probability ``p`` a step that does not end its episode returns a fresh start's observation
+    (the env reset, the step's reward kept, no episode end) instead of the stepped one (seeded)."""
+
+    def __init__(self, env: gym.Env, p: float, seed: int):
+        super().__init__(env)
+        self.p, self.rng = p, np.random.default_rng([seed, 11])
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        if not (terminated or truncated) and self.rng.random() < self.p:
+            obs, _ = self.env.reset(seed=int(self.rng.integers(2**31)))
+        return obs, reward, terminated, truncated, info
+
+
+SEEDS_4 = range(261, 291)
+"""Fresh seeds of the third held-out set: no committed benchmark, study or test used 261-290 before it."""
+FAULT_SEEDS_4 = range(261, 271)
+DROP_P = 0.25
+OFFSET_SCALE = 0.1
+REWARD_DROP_P = 0.1
+TELEPORT_P = 0.02
+
+KINDS_4: dict[str, tuple[str, Callable[[gym.Env, int], gym.Env]]] = {
+    "dropped-commands": ("action", lambda env, seed: DroppedCommands(env, DROP_P, seed)),
+    "obs-offset": ("observation", lambda env, seed: ObservationOffset(env, OFFSET_SCALE, seed)),
+    "reward-dropout": ("reward", lambda env, seed: RewardDropout(env, REWARD_DROP_P, seed)),
+    "teleport": ("environment", lambda env, seed: Teleport(env, TELEPORT_P, seed)),
+}
+"""The third held-out set (module docstring): kind -> (the class a right reading names, the wrapper)."""
+PROTOCOLS = {2: (KINDS, SEEDS, FAULT_SEEDS), 3: (KINDS_3, SEEDS_3, FAULT_SEEDS_3), 4: (KINDS_4, SEEDS_4, FAULT_SEEDS_4)}
 """The verdict version each held-out protocol measures -> (its kinds, its seeds, its faulty runs' seeds)."""
-ALL_KINDS = KINDS | KINDS_3
+ALL_KINDS = KINDS | KINDS_3 | KINDS_4
 
 
 def applies(kind: str, env_id: str) -> bool:
     """Whether the kind changes the data on ``env_id`` (rounding or noise on one-hot observations, one
     start state where every episode starts in one: not applied)."""
-    return not (kind in ("obs-rounding", "obs-noise", "single-start") and env_id.startswith("FrozenLake"))
+    return not (kind in ("obs-rounding", "obs-noise", "obs-offset", "single-start") and env_id.startswith("FrozenLake"))
 
 
 def broken_env(seed: int, corruptible: int) -> int:

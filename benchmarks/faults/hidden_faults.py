@@ -7,8 +7,9 @@ which families, and does its reading name the fault?
 Per env, fault and seed, one run of plain PPO (8 envs x 256 steps a round, the last env trusted,
 PPO's learning rate tuned on clean data where ``studies/<env>.json`` has it, every round saved,
 TracIn recorded) with ``--corrupt <fault>``; and clean runs. After each round r the verdict
-(``rlinfluence.analysis.audit.verdict_table``: every family; the exact, outlier and calibration
-tests at alpha 0.01 across sources x families) is computed on rounds 0..r (with ``--window W``,
+(``rlinfluence.analysis.audit.verdict_table``: every family but the gradient ones, version 4's; the
+exact, outlier and calibration tests at alpha 0.01 across sources x families; and in the ``grad_``
+columns the same with the gradient families too, ``audit --gradient-families``) is computed on rounds 0..r (with ``--window W``,
 on the last W rounds, as a monitor would). Per run, one row: the first round count at which the
 broken source is flagged by the verdict and by each family, the fault class read at that point,
 and every false flag (a clean source flagged at any check). A fault given ``from=R`` (``--faults``)
@@ -207,7 +208,7 @@ def _train_rllib(env: str, fault: str | None, seed: int, rounds: int, scratch: P
 def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path, window: int = 0,
             trainer: str = "native") -> dict:
     """Train, score every round, and check the verdict after each round (module docstring)."""
-    from rlinfluence.analysis.audit import verdict_table
+    from rlinfluence.analysis.audit import verdict_families, verdict_table
     from rlinfluence.analysis.harm import harm_table, scorers_of
     from rlinfluence.checkpoint import load_round
     from rlinfluence.sources import VERDICT_VERSION
@@ -220,12 +221,14 @@ def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path, wind
     train_cpu = time.process_time() - cpu0
     # another trainer's run has no trusted env, and no TracIn recorded in its rounds (a replay per round would dominate)
     native = trainer == "native"
-    families = [f for f in scorers_of(1 if native else 0) if f != "random" and (native or f != "tracin")]
+    scored = [f for f in scorers_of(1 if native else 0) if f != "random" and (native or f != "tracin")]
+    families = verdict_families(scored)  # the verdict's own (version 4: no gradient families)
+    asked = verdict_families(scored, gradient_families=True)  # with --gradient-families: the comparison arm
     tables = []
     row: dict = {"env": env, "fault": fault or "clean", "seed": seed, "trainer": trainer, "rounds": rounds,
                  "start": start, "window": window, "verdict_version": VERDICT_VERSION,
                  "broken": " ".join(map(str, sorted(broken)))}
-    for prefix in ("", "seq_", "looks_"):
+    for prefix in ("", "seq_", "looks_", "grad_"):
         row |= {f"{prefix}verdict_round": np.nan, f"{prefix}reading": "", f"{prefix}candidates": "",
                 f"{prefix}reading_outcome": "", f"{prefix}reading_right": np.nan, f"{prefix}false_flags": "",
                 f"{prefix}false_signatures": "", f"{prefix}signature": ""}
@@ -234,7 +237,7 @@ def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path, wind
     truth = truth_class(fault) if fault else ""
     cpu1 = time.process_time()
     for k in range(rounds):
-        tables.append(harm_table(load_round(path, k), families))
+        tables.append(harm_table(load_round(path, k), scored))
         audited = pd.concat(tables[max(0, k + 1 - window):] if window else tables, ignore_index=True)
         verdict = verdict_table(audited, families, ALPHA)
         active = broken if k >= start else set()  # before a from=R fault begins, every flag is a false one
@@ -242,8 +245,11 @@ def run_one(env: str, fault: str | None, seed: int, rounds: int, out: Path, wind
         if len(found) and not row["p_at_flag"]:
             row["p_at_flag"] = json.dumps({c[2:]: round(float(found[c].iloc[0]), 6) for c in found.columns
                                            if c.startswith("p_") and c != "p_adjusted_min"})
-        for family in families:
-            if np.isnan(row[f"round_{family}"]) and any(family in str(s).split(";") for s in found["signature"]):
+        # alpha 0.01 per audit with the gradient families asked (audit --gradient-families: version 3's families)
+        with_gradients = _note(row, "grad_", verdict_table(audited, asked, ALPHA), k, active, truth)
+        for family in asked:  # each family's first flag: the gradient families' in the arm that tests them
+            signatures = (found if family in families else with_gradients)["signature"]
+            if np.isnan(row[f"round_{family}"]) and any(family in str(s).split(";") for s in signatures):
                 row[f"round_{family}"] = k + 1
         # the per-run guarantee: the (k+1)-th audit of a run at alpha / ((k+1)(k+2)), which sum to alpha
         sequential = verdict if verdict["p_adjusted_min"].min() >= ALPHA else \

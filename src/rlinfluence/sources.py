@@ -375,7 +375,7 @@ def calibration_p_values(sources: np.ndarray, scores: np.ndarray, columns: Seque
     return calibration_test(per_source["sum"].to_numpy(), per_source["count"].to_numpy(), variance)
 
 
-VERDICT_VERSION = 3
+VERDICT_VERSION = 4
 """What the verdict is: its families, its tests and their shares of alpha, and the reading of a
 signature. Every figure records the version that produced it (``verdict_version`` in an audit's
 sources.csv, its printed lines and a benchmark's rows); any change to a family, a test, a share or a
@@ -387,7 +387,9 @@ every class (version 2 read it "unexplained", a claim of self-consistent data th
 or a flaky actuator contradicted), the rule that took ``action-fit`` without ``lag-fit`` as evidence
 against an observation fault is gone (rounded observations move ``action-fit`` too), and a family
 whose per-source values leave fewer than ``OUTLIER_MIN_SPREAD`` sources apart from the rest gets no
-outlier test (``verdict``)."""
+outlier test (``verdict``); 4: the gradient families (influence, influence-trusted, influence-chunk,
+tracin, dtv) are scored and tested only where asked (``audit --gradient-families``, which tests version
+3's families), the tests and the reading unchanged."""
 
 MIN_EPISODES = 5
 """Episodes (whole or in part) each source needs in the audited rounds for the outlier test: a

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 from sklearn.metrics import roc_auc_score
 
-from rlinfluence.analysis.harm import harm_table, scorers_of
+from rlinfluence.analysis.harm import ATTRIBUTION_FAMILIES, harm_table, scorers_of
 from rlinfluence.analysis.report import Section
 from rlinfluence.consistency import (
     CALIBRATED,
@@ -150,6 +150,12 @@ FAMILY_EXCLUDED = ("random",)
 """Scorers that are not families of the verdict (random is the chance line of detection)."""
 
 
+def verdict_families(scorers: Sequence[str], gradient_families: bool = False) -> list[str]:
+    """The families of ``scorers`` the verdict tests: all but ``FAMILY_EXCLUDED``, and but the
+    ``ATTRIBUTION_FAMILIES`` unless ``gradient_families`` (version 3's families then)."""
+    return [s for s in scorers if s not in FAMILY_EXCLUDED and (gradient_families or s not in ATTRIBUTION_FAMILIES)]
+
+
 def verdict_table(table: pd.DataFrame, families: Sequence[str], alpha: float = 0.01) -> pd.DataFrame:
     """``rlinfluence.sources.verdict`` of a harm table over ``families``, with each source's records
     as normal scores within their round (``normal_scores``; the ``RAW_SCALE`` checks as they are):
@@ -227,10 +233,12 @@ def round_harm_table(run_dir: str | Path, round_index: int, scorers: Sequence[st
 
 
 def _scored_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None, workers: int,
-                   ray_address: str | None, progress: bool = False) -> tuple[pd.DataFrame, list[str], str | None]:
+                   ray_address: str | None, progress: bool = False, gradient_families: bool = False
+                   ) -> tuple[pd.DataFrame, list[str], str | None]:
     """A run trained with ``--save-buffers``: its saved rounds scored now, by every scorer and check
-    for the verdict (``scorer`` None) or where the run has ground truth (for the detection table),
-    else by the test's alone; one round per
+    for the verdict (``scorer`` None; the ``ATTRIBUTION_FAMILIES`` only with ``gradient_families``) or
+    by all of them where the run has ground truth (for the detection table), else by the test's
+    alone; one round per
     job, in ``workers`` local processes or as Ray tasks (``rlinfluence.executor.run_calls``), concatenated
     in round order whichever ran them."""
     from rlinfluence.executor import run_calls
@@ -251,6 +259,8 @@ def _scored_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None, wor
         # not recorded in training: replaying every record's full TracIn costs about two rounds of training a
         # round (docs/benchmarks.md), so only where asked (--scorer tracin) or recorded (train --tracin)
         available.remove("tracin")
+    if not (gradient_families or config.get("corrupt")):
+        available = [s for s in available if s not in ATTRIBUTION_FAMILIES or s == scorer]
     scorers = available if config.get("corrupt") or scorer is None else [scorer]
     todo = list(rounds or saved)
     with progress_bar(progress, f"audit: scoring {len(todo)} saved rounds", len(todo)) as advance:
@@ -325,14 +335,16 @@ def _written_rounds(run_dir: Path, rounds: Sequence[int], scorer: str | None
 
 def audit_run(run_dir: str | Path, rounds: Sequence[int] = (), scorer: str | None = None,
               alpha: float = 0.01, permutations: int = 2000, seed: int = 0, workers: int = 1,
-              ray_address: str | None = None, progress: bool = False, guarantee: str = "audit"
-              ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+              ray_address: str | None = None, progress: bool = False, guarantee: str = "audit",
+              gradient_families: bool = False) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(sources, detection, harm table) of a run's rounds (default: all). Harm table: the saved rounds
     (``--save-buffers``) scored a round per job here (``workers`` 1), in local processes or as Ray
     tasks on ``ray_address`` (the same table), or the tables written in training (``SCORES_DIR``).
-    sources: the verdict over every family (``verdict_table``), or ``scorer``'s ``sources_table``,
-    at the ``level`` of ``rlinfluence.sources.audit_level`` for ``guarantee``. detection: every
-    scorer at every level per round (``detection``) where the run has ground truth, else empty."""
+    sources: the verdict over every family but the ``ATTRIBUTION_FAMILIES`` (with
+    ``gradient_families``, over those too: version 3's families; ``verdict_table``), or ``scorer``'s
+    ``sources_table``, at the ``level`` of ``rlinfluence.sources.audit_level`` for ``guarantee``.
+    detection: every scorer at every level per round (``detection``) where the run has ground truth,
+    else empty."""
     from rlinfluence.executor import check_executor
 
     if not 0 < alpha < 1:
@@ -343,13 +355,21 @@ def audit_run(run_dir: str | Path, rounds: Sequence[int] = (), scorer: str | Non
     check_executor(workers, ray_address)
     run_dir = Path(run_dir)
     if _saved_rounds(run_dir):
-        table, scorers, scorer = _scored_rounds(run_dir, list(rounds), scorer, workers, ray_address, progress)
+        table, scorers, scorer = _scored_rounds(run_dir, list(rounds), scorer, workers, ray_address, progress,
+                                                gradient_families)
     else:  # read, not scored: nothing to distribute
         table, scorers, scorer = _written_rounds(run_dir, list(rounds), scorer)
     found = detection(table, scorers) if "corrupted" in table else \
         pd.DataFrame(columns=["scorer", "level", "round", "auroc", "precision"])
     level = audit_level(alpha, int(table["round"].nunique()), guarantee)
-    sources = verdict_table(table, scorers, level) if scorer is None else sources_table(table, scorer, level, permutations, seed)
+    if scorer is None:
+        families = verdict_families(scorers, gradient_families)
+        if not families:
+            raise UserError(f"the score tables of {str(run_dir)!r} hold only gradient families ({', '.join(scorers)}): "
+                            "test them with --gradient-families, or one with --scorer")
+        sources = verdict_table(table, families, level)
+    else:
+        sources = sources_table(table, scorer, level, permutations, seed)
     return sources.assign(level=level), found, table
 
 

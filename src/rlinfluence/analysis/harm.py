@@ -58,6 +58,10 @@ if TYPE_CHECKING:
 Scorer = Callable[["SavedRound"], np.ndarray]
 GRADIENT_FAMILIES = ("influence", "influence-chunk", "dtv")
 """The families scored from one gradient pass (``_gradient_families``)."""
+ATTRIBUTION_FAMILIES = ("influence", "influence-trusted", "influence-chunk", "tracin", "dtv")
+"""The families scored from the policy's gradients. The verdict (version 4 on) scores and tests them
+only where asked (``audit --gradient-families``): on version 3's held-out runs none flagged a broken
+worker that another family missed, and on an image policy they were half the audit's cost."""
 
 
 def _trusted(saved: SavedRound) -> torch.Tensor:
