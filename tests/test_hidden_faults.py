@@ -698,6 +698,7 @@ def test_the_sb3_quarantine_callback_drops_exactly_the_flagged_env_and_nothing_o
     (lambda t: pd.concat([t, t.iloc[:1]]), "times or more: each record once"),
     (lambda t: t.assign(source=t["source"].where(t.index != 0, None)), "row(s) without a source id"),
     (lambda t: t.assign(round=0), "round 0 is held by both"),
+    (lambda t: t, "hold only gradient families (influence): test them with --gradient-families"),
 ])
 def test_a_written_harm_table_the_test_would_misread_is_one_error_line(tmp_path, capsys, change, message):
     """A NaN source, a single inf, a duplicated row, a missing source id or two files of one round
@@ -708,6 +709,8 @@ def test_a_written_harm_table_the_test_would_misread_is_one_error_line(tmp_path,
     for k in range(2):
         table = pd.DataFrame({"round": k, "source": workers, "episode": 0, "step": np.tile(np.arange(4), 3),
                               "trusted": False, "my_score": np.arange(12.0)})
+        if "gradient" in message:  # a writer's table of a gradient family alone: version 4 tests it where asked
+            table = table.rename(columns={"my_score": "influence"})
         (change(table) if k == 1 else table).to_parquet(scores / f"round_{k:06d}.parquet")
     assert cli.main(["audit", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

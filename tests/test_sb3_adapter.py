@@ -30,7 +30,7 @@ from rlinfluence.integrations.sb3 import (  # noqa: E402
     SB3PolicyAdapter,
     attribute,
 )
-from rlinfluence.integrations.sb3_audit import AuditCallback  # noqa: E402
+from rlinfluence.integrations.sb3_audit import AUDIT_SCORERS, DEFAULT_AUDIT_SCORERS, AuditCallback  # noqa: E402
 from rlinfluence.policies import ActorCritic  # noqa: E402
 
 VALUE_ONLY = ("value_net.", "mlp_extractor.value_net.", "vf_features_extractor.")
@@ -431,7 +431,7 @@ def _audited_cartpole(path, flipped_env=None, seed=3, rollouts=6):
     vec = DummyVecEnv([lambda i=i: make(i) for i in range(4)])
     vec.seed(seed)
     model = PPO("MlpPolicy", vec, n_steps=64, batch_size=64, n_epochs=2, seed=seed, device="cpu")
-    callback = AuditCallback(path, corrupted_envs=() if flipped_env is None else (flipped_env,))
+    callback = AuditCallback(path, scorers=AUDIT_SCORERS, corrupted_envs=() if flipped_env is None else (flipped_env,))
     model.learn(rollouts * 256, callback=callback)
     return model, callback
 
@@ -451,6 +451,12 @@ def test_audit_of_an_sb3_run_flags_the_flipped_env_and_no_env_of_clean_runs(tmp_
     sources = pd.read_csv(tmp_path / "flip" / "audit" / "sources_negative-advantage.csv")
     assert sources["flagged"].tolist() == [False, True, False, False], out
     assert (tmp_path / "flip" / "audit" / "detection.csv").is_file() and "the 10 most harmful episodes" in out
+    # the verdict tests the written gradient columns (influence, dtv) only where asked
+    for extra, tested in (([], False), (["--gradient-families"], True)):
+        assert cli.main(["audit", str(tmp_path / "flip"), *extra]) == 0
+        columns = set(pd.read_csv(tmp_path / "flip" / "audit" / "sources.csv").columns)
+        assert {"p_influence", "p_dtv"} <= columns if tested else not {"p_influence", "p_dtv"} & columns
+        assert "p_reward-extremes" in columns
     assert cli.main(["report", str(tmp_path / "flip")]) == 0  # no run of our trainer: a report of its audit
     assert "Audit" in (tmp_path / "flip" / "report.html").read_text()
     for seed in (4, 5):
@@ -466,6 +472,8 @@ def test_the_audit_callback_leaves_sb3_training_unchanged(tmp_path):
     audited.learn(128, callback=AuditCallback(tmp_path))
     for name, value in plain.policy.state_dict().items():
         assert torch.equal(value, audited.policy.state_dict()[name]), name
+    written = pd.read_parquet(next((tmp_path / "audit" / "scores").glob("round_*.parquet")))
+    assert set(DEFAULT_AUDIT_SCORERS) <= set(written.columns) and not {"influence", "dtv"} & set(written.columns)
     with pytest.raises(ValueError, match="unknown scorer 'tracin'"):
         AuditCallback(tmp_path, scorers=("tracin",))
 

@@ -608,12 +608,13 @@ def markdown_table(runs: pd.DataFrame, families: list[str]) -> str:
     """One row per env and fault: seeds, flagged within WITHIN rounds and within the runs' rounds, the
     rounds it took, the reading of the first flag (right / undetermined / wrong), runs with a false
     flag, the same for the per-run arm where the rows have it, and the families that flag it within WITHIN."""
-    sequential = "seq_verdict_round" in runs
+    sequential, paired = "seq_verdict_round" in runs, "grad_verdict_round" in runs
     last = int((runs.loc[runs["fault"] != "clean", "rounds"] - runs.get("start", 0)).max()) \
         if (runs["fault"] != "clean").any() else int(runs["rounds"].max())
     header = (f"| env | fault | seeds | flagged within {WITHIN} rounds | within {last} | rounds to flag (each seed; - = not "
               f"in {last}) | reading right/undetermined/wrong | runs with a false flag |"
               + (f" per-run alpha: within {WITHIN} / {last}, false flags |" if sequential else "")
+              + (f" with the gradient families: within {WITHIN} / {last}, false flags |" if paired else "")
               + f" families flagging it within {WITHIN} (seeds) |")
     lines = [header, "|" + "---|" * header.count(" |")]
     for (env, fault), group in runs.groupby(["env", "fault"], sort=False):
@@ -626,6 +627,10 @@ def markdown_table(runs: pd.DataFrame, families: list[str]) -> str:
             if sequential:
                 low, high = clopper_pearson(seq_false, n)
                 cells.append(f"{seq_false}/{n} [{low:.2f}, {high:.2f}]")
+            if paired:
+                grad_false = int(_has_false_flag(group, "grad_").sum())
+                low, high = clopper_pearson(grad_false, n)
+                cells.append(f"{grad_false}/{n} [{low:.2f}, {high:.2f}]")
             lines.append(f"| {env} | clean | {n} | " + " | ".join(cells) + " | - |")
             continue
         rounds = " ".join("-" if np.isnan(r) else str(int(r)) for r in group["verdict_round"])
@@ -633,9 +638,11 @@ def markdown_table(runs: pd.DataFrame, families: list[str]) -> str:
                             if (group[f"round_{f}"] <= WITHIN).sum() > 0) or "none"
         cells = [f"{int((group['verdict_round'] <= WITHIN).sum())}/{n}", f"{int(group['verdict_round'].notna().sum())}/{n}",
                  rounds, _reading_cell(_outcomes(group)), f"{false}/{n}"]
-        if sequential:
-            cells.append(f"{int((group['seq_verdict_round'] <= WITHIN).sum())}/{n} / "
-                         f"{int(group['seq_verdict_round'].notna().sum())}/{n}, {seq_false}/{n}")
+        for arm, shown in (("seq_", sequential), ("grad_", paired)):
+            if shown:
+                cells.append(f"{int((group[f'{arm}verdict_round'] <= WITHIN).sum())}/{n} / "
+                             f"{int(group[f'{arm}verdict_round'].notna().sum())}/{n}, "
+                             f"{int(_has_false_flag(group, arm).sum())}/{n}")
         lines.append(f"| {env} | {fault} | {n} | " + " | ".join(cells) + f" | {finders} |")
     return "\n".join(lines) + "\n"
 
@@ -644,9 +651,10 @@ HELD_OUT_DATA = ("hidden_faults_held_out", "hidden_faults_held_out_sb3", "hidden
 """The held-out protocol's per-run rows in docs/data (``<name>_runs.csv``): native on the three target
 envs, SB3, and Acrobot apart."""
 HELD_OUT_PROTOCOLS = ((HELD_OUT_DATA, "held-out-answer"),
-                      (("hidden_faults_held_out_v3", "hidden_faults_held_out_v3_sb3"), "held-out-answer-v3"))
+                      (("hidden_faults_held_out_v3", "hidden_faults_held_out_v3_sb3"), "held-out-answer-v3"),
+                      (("hidden_faults_held_out_v4", "hidden_faults_held_out_v4_sb3"), "held-out-answer-v4"))
 """Each held-out protocol's rows (native, SB3, Acrobot apart where measured) and the marker of its
-answer on the results page: version 2's, then version 3's second held-out set."""
+answer on the results page: version 2's, version 3's second held-out set, version 4's third."""
 
 
 def _count(flags: pd.Series) -> str:
@@ -695,6 +703,8 @@ def held_out_answer(native: pd.DataFrame, sb3: pd.DataFrame | None = None, acrob
                      f"{int(_has_false_flag(clean, 'looks_').sum())} of {len(clean)} clean runs with a false flag; "
                      f"faulty runs flagged within {WITHIN} rounds {_count(faulty['looks_verdict_round'] <= WITHIN)}, "
                      f"within {int(faulty['rounds'].max())} {_count(faulty['looks_verdict_round'].notna())}.")
+    if "grad_verdict_round" in native:  # the third protocol's paired arm
+        lines.append(paired_line(native))
     for name, rows in (("Stable-Baselines3 runs (RunDirectoryCallback)", sb3),
                        ("Acrobot (500-step episodes, reported apart)", acrobot)):
         if rows is not None and len(rows):
@@ -705,7 +715,22 @@ def held_out_answer(native: pd.DataFrame, sb3: pd.DataFrame | None = None, acrob
                          f"{int(_has_false_flag(c).sum())} of {len(c)} per audit, {int(_has_false_flag(c, 'seq_').sum())} "
                          "with the per-run alpha" + (f", {int(_has_false_flag(c, 'looks_').sum())} with it at looks only"
                                                      if "looks_verdict_round" in rows else "") + ".")
+            if "grad_verdict_round" in rows:
+                lines.append(f"{name}, {paired_line(rows)[0].lower()}{paired_line(rows)[1:]}")
     return [f"- {line}" for line in lines]  # a list: each figure's sentence on its own line of the page
+
+
+def paired_line(rows: pd.DataFrame) -> str:
+    """The paired arm's sentence: the same runs audited with the gradient families too (``grad_``, alpha
+    0.01 per audit) against the verdict without them (alpha 0.01 per audit)."""
+    faulty, clean = rows[rows["fault"] != "clean"], rows[rows["fault"] == "clean"]
+    without, with_them = faulty["verdict_round"] <= WITHIN, faulty["grad_verdict_round"] <= WITHIN
+    return (f"Paired, the same runs with the gradient families asked (version 3's families, alpha 0.01 per audit): "
+            f"faulty runs flagged within {WITHIN} rounds {_count(with_them)} (without them {_count(without)}; "
+            f"{int((without & ~with_them).sum())} flagged only without them, {int((with_them & ~without).sum())} only "
+            f"with them); readings wrong {int((_outcomes(faulty, 'grad_') == 'wrong').sum())} of "
+            f"{len(_outcomes(faulty, 'grad_'))}; clean runs with a false flag {int(_has_false_flag(clean, 'grad_').sum())} "
+            f"of {len(clean)} (without them {int(_has_false_flag(clean).sum())}).")
 
 
 def rounds_figure(runs: pd.DataFrame, path: Path) -> None:
@@ -774,8 +799,9 @@ def summary(args: argparse.Namespace) -> None:
         rounds_figure(runs, figures / f"{args.name}_rounds.png")
 
 
-ARM_NAMES = {"": "", "seq_": "per_run_alpha/", "looks_": "per_run_looks/"}
-"""The summary lines' name of each arm: alpha per audit, the per-run alpha at every audit, at looks 1, 2, 4, 8, ..."""
+ARM_NAMES = {"": "", "seq_": "per_run_alpha/", "looks_": "per_run_looks/", "grad_": "with_gradient_families/"}
+"""The summary lines' name of each arm: alpha per audit, the per-run alpha at every audit, at looks 1, 2, 4, 8,
+..., and alpha per audit with the gradient families asked (the third protocol's paired arm)."""
 
 
 def summary_lines(runs: pd.DataFrame) -> list[str]:
@@ -783,7 +809,7 @@ def summary_lines(runs: pd.DataFrame) -> list[str]:
     within ``WITHIN`` rounds and by the end, the readings, the false flags; then over all runs."""
     lines = [f"verdict_version: {int(runs['verdict_version'].iloc[0]) if 'verdict_version' in runs else 1}"]
     families = [c[6:] for c in runs.columns if c.startswith("round_")]
-    arms = [arm for arm in ("", "seq_", "looks_") if f"{arm}verdict_round" in runs]
+    arms = [arm for arm in ARM_NAMES if f"{arm}verdict_round" in runs]
     for (env, fault), group in runs.groupby(["env", "fault"], sort=False):
         n = len(group)
         for arm in arms:

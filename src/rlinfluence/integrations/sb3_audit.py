@@ -101,6 +101,9 @@ class QuarantineCallback(BaseCallback):
 AUDIT_SCORERS = ("influence", "dtv", "negative-advantage", "abs-advantage", "reward-extremes", "random")
 """The scorers of ``rlinfluence.analysis.audit`` an SB3 rollout can be scored with (tracin needs the
 replayed optimiser steps, td-error the next values SB3 does not keep, influence-trusted trusted envs)."""
+DEFAULT_AUDIT_SCORERS = ("negative-advantage", "abs-advantage", "reward-extremes", "random")
+"""What ``AuditCallback`` scores unless told: the verdict (version 4 on) tests the gradient families
+(influence, dtv) only where asked (``audit --gradient-families``), so they are scored only where asked."""
 
 
 class AuditCallback(BaseCallback):
@@ -116,7 +119,7 @@ class AuditCallback(BaseCallback):
     NumPy's and torch's global random states are left untouched, so training is unchanged.
     """
 
-    def __init__(self, path: str | Path, scorers: Sequence[str] = AUDIT_SCORERS, corrupted_envs: Sequence[int] = (),
+    def __init__(self, path: str | Path, scorers: Sequence[str] = DEFAULT_AUDIT_SCORERS, corrupted_envs: Sequence[int] = (),
                  verbose: int = 0):
         super().__init__(verbose)
         unknown = [s for s in scorers if s not in AUDIT_SCORERS]
