@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 
 from rlinfluence import cli
-from rlinfluence.analysis.audit import audit_run, holm, source_test
+from rlinfluence.analysis.audit import audit_run, holm, source_test, verdict_families
+from rlinfluence.analysis.harm import ATTRIBUTION_FAMILIES, scorers_of
 from rlinfluence.ppo import PPO, PPOConfig
 from rlinfluence.sources import VERDICT_VERSION
 
@@ -241,3 +242,12 @@ def test_the_audit_help_names_every_scorer_it_takes():
     help_text = source.split("scorer: Annotated[str | None, shown_as(\"FAMILY\")] = None")[1].split('"""')[1]
     named = set(re.findall(r"[a-z][a-z-]+", help_text))
     assert set(scorers_of(1)) <= named, set(scorers_of(1)) - named
+
+
+def test_the_verdict_tests_the_gradient_families_only_where_asked():
+    """Version 4: every scorer but random and the gradient families; asked, version 3's families."""
+    scorers = scorers_of(1)
+    default, asked = verdict_families(scorers), verdict_families(scorers, gradient_families=True)
+    assert not set(default) & set(ATTRIBUTION_FAMILIES) and "random" not in default + asked
+    assert set(asked) - set(default) == set(ATTRIBUTION_FAMILIES) and {"dynamics", "reward-extremes"} <= set(default)
+    assert [f for f in asked if f in default] == default  # the order kept
