@@ -261,7 +261,7 @@ def test_the_ridge_from_each_actions_moments_is_the_direct_ridge(targets):
     """_moment_ridge_weights (phi's ridge without phi, for image observations) gives the direct
     fit's weights and predictions: constant observation features, an action never taken, integer
     and large-mean features, one target or several."""
-    from rlinfluence.consistency import _moment_ridge_weights, _ridge_weights, _Split
+    from rlinfluence.consistency import _moment_ridge_weights, _Phi, _ridge_weights, _Split
 
     rng = np.random.default_rng(0 if targets is None else 1)
     for trial in range(12):
@@ -272,12 +272,31 @@ def test_the_ridge_from_each_actions_moments_is_the_direct_ridge(targets):
         actions = rng.integers(0, n_actions - (trial % 3 == 0), n).astype(float)
         y = rng.normal(size=n if targets is None else (n, targets))
         train = rng.random(n) < 0.6
-        split = _Split(_features(obs, actions, n_actions), train, ~train)
+        split = _Split(_Phi(obs, actions, n_actions), train, ~train)
         w, intercept = _ridge_weights(split.x_train, y[train])
         w_moments, intercept_moments = _moment_ridge_weights(obs, actions, n_actions, split, y)
         np.testing.assert_allclose(w_moments, w, rtol=1e-8, atol=1e-10 * np.abs(w).max())
         np.testing.assert_allclose(split.x_test @ w_moments + intercept_moments, split.x_test @ w + intercept,
                                    rtol=1e-9, atol=1e-10)
+
+
+def test_a_wide_phis_fold_moments_are_phis_own_to_the_bit():
+    """_Phi.column_moments on [o, e_a, o (x) e_a] wider than MOMENT_RIDGE_FEATURES, block by block
+    without phi, equals the mean and standard deviation of phi's rows bit for bit (negative
+    observations, an action never taken), and builds no phi."""
+    from rlinfluence.consistency import MOMENT_RIDGE_FEATURES, _Phi
+
+    rng = np.random.default_rng(3)
+    n, d, n_actions = 500, 60, 6
+    obs = rng.normal(size=(n, d)) * rng.integers(0, 3, size=(n, d))
+    actions = rng.integers(0, n_actions - 1, n).astype(float)
+    phi = _Phi(obs, actions, n_actions)
+    assert phi.width == d * (1 + n_actions) + n_actions > MOMENT_RIDGE_FEATURES and phi.blockwise
+    rows = rng.random(n) < 0.5
+    mean, std = phi.column_moments(rows)
+    assert "matrix" not in phi.__dict__
+    full = _features(obs, actions, n_actions)[rows]
+    assert np.array_equal(mean, full.mean(axis=0)) and np.array_equal(std, full.std(axis=0))
 
 
 def test_the_dynamics_check_is_cross_fitted_on_the_other_folds_episodes():

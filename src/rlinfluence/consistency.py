@@ -175,31 +175,66 @@ def _folds(buffer: RolloutBuffer) -> np.ndarray:
     return (np.argsort(order) % 2)[pair_of.ravel()]
 
 
+class _Phi:
+    """phi(o, a) of a round's records (``_features``), built only where a model reads it. Wider than
+    ``MOMENT_RIDGE_FEATURES`` with a Discrete action (an image observation's products with the
+    action), a fold's column means and standard deviations are taken block by block, without phi:
+    the observation's columns, the one-hot's, then o (x) e_a for one action a at a time, equal to
+    phi's own to the bit (each column's sum runs over the same rows in the same order, and o (x) e_a
+    holds the same products). Only the termination model's fits on folds with both classes build it."""
+
+    def __init__(self, obs: np.ndarray, actions: np.ndarray, n_actions: int | None):
+        self.obs, self.actions, self.n_actions = obs, actions, n_actions
+        width = actions.reshape(len(actions), -1).shape[1] if n_actions is None else n_actions
+        self.width = obs.shape[1] * (1 + width) + width
+        self.blockwise = n_actions is not None and self.width > MOMENT_RIDGE_FEATURES
+
+    @cached_property
+    def matrix(self) -> np.ndarray:
+        return _features(self.obs, self.actions, self.n_actions)
+
+    def column_moments(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(mean, std) of phi's columns over ``rows`` ([N] bool)."""
+        if not self.blockwise:
+            matrix = self.matrix[rows]
+            return matrix.mean(axis=0), matrix.std(axis=0)
+        o, taken = self.obs[rows], self.actions[rows].astype(np.int64)
+        d, n_actions = o.shape[1], self.n_actions
+        mean, std = np.empty(self.width), np.empty(self.width)
+        one_hot = np.eye(n_actions)[taken]
+        mean[:d], std[:d] = o.mean(axis=0), o.std(axis=0)
+        mean[d:d + n_actions], std[d:d + n_actions] = one_hot.mean(axis=0), one_hot.std(axis=0)
+        for a in range(n_actions):  # phi's o (x) e_a columns: j * n_actions + a
+            block = o * one_hot[:, a:a + 1]
+            mean[d + n_actions + a::n_actions], std[d + n_actions + a::n_actions] = block.mean(axis=0), block.std(axis=0)
+        return mean, std
+
+
 class _Split:
     """One fold of the cross-fitting over ``rows``: train rows (``rows`` outside fold k), test rows
     (``rows`` in k), the train features' mean and scale (a constant feature's scale 1, as
     StandardScaler's), and phi standardised by them on each side, made once for every model fitted
     on the same rows (the reward and termination models share theirs)."""
 
-    def __init__(self, phi: np.ndarray, train: np.ndarray, test: np.ndarray):
+    def __init__(self, phi: _Phi, train: np.ndarray, test: np.ndarray):
         self.phi, self.train, self.test = phi, train, test
-        self.mean, self.scale = phi[train].mean(axis=0), phi[train].std(axis=0)
+        self.mean, self.scale = phi.column_moments(train)
         self.scale[self.scale < 10 * np.finfo(np.float64).eps] = 1.0
 
     @cached_property
     def x_train(self) -> np.ndarray:
-        return (self.phi[self.train] - self.mean) / self.scale
+        return (self.phi.matrix[self.train] - self.mean) / self.scale
 
     @cached_property
     def x_test(self) -> np.ndarray:
-        return self.standardised(self.phi)
+        return self.standardised(self.phi.matrix)
 
     def standardised(self, features: np.ndarray) -> np.ndarray:
         """The test rows of ``features`` ([N, F], phi's columns) on the train rows' scale."""
         return (features[self.test] - self.mean) / self.scale
 
 
-def _fold_splits(phi: np.ndarray, fold: np.ndarray, rows: np.ndarray) -> list[_Split]:
+def _fold_splits(phi: _Phi, fold: np.ndarray, rows: np.ndarray) -> list[_Split]:
     """The ``_Split`` of each fold k with records on both sides."""
     sides = [(rows & (fold != k), rows & (fold == k)) for k in (0, 1)]
     return [_Split(phi, train, test) for train, test in sides if train.any() and test.any()]
@@ -389,9 +424,8 @@ def _logistic_newton(x: np.ndarray, y: np.ndarray, tol: float = 1e-10, max_steps
 
 
 def _logistic(x: np.ndarray, y: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
-    if y.min() == y.max():  # one class in the fold: its (smoothed) rate
-        rate = (y.sum() + 0.5) / (len(y) + 1.0)
-        return lambda z: np.full(len(z), rate)
+    """The fitted probability of ``y`` = 1 given the features; ``y`` of two classes (a fold of one
+    needs no model: ``_termination``)."""
     if x.shape[1] <= NEWTON_FEATURES:
         try:
             w, b = _logistic_newton(x, y)
@@ -400,6 +434,20 @@ def _logistic(x: np.ndarray, y: np.ndarray) -> Callable[[np.ndarray], np.ndarray
             pass
     model = LogisticRegression(C=1.0, max_iter=500).fit(x, y)
     return lambda z: model.predict_proba(z)[:, 1]
+
+
+def _termination(splits: list[_Split], terminated: np.ndarray) -> np.ndarray:
+    """The cross-fitted probability of each record's terminated flag (NaN outside the splits' rows):
+    ``_logistic`` on phi, or where the train rows hold one class, their smoothed rate (y.sum() + 1/2)
+    / (n + 1), for which phi is not built."""
+    p = np.full(len(terminated), np.nan)
+    for split in splits:
+        y = terminated[split.train]
+        if y.min() == y.max():
+            p[split.test] = (y.sum() + 0.5) / (len(y) + 1.0)
+        else:
+            p[split.test] = _logistic(split.x_train, y)(split.x_test)
+    return p
 
 
 def model_checks(buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.ndarray]:
@@ -412,7 +460,7 @@ def model_checks(buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.n
     done = buffer.flatten(buffer.dones).numpy()
     has_next = (step < n_steps - 1) & ~done
     nxt = np.roll(obs, -1, axis=0)  # flat order is env-major: i + 1 is the same env's next step
-    phi = _features(obs, actions, n_actions)
+    phi = _Phi(obs, actions, n_actions)
     fold = _folds(buffer)
 
     delta = nxt - obs
@@ -451,14 +499,14 @@ def model_checks(buffer: RolloutBuffer, n_actions: int | None) -> dict[str, np.n
     reward_model = np.zeros(n)
     if reward_spread > 0:
         y = (rewards - rewards.mean()) / reward_spread
-        if n_actions is not None and phi.shape[1] > MOMENT_RIDGE_FEATURES:  # the taken action's of every action's
+        if phi.blockwise:  # the taken action's of every action's
             fitted = _ridge_every_action(obs, actions, splits, y[:, None], n_actions)[np.arange(n), actions.astype(np.int64), 0]
         else:
             (fitted,) = _cross_fit(_ridge, splits, y, [None])
         reward_model = np.where(np.isnan(fitted), np.nan, (fitted - y) ** 2)
 
     terminated = buffer.flat("terminated").numpy().astype(np.float64)
-    (p,) = _cross_fit(_logistic, splits, terminated, [None])
+    p = _termination(splits, terminated)
     return {"dynamics": dynamics, "action-fit": action_fit, "lag-fit": lag_fit, "reward-model": reward_model,
             "termination": terminated - p}
 
