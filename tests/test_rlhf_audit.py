@@ -54,8 +54,8 @@ def config_of(tmp_path, **overrides) -> RLHFConfig:
 
 
 def test_audit_writes_a_harm_table_per_round_and_the_recheck_finds_only_the_broken_worker(tmp_path):
-    trainer = RLHFTrainer(config_of(tmp_path, broken_reward_workers=(2,)), reward_fn=length_reward,
-                          train_prompts=PROMPTS, test_prompts=PROMPTS[3:])
+    trainer = RLHFTrainer(config_of(tmp_path, broken_reward_workers=(2,), audit_gradient_families=True),
+                          reward_fn=length_reward, train_prompts=PROMPTS, test_prompts=PROMPTS[3:])
     trainer.learn()
     folder = trainer.run.path / AUDIT_SCORES
     tables = [pd.read_parquet(folder / f"round_{k:06d}.parquet") for k in range(2)]
@@ -73,6 +73,13 @@ def test_audit_writes_a_harm_table_per_round_and_the_recheck_finds_only_the_brok
     assert all(r["train_seconds"] > 0 for r in rows)
     sources, found, _ = audit_run(trainer.run.path)
     assert sources["source"].tolist() == [0, 1, 2] and not found.empty  # 2 rounds, 3 workers: no flag reachable
+    assert "p_influence" not in sources and "p_influence" in audit_run(trainer.run.path, gradient_families=True)[0]
+    # without --audit-gradient-families the influence family is not scored (the verdict tests it only where asked)
+    plain = RLHFTrainer(config_of(tmp_path / "plain", rounds=1), reward_fn=length_reward, train_prompts=PROMPTS,
+                        test_prompts=PROMPTS[3:])
+    plain.learn()
+    table = pd.read_parquet(plain.run.path / AUDIT_SCORES / "round_000000.parquet")
+    assert set(HARM_FAMILIES) - set(table.columns) == {"influence"}
 
 
 def test_the_evaluation_scores_with_the_sound_reward(tmp_path):
@@ -97,6 +104,7 @@ def test_the_evaluation_scores_with_the_sound_reward(tmp_path):
     (dict(broken_reward_workers=(3,)), "broken reward worker 3 is not one of the 3 reward workers"),
     (dict(reward_workers=2), "--audit compares each reward worker with the others"),
     (dict(reward_workers=0), "reward_workers must be an integer >= 1"),
+    (dict(audit=False, audit_gradient_families=True), "adds a family to the harm tables of --audit"),
 ])
 def test_bad_reward_worker_settings_are_one_clear_error(tmp_path, overrides, message):
     with pytest.raises(UserError, match=message):

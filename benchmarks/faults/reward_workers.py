@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> None:
                             prompts_per_round=args.prompts, group_size=4, mini_batch_size=args.mini_batch,
                             test_prompts=4, eval_every=0, reward_workers=args.workers,
                             broken_reward_workers=(broken,) if broken is not None else (), audit=True,
+                            audit_gradient_families=True,  # influence among the families, as when the figures were made
                             clock="cpu", progress=False, tensorboard=False)
         if policy is None:
             policy = load_policy(SMOLLM2, lora_r=config.lora_r, lora_alpha=config.lora_alpha, seed=seed)

@@ -32,12 +32,13 @@ from rlinfluence.rundir import AUDIT_SCORES, atomic_write
 HARM_FAMILIES = ("reward-extremes", "negative-advantage", "abs-advantage", "influence", "reward-recheck", "random")
 
 
-def harm_table(round_index: int, rewards: torch.Tensor, advantages: torch.Tensor, influence: torch.Tensor,
+def harm_table(round_index: int, rewards: torch.Tensor, advantages: torch.Tensor, influence: torch.Tensor | None,
                rechecked: torch.Tensor, sources: np.ndarray, corrupted: np.ndarray | None = None,
                seed: int = 0) -> pd.DataFrame:
     """One row per sequence of the round (all [N]: the logged ``rewards``, the sequence
     ``advantages``, the ``influence`` scores, the ``rechecked`` rewards of the same completions,
-    the reward worker of each in ``sources``); the harm of every family in ``HARM_FAMILIES``."""
+    the reward worker of each in ``sources``); the harm of every family in ``HARM_FAMILIES``
+    (influence, a gradient family, only where its scores are given)."""
     r = rewards.detach().double().cpu().numpy()
     a = advantages.detach().double().cpu().numpy()
     n = len(r)
@@ -48,7 +49,8 @@ def harm_table(round_index: int, rewards: torch.Tensor, advantages: torch.Tensor
     table["reward-extremes"] = np.abs(r - r.mean())
     table["negative-advantage"] = -a
     table["abs-advantage"] = np.abs(a)
-    table["influence"] = -influence.detach().double().cpu().numpy()
+    if influence is not None:
+        table["influence"] = -influence.detach().double().cpu().numpy()
     table["reward-recheck"] = np.abs(r - rechecked.detach().double().cpu().numpy())
     table["random"] = np.random.default_rng([seed, round_index]).random(n)
     return table

@@ -91,6 +91,9 @@ class RLHFConfig:
     audit: bool = False
     """write each round's harm table (sources = reward workers) to audit/scores/ for `rlinfluence
     audit RUN` (rlinfluence.rlhf.audit); its seconds are logged as audit_seconds, outside train_seconds"""
+    audit_gradient_families: bool = False
+    """with --audit, also score the influence family every round (a gradient family: `rlinfluence audit
+    RUN --gradient-families` tests it; IIF's own scores are reused where the run filters with them)"""
     score_value_loss: bool = False
     """include c_vf x value loss in the training side of the scores (the authors' code did)"""
     seed: int = 1
@@ -253,6 +256,8 @@ class RLHFConfig:
         if self.audit and self.reward_workers < 3:
             raise UserError(f"--audit compares each reward worker with the others: reward_workers must be >= 3, "
                             f"got {self.reward_workers}")
+        if self.audit_gradient_families and not self.audit:
+            raise UserError("--audit-gradient-families adds a family to the harm tables of --audit: give --audit too")
         if self.audit and self.prompts_per_round < 2:
             raise UserError("--audit scores every sequence against the other half of the round's prompt groups: "
                             f"prompts_per_round must be >= 2, got {self.prompts_per_round}")

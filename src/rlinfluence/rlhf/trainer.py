@@ -377,10 +377,13 @@ class RLHFTrainer:
     def audit(self, rollout: Rollout) -> float:
         """Write the harm table of the round's collected ``rollout`` at theta(k)
         (``rlinfluence.rlhf.audit``); the seconds it took (kept out of the round's). The influence
-        family reuses IIF's scores where they are the same held-out f_seq scores of this rollout."""
+        family only with ``audit_gradient_families``, reusing IIF's scores where they are the same
+        held-out f_seq scores of this rollout."""
         cfg = self.config
         start = self.clock()
-        if cfg.filter == "iif" and cfg.uses_heldout_target and self.last_scores is not None:
+        if not cfg.audit_gradient_families:
+            influence = None
+        elif cfg.filter == "iif" and cfg.uses_heldout_target and self.last_scores is not None:
             influence = self.last_scores
         else:
             try:
