@@ -6,6 +6,7 @@ quarantine drops exactly the flagged sources; bad specs are one error line."""
 
 import itertools
 
+import gymnasium as gym
 import numpy as np
 import pandas as pd
 import pytest
@@ -812,33 +813,38 @@ def test_the_learning_benchmark_counts_what_a_filter_drops_and_the_rounds_corrup
     assert (recording.records, recording.corrupted) == ([8], [3])
 
 
+class _Recorder(gym.Wrapper):
+    """The actions the env really executes, across episodes."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.executed = []
+
+    def step(self, action):
+        self.executed.append(int(action))
+        return self.env.step(action)
+
+
+def _executed(wrapped: gym.Wrapper, action: int, steps: int = 400) -> np.ndarray:
+    """The actions a ``_Recorder`` inside ``wrapped`` saw executed over ``steps`` steps that all give ``action``."""
+    wrapped.reset(seed=0)
+    for _ in range(steps):
+        _, _, terminated, truncated, _ = wrapped.step(action)
+        if terminated or truncated:
+            wrapped.reset()
+    return np.array(wrapped.env.executed)
+
+
 def test_the_held_out_faults_do_what_their_protocol_says(benchmark_script):
     """benchmarks/faults/held_out_faults.py: each wrapper changes what its kind says and nothing else."""
-    import gymnasium as gym
-
     held_out = benchmark_script("held_out_faults")
 
-    class Recorder(gym.Wrapper):  # the actions the env really executes, across episodes
-        def __init__(self, env):
-            super().__init__(env)
-            self.executed = []
-
-        def step(self, action):
-            self.executed.append(int(action))
-            return self.env.step(action)
-
-    lagged = held_out.ActuatorLag(Recorder(gym.make("CartPole-v1")))
+    lagged = held_out.ActuatorLag(_Recorder(gym.make("CartPole-v1")))
     lagged.reset(seed=0)
     for action in (1, 0, 0, 1):
         lagged.step(action)
     assert lagged.env.executed == [1, 1, 0, 0]  # the first step its own, then the previous one
-    flaky = held_out.RandomActuator(Recorder(gym.make("CartPole-v1")), p=0.25, seed=3)
-    flaky.reset(seed=0)
-    for _ in range(400):
-        _, _, terminated, truncated, _ = flaky.step(1)
-        if terminated or truncated:
-            flaky.reset()
-    executed = np.array(flaky.env.executed)
+    executed = _executed(held_out.RandomActuator(_Recorder(gym.make("CartPole-v1")), p=0.25, seed=3), action=1)
     assert 0.08 < (executed == 0).mean() < 0.18  # a quarter drawn at random, half of those the other action
     rounded = held_out.ObservationRounding(gym.make("CartPole-v1"), 1)
     obs, _ = rounded.reset(seed=0)
@@ -863,26 +869,10 @@ def test_the_third_held_out_set_does_what_its_protocol_says(benchmark_script):
     """held_out_faults.KINDS_4: dropped commands execute action 0 about a quarter of the time, an offset
     moves every observation by the same amount, dropped rewards are 0 about a tenth of the time, and a
     teleport returns a fresh start's observation without ending the episode."""
-    import gymnasium as gym
-
     held_out = benchmark_script("held_out_faults")
 
-    class Recorder(gym.Wrapper):
-        def __init__(self, env):
-            super().__init__(env)
-            self.executed = []
-
-        def step(self, action):
-            self.executed.append(int(action))
-            return self.env.step(action)
-
-    dropped = held_out.DroppedCommands(Recorder(gym.make("CartPole-v1")), p=0.25, seed=3)
-    dropped.reset(seed=0)
-    for _ in range(400):
-        _, _, terminated, truncated, _ = dropped.step(1)
-        if terminated or truncated:
-            dropped.reset()
-    assert 0.18 < (np.array(dropped.env.executed) == 0).mean() < 0.32
+    executed = _executed(held_out.DroppedCommands(_Recorder(gym.make("CartPole-v1")), p=0.25, seed=3), action=1)
+    assert 0.18 < (executed == 0).mean() < 0.32
     plain, offset = gym.make("CartPole-v1"), held_out.KINDS_4["obs-offset"][1](gym.make("CartPole-v1"), 5)
     shift = offset.reset(seed=0)[0] - plain.reset(seed=0)[0]
     assert np.allclose(offset.step(1)[0] - plain.step(1)[0], shift, atol=1e-6) and (np.abs(shift) > 0).all()

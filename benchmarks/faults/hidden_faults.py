@@ -46,6 +46,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from filelock import FileLock  # noqa: E402
 
+from rlinfluence.analysis.harm import ATTRIBUTION_FAMILIES  # noqa: E402
 from rlinfluence.experiments.tuning import widen_past_edge  # noqa: E402
 from rlinfluence.statistics import clopper_pearson  # noqa: E402
 
@@ -61,7 +62,6 @@ FAULTS = ("action-mismatch:envs=1,mode=actuator", "action-mismatch:envs=1,mode=l
           "logp-mismatch:envs=1,temperature=2", "action-mismatch:envs=2,mode=actuator", "obs-bug:envs=2,mode=lag")
 ALPHA = 0.01
 WITHIN = 5
-GRADIENT_FAMILIES = ("influence", "influence-trusted", "influence-chunk", "tracin", "dtv")
 
 
 def _config(env: str, fault: str | None, seed: int, rounds: int, scratch: Path, **overrides):
@@ -683,8 +683,8 @@ def held_out_answer(native: pd.DataFrame, sb3: pd.DataFrame | None = None, acrob
         f"{kind} " + ", ".join(f"{env.split('-')[0]} {_count(e['verdict_round'] <= WITHIN)}" for env, e in g.groupby("env"))
         for kind, g in kinds.groupby("kind", sort=False)) + " (a kind missing on an env does not apply there).")
     families = [c[6:] for c in faulty.columns if c.startswith("round_")]
-    gradient = faulty[[f"round_{f}" for f in families if f in GRADIENT_FAMILIES]].min(axis=1)
-    other = faulty[[f"round_{f}" for f in families if f not in GRADIENT_FAMILIES]].min(axis=1)
+    gradient = faulty[[f"round_{f}" for f in families if f in ATTRIBUTION_FAMILIES]].min(axis=1)
+    other = faulty[[f"round_{f}" for f in families if f not in ATTRIBUTION_FAMILIES]].min(axis=1)
     lines.append(f"Of the {int(faulty['verdict_round'].notna().sum())} flagged runs, "
                  f"{int((gradient.notna() & other.isna()).sum())} were flagged only by the gradient families "
                  "(influence, TracIn, dtv and their variants), never by another family in the run's rounds.")
@@ -716,7 +716,8 @@ def held_out_answer(native: pd.DataFrame, sb3: pd.DataFrame | None = None, acrob
                          "with the per-run alpha" + (f", {int(_has_false_flag(c, 'looks_').sum())} with it at looks only"
                                                      if "looks_verdict_round" in rows else "") + ".")
             if "grad_verdict_round" in rows:
-                lines.append(f"{name}, {paired_line(rows)[0].lower()}{paired_line(rows)[1:]}")
+                paired = paired_line(rows)
+                lines.append(f"{name}, {paired[0].lower()}{paired[1:]}")
     return [f"- {line}" for line in lines]  # a list: each figure's sentence on its own line of the page
 
 
@@ -850,8 +851,8 @@ def summary_lines(runs: pd.DataFrame) -> list[str]:
             low, high = clopper_pearson(k, len(clean))
             lines.append(f"{name}clean/runs_with_a_false_flag: {k}/{len(clean)} [{low:.2f}, {high:.2f}]")
     if len(faulty):
-        gradient = faulty[[f"round_{f}" for f in families if f in GRADIENT_FAMILIES]].min(axis=1)
-        other = faulty[[f"round_{f}" for f in families if f not in GRADIENT_FAMILIES]].min(axis=1)
+        gradient = faulty[[f"round_{f}" for f in families if f in ATTRIBUTION_FAMILIES]].min(axis=1)
+        other = faulty[[f"round_{f}" for f in families if f not in ATTRIBUTION_FAMILIES]].min(axis=1)
         lines.append(f"all/faults/found_only_by_gradient_families: {int((gradient.notna() & other.isna()).sum())}/"
               f"{int(faulty['verdict_round'].notna().sum())}")
         lines.append(f"all/faults/gradient_families_first: {int((gradient < other).sum())}, other_families_first: "
